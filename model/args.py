@@ -1,0 +1,166 @@
+"""Model hyper-parameters, and their translation to and from a Hugging Face config.json.
+
+One `ModelArgs` describes every supported family. The families differ only in a few switches:
+
+| family   | HF architecture      | q/k/v bias | q/k RMSNorm | usual rope            |
+|----------|----------------------|------------|-------------|-----------------------|
+| llama    | LlamaForCausalLM     | optional   | no          | default or "llama3"   |
+| mistral  | MistralForCausalLM   | no         | no          | default (+ sliding)   |
+| qwen2    | Qwen2ForCausalLM     | yes        | no          | default               |
+| qwen3    | Qwen3ForCausalLM     | optional   | yes         | default               |
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF architecture name -> (model_type, family defaults that config.json may omit)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "LlamaForCausalLM": ("llama", {}),
+    "MistralForCausalLM": ("mistral", {}),
+    "Qwen2ForCausalLM": ("qwen2", {"attention_bias": True}),
+    "Qwen3ForCausalLM": ("qwen3", {"qk_norm": True}),
+}
+_ARCH_BY_TYPE = {mt: arch for arch, (mt, _) in SUPPORTED_ARCHITECTURES.items()}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass
+class ModelArgs:
+    """Shapes and switches of one decoder-only transformer."""
+
+    arch: str = "LlamaForCausalLM"  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0 -> hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope parameters beyond theta, e.g. {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                                 f"num_heads={self.num_heads}; set head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def model_type(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.arch][0]
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """All end-of-sequence ids (config.json allows an int or a list)."""
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    def num_params(self) -> int:
+        """Parameter count, from the shapes alone (used by planners and benchmarks)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        attn += 2 * d if self.qk_norm else 0
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h
+        return self.num_layers * layer + h + emb * (1 if self.tie_word_embeddings else 2)
+
+    # ----- Hugging Face config.json ---------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelArgs":
+        """Build from a parsed config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+        arch = _architecture_of(cfg, source)
+        defaults = SUPPORTED_ARCHITECTURES[arch][1]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        sliding = cfg.get("sliding_window")
+        if cfg.get("use_sliding_window") is False:
+            sliding = None
+        known = {f.name for f in dataclasses.fields(cls)} | {
+            "architectures", "model_type", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "rope_parameters", "use_sliding_window", "dtype"}
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", defaults.get("attention_bias", False))),
+            qk_norm=defaults.get("qk_norm", False),
+            sliding_window=sliding,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+            extra={k: v for k, v in cfg.items() if k not in known},
+        )
+
+    def to_hf_config(self) -> dict:
+        """A config.json dict that transformers 4.x and 5.x both read."""
+        rope_params = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
+        cfg = dict(self.extra)
+        cfg.update(
+            architectures=[self.arch], model_type=self.model_type, vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, rope_parameters=rope_params,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+            hidden_act="silu", torch_dtype=self.torch_dtype, dtype=self.torch_dtype,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        if self.model_type in ("mistral", "qwen2", "qwen3"):
+            cfg["sliding_window"] = self.sliding_window
+            if self.model_type != "mistral":
+                cfg["use_sliding_window"] = self.sliding_window is not None
+        return cfg
+
+
+def _architecture_of(cfg: dict, source: str) -> str:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not archs and cfg.get("model_type") in _ARCH_BY_TYPE:
+        return _ARCH_BY_TYPE[cfg["model_type"]]
+    found = archs or cfg.get("model_type")
+    raise ValueError(f"{source}: unsupported architecture {found!r}; "
+                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")

@@ -1,0 +1,194 @@
+"""Hugging Face checkpoint I/O: config.json + safetensors (single file or sharded with an index).
+
+Nothing here unpickles: weights are read with safetensors only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.args import ModelArgs
+from model.transformer import Transformer
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch.dtype:
+    """'bfloat16' / torch.bfloat16 / None (-> default) to a torch dtype, with a clear error."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = (dtype or default).replace("torch.", "")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model_args(path: str | os.PathLike) -> ModelArgs:
+    """Parse `<path>/config.json`; errors name the folder and what is missing."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"model folder {str(folder)!r} does not exist; pass a Hugging Face model "
+                         f"folder containing config.json and *.safetensors")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{cfg_file} is missing: {str(folder)!r} is not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    return ModelArgs.from_hf_config(cfg, source=str(cfg_file))
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a model folder, by name, whole or by slice.
+
+    Sharded loading (parallel/) reads only the slice a rank owns via `get_slice`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.folder = Path(path)
+        self.file_of = _tensor_files(self.folder)  # tensor name -> file name
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def _handle(self, name: str):
+        fname = self.file_of[name]
+        if fname not in self._handles:
+            self._handles[fname] = _open(self.folder / fname)
+        return self._handles[fname]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, offsets, sizes) -> torch.Tensor:
+        """The sub-tensor [offsets, offsets + sizes) without reading the rest of the tensor."""
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+        return self._handle(name).get_slice(name)[index]
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own error type for truncated headers/data
+        raise ValueError(f"{file}: cannot read safetensors file ({e}); the file is truncated or "
+                         f"corrupt, re-save or re-download it") from None
+
+
+def _tensor_files(folder: Path) -> dict[str, str]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise ValueError(f"{index} lists shard files that are missing: {missing}")
+        return dict(weight_map)
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise ValueError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}; tandem reads "
+                         f"safetensors only (convert .bin checkpoints first)")
+    with _open(single) as f:
+        return {name: SINGLE_FILE for name in f.keys()}
+
+
+def expected_tensors(model: Transformer) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and full shapes of a model (tied heads are not stored)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    if model.args.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise one ValueError listing every missing, unexpected or mis-shaped tensor."""
+    have = set(reader.names())
+    if "lm_head.weight" not in expected:  # tied head: some exporters store a copy anyway
+        have.discard("lm_head.weight")
+    missing, unexpected = sorted(set(expected) - have), sorted(have - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    for name in sorted(set(expected) & have):
+        if reader.shape(name) != expected[name]:
+            problems.append(f"tensor {name}: checkpoint shape {list(reader.shape(name))} "
+                            f"!= model shape {list(expected[name])}")
+    if problems:
+        raise ValueError(f"{reader.folder}: checkpoint does not match the model config: "
+                         + "; ".join(problems))
+
+
+def load_pretrained(path, device: str | torch.device = "cpu", dtype=None) -> Transformer:
+    """Load a HF model folder. Built on the meta device, materialised once, filled tensor by tensor."""
+    args = load_model_args(path)
+    dt = to_dtype(dtype, default=args.torch_dtype)
+    reader = CheckpointReader(path)
+    with torch.device("meta"):
+        model = Transformer(args).to(dt)
+    check_tensors(reader, expected_tensors(model))
+    model.to_empty(device=device)
+    model.tie_weights()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in expected_tensors(model):
+            params[name].copy_(reader.get(name))
+    return model
+
+
+def save_pretrained(model: Transformer, path, dtype=None, max_shard_bytes: int = 5 * 2**30,
+                    tokenizer=None) -> None:
+    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    dt = to_dtype(dtype, default=model.args.torch_dtype) if dtype else None
+    state = model.state_dict()
+    tensors = {n: (state[n].to(dt) if dt else state[n]).detach().contiguous().cpu()
+               for n in expected_tensors(model)}
+    args_cfg = model.args.to_hf_config()
+    if dt is not None:
+        args_cfg["torch_dtype"] = args_cfg["dtype"] = str(dt).replace("torch.", "")
+    shards = _split_shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        (folder / INDEX_FILE).unlink(missing_ok=True)
+    else:
+        _save_sharded(folder, shards)
+    (folder / "config.json").write_text(json.dumps(args_cfg, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(folder)
+
+
+def _split_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict]:
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = t, size + nbytes
+    return shards + [current] if current else shards
+
+
+def _save_sharded(folder: Path, shards: list[dict]) -> None:
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (folder / SINGLE_FILE).unlink(missing_ok=True)

@@ -1,0 +1,58 @@
+"""A static, preallocated KV cache written by position (gpt-fast style).
+
+Shapes never change, so a decode step can be captured by CUDA graphs. Every slot is one sequence;
+position p of a slot holds the key/value of that sequence's token at position p. Because keys sit at
+their own position, the attention mask for a query at position p is simply "key index <= p", and
+stale entries beyond a row's length are never read before they are overwritten.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KVCache:
+    """k, v: [layers, slots, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, num_slots: int, max_len: int,
+                  dtype: torch.dtype | None = None, device=None) -> "KVCache":
+        """Sized from the model's *local* k_proj, so a tensor-parallel shard gets its own heads."""
+        args = model.args
+        k_proj = model.model.layers[0].self_attn.k_proj.weight
+        local = k_proj.to_local() if hasattr(k_proj, "to_local") else k_proj
+        kv_heads = local.shape[0] // args.head_dim
+        return cls(args.num_layers, num_slots, max_len, kv_heads, args.head_dim,
+                   dtype or local.dtype, device or local.device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, slots_B, pos_BT, k_BTHD, v_BTHD) -> None:
+        """Scatter new keys/values of rows `slots_B` at positions `pos_BT`."""
+        heads = torch.arange(self.k.shape[2], device=self.k.device)
+        idx = (slots_B[:, None, None], heads[None, :, None], pos_BT[:, None, :])  # -> [B, H, T]
+        self.k[layer].index_put_(idx, k_BTHD.transpose(1, 2).to(self.k.dtype))
+        self.v[layer].index_put_(idx, v_BTHD.transpose(1, 2).to(self.v.dtype))
+
+    def read(self, layer: int, slots_B=None):
+        """Keys/values [B, max_len, H, D] (a view when all slots are read, as in decode)."""
+        k, v = self.k[layer], self.v[layer]
+        if slots_B is not None:
+            k, v = k[slots_B], v[slots_B]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def reset(self) -> None:
+        self.k.zero_()
+        self.v.zero_()

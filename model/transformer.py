@@ -1,0 +1,216 @@
+"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2/2.5 and Qwen3.
+
+Module names mirror Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`, ...), so a
+state dict maps 1:1 onto safetensors keys and tensor-parallel plans can be keyed by the same names.
+
+Three forward modes share every weight and every line of layer code; only the attention context
+(`_Context`) differs:
+  (a) plain causal:  model(input_ids[B, T]) -> logits[B, T, V]
+  (b) packed varlen: model(input_ids[N], seq_lens=[S]) -> logits[N, V]; sequences are concatenated
+      without padding and attend only within themselves (padding-free training)
+  (c) static KV cache: model(input_ids[B, T], positions=[B, T], kv_cache=cache, slots=[B]) writes
+      the new keys/values of row b into cache slot slots[b] at positions[b] and attends to every
+      cached key at a position <= the query's (generation; rows may be at different lengths)
+Tensor parallelism is applied from outside (parallel/): heads are inferred from the local weight
+sizes with `view(b, t, -1, head_dim)`, so a sharded q_proj simply yields fewer local heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import attention as attn
+from model.args import ModelArgs
+from model.kv_cache import KVCache
+from model.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, cast back before the weight, exactly as the HF reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass
+class _Context:
+    """Everything attention needs besides q/k/v, computed once per forward."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None = None  # keep-mask [B, T, S] or None for plain causal
+    kv_cache: KVCache | None = None
+    slots: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None  # set only for the flash-attn varlen path
+    max_len: int = 0
+    window: int | None = None
+    backend: str = "auto"
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        if self.kv_cache is not None:
+            self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
+            k, v = self.kv_cache.read(layer, self.slots)
+        elif self.cu_seqlens is not None:
+            out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window)
+            return out[None]
+        return attn.sdpa(q, k, v, self.mask, causal=True)
+
+    def _slots(self, q):
+        if self.slots is not None:
+            return self.slots
+        return torch.arange(q.shape[0], device=q.device)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        h, d, b = args.hidden_size, args.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=b)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=b)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=b)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        if args.qk_norm:  # Qwen3: RMSNorm over head_dim, before rope
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.head_dim, self.layer, self.qk_norm = d, layer, args.qk_norm
+
+    def forward(self, x_BTC: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        B, T, _ = x_BTC.shape
+        # -1: the number of *local* heads, so a TP-sharded projection just works.
+        q = self.q_proj(x_BTC).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x_BTC).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x_BTC).view(B, T, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        out = ctx.attend(self.layer, q, k, v)  # [B, T, H_local, D]
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` inside `Transformer`, as in HF checkpoints."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.attn_backend = "auto"
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (also needed again after `to_empty`)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Random init after meta-device construction + `to_empty` (normal weights, unit norms)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.model.embed_tokens.weight.device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=gen)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                seq_lens: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for every input token; see the module docstring for the three modes."""
+        return self.lm_head(self.hidden_states(
+            input_ids, positions=positions, seq_lens=seq_lens, kv_cache=kv_cache, slots=slots))
+
+    def hidden_states(self, input_ids, *, positions=None, seq_lens=None, kv_cache=None,
+                      slots=None) -> torch.Tensor:
+        """Final-norm hidden states, same shape convention as `forward` without the vocab dim."""
+        packed = seq_lens is not None
+        ids_BT = input_ids.reshape(1, -1) if packed else input_ids
+        x = self.model.embed_tokens(ids_BT)
+        ctx = self._context(ids_BT, x, positions, seq_lens, kv_cache, slots)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        x = self.model.norm(x)
+        return x.reshape(*input_ids.shape, -1) if packed else x
+
+    def _context(self, ids_BT, x, positions, seq_lens, kv_cache, slots) -> _Context:
+        B, T = ids_BT.shape
+        dev, window = ids_BT.device, self.args.sliding_window
+        seq_ids, default_positions = None, positions is None
+        if seq_lens is not None:
+            seq_ids, positions = _packed_positions(seq_lens.to(dev), T)
+        elif positions is None:
+            if kv_cache is not None:
+                raise ValueError("a KV-cache forward needs explicit `positions` [B, T]")
+            positions = torch.arange(T, device=dev).expand(B, T)
+        cos, sin = rope_cos_sin(positions, inv_frequencies(self.args, dev), x.dtype)
+        ctx = _Context(cos, sin, window=window, backend=self.attn_backend)
+        if kv_cache is not None:
+            ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions
+            keys = torch.arange(kv_cache.max_len, device=dev).expand(B, -1)
+            ctx.mask = attn.causal_mask(positions, keys, window)
+        elif seq_ids is not None and attn.use_flash(x, self.attn_backend):
+            ctx.cu_seqlens = F.pad(seq_lens.to(dev).cumsum(0), (1, 0)).to(torch.int32)
+            ctx.max_len = int(seq_lens.max())
+        elif seq_ids is not None:
+            ctx.mask = attn.causal_mask(positions, positions, window, seq_ids[None], seq_ids[None])
+        elif not default_positions or (window is not None and T > window):
+            ctx.mask = attn.causal_mask(positions, positions, window)
+        return ctx
+
+
+def _packed_positions(seq_lens_S: torch.Tensor, total: int):
+    """Sequence id and position-within-sequence of every packed token, both [1, N]."""
+    if int(seq_lens_S.sum()) != total:
+        raise ValueError(f"seq_lens sum to {int(seq_lens_S.sum())} but {total} tokens were given")
+    seq_N = torch.repeat_interleave(torch.arange(len(seq_lens_S), device=seq_lens_S.device), seq_lens_S)
+    starts_S = seq_lens_S.cumsum(0) - seq_lens_S
+    pos_N = torch.arange(total, device=seq_lens_S.device) - starts_S[seq_N]
+    return seq_N, pos_N[None]
+
