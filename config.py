@@ -1,0 +1,449 @@
+"""tandem's configuration: one tree of dataclasses, TOML presets, `--section.key=value` overrides.
+
+    cfg = load_config("configs/tiny_cpu.toml", ["--trainer.lr=1e-5"])   # parse + validate
+    cfg = cfg.resolve(world_size)   # derived values (layout, buffer size, run dir), in ONE place
+    cfg.save(f"{cfg.run.dir}/config.toml")
+
+Every field is declared with `_f(default, help, **bounds)`: the help text lives in the field's
+metadata (`dataclasses.fields(Section)[i].metadata["help"]`, also `field_docs()`), and the bounds
+(`gt`, `ge`, `lt`, `le`) are checked by `Config.validate()`. A 0 or "" default documented as
+"derived" is filled in by `Config.resolve()`.
+
+TOML has no null. The writer writes None as `key = ""`, and the reader turns "" back into None for
+Optional fields (so for an Optional[str] field "" and None are the same thing). On the command
+line "none", "null" and "" all mean None for Optional fields.
+"""
+import copy
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Literal, Union
+
+
+class ConfigError(ValueError):
+    """A user error in a config file, an override or a value. The message names the fix."""
+
+
+def _f(default, help: str, **bounds):
+    """A field with its help text and optional numeric bounds (gt/ge/lt/le) in its metadata."""
+    assert set(bounds) <= {"gt", "ge", "lt", "le"}, bounds
+    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    return field(metadata={"help": help, **bounds}, **kw)
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to load and how to run them."""
+    path: str = _f("", "Hugging Face model folder (config.json + safetensors); '' = none.")
+    dtype: Dtype = _f("float32", "Dtype of the trainer's parameters (the master copy).")
+    gen_dtype: Dtype = _f("float32", "Dtype of the generator's weights copy, e.g. 'bfloat16'.")
+    attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "'auto' = flash-attn if importable, else SDPA.")
+    ref_path: str = _f("", "Reference model folder for the KL penalty; '' = no reference model.")
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split into the generator mesh and the trainer mesh."""
+    mode: Literal["split", "colocated"] = _f("split", "'split': disjoint generator/trainer ranks; 'colocated': every rank does both.")
+    generator_ranks: int = _f(1, "Ranks in the generator mesh (split mode). Colocated: resolve() sets it to the world size.", ge=0)
+    gen_tp: int = _f(1, "Tensor-parallel degree of each generator replica.", ge=1)
+    trainer_tp: int = _f(1, "Tensor-parallel degree of the trainer.", ge=1)
+    trainer_fsdp: int = _f(0, "FSDP degree of the trainer; 0 = derived: trainer ranks / trainer_tp.", ge=0)
+    gen_dp: int = _f(0, "Generator replicas; 0 = derived: generator ranks / gen_tp.", ge=0)
+    activation_checkpointing: bool = _f(False, "Recompute trainer activations in the backward pass to save memory.")
+    compile: bool = _f(False, "torch.compile the trainer model and the generator decode step.")
+    backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
+    timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds.", gt=0)
+    warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile), in seconds.", gt=0)
+
+
+@dataclass
+class GeneratorConfig:
+    """Rollout engine and sampling."""
+    num_slots: int = _f(16, "Concurrent sequences per generator replica (KV-cache slots).", ge=1)
+    max_new_tokens: int = _f(32, "Maximum tokens generated per completion.", ge=1)
+    temperature: float = _f(1.0, "Sampling temperature (ignored when greedy).", ge=0)
+    top_p: float = _f(1.0, "Nucleus sampling mass, in (0, 1]; 1 = off.", gt=0, le=1)
+    top_k: int = _f(0, "Sample from the k most likely tokens; 0 = off.", ge=0)
+    greedy: bool = _f(False, "Argmax decoding (evaluation / debugging; no exploration).")
+    n_samples: int = _f(4, "Completions per prompt: the GRPO group size.", ge=1)
+    stop_token_ids: list[int] = _f([], "Token ids that end a completion, in addition to the tokenizer's EOS.")
+    seed: int = _f(0, "Sampling seed (offset by generator replica).")
+    kv_policy: Literal["recompute", "keep"] = _f("keep", "On a weights update: 'keep' in-flight KV caches, or 'recompute' them with the new weights.")
+
+
+@dataclass
+class TrainerConfig:
+    """Optimizer and step structure."""
+    max_steps: int = _f(20, "Optimizer steps to run (= policy versions produced).", ge=0)
+    prompts_per_step: int = _f(8, "Prompt groups per optimizer step (each has n_samples completions).", ge=1)
+    micro_batch_tokens: int = _f(4096, "Packed tokens per micro-batch per trainer rank (gradient accumulation unit).", ge=1)
+    lr: float = _f(1e-5, "Peak AdamW learning rate.", gt=0)
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", ge=0)
+    beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = _f(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = _f(1e-8, "AdamW epsilon.", gt=0)
+    warmup_steps: int = _f(0, "Linear learning-rate warm-up steps.", ge=0)
+    schedule: Literal["constant", "cosine"] = _f("constant", "Learning-rate schedule after warm-up.")
+    min_lr_ratio: float = _f(0.1, "Cosine schedule floor, as a fraction of lr.", ge=0, le=1)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 = off.", ge=0)
+    seed: int = _f(0, "Seed for model init and trainer-side randomness.")
+    max_nonfinite_steps: int = _f(3, "Abort after this many consecutive steps with a non-finite loss/grad (they are skipped).", ge=0)
+
+
+@dataclass
+class AlgoConfig:
+    """RL objective, advantages and the off-policy buffer."""
+    loss: Literal["aipo", "ppo", "decoupled_ppo"] = _f("aipo", "Policy loss: AIPO truncated IS, PPO-clip, or decoupled PPO.")
+    rho: float = _f(4.0, "AIPO truncation of the IS ratio pi/mu: min(pi/mu, rho).", ge=1)
+    clip_eps: float = _f(0.2, "PPO clip range epsilon.", gt=0)
+    prox_cap: float = _f(5.0, "Decoupled PPO: cap on the behaviour-to-proximal IS weight.", ge=1)
+    advantage: Literal["group_mean", "grpo", "rloo"] = _f("group_mean", "Baseline: group mean, GRPO (mean/std), or leave-one-out.")
+    max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy.", ge=0)
+    buffer_capacity: int = _f(0, "Off-policy buffer size in samples; 0 = derived: prompts_per_step * n_samples * (max_staleness + 1).", ge=0)
+    kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference model; 0 = off.", ge=0)
+    kl_estimator: Literal["k1", "k3"] = _f("k3", "KL estimator (Schulman's k1 or k3).")
+    token_is: Literal["none", "truncate", "mask"] = _f("none", "Extra per-token IS correction for engine/trainer mismatch.")
+    token_is_cap: float = _f(5.0, "Cap of the per-token IS ratio for token_is.", gt=0)
+
+
+@dataclass
+class DataConfig:
+    """Prompt dataset."""
+    source: str = _f("synthetic:addition", "'synthetic:<task>', a .jsonl/.parquet path, or 'reasoning_gym:<task>'.")
+    prompt_field: str = _f("prompt", "Column holding the prompt text.")
+    messages_field: str = _f("messages", "Column holding chat messages (used with chat_template).")
+    answer_field: str = _f("answer", "Column holding the reference answer given to the reward.")
+    chat_template: bool = _f(False, "Render prompts with the tokenizer's chat template.")
+    max_prompt_len: int = _f(256, "Prompts longer than this many tokens are dropped.", ge=1)
+    num_prompts: int = _f(0, "Use the first N prompts; 0 = all (synthetic: its default size).", ge=0)
+    seed: int = _f(0, "Shuffle / synthetic generation seed.")
+    shuffle: bool = _f(True, "Shuffle prompts each epoch.")
+    synthetic_digits: int = _f(2, "Digits per operand of synthetic arithmetic tasks.", ge=1)
+
+
+@dataclass
+class RewardConfig:
+    """Reward function (it never crashes the run: failures score 0)."""
+    fn: str = _f("exact_match", "'exact_match', 'math', 'format', or 'package.module:function'.")
+    timeout_s: float = _f(5.0, "Per-sample reward time limit, in seconds.", gt=0)
+    format_weight: float = _f(0.0, "Weight of the format reward added to the task reward.", ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints, resume and Hugging Face export."""
+    every_steps: int = _f(0, "Checkpoint every N trainer steps; 0 = off.", ge=0)
+    keep_last: int = _f(2, "Checkpoints kept on disk.", ge=1)
+    resume: str = _f("auto", "'auto' = latest checkpoint in run.dir if any, 'never', or a checkpoint path.")
+    hf_export_every: int = _f(0, "Export a Hugging Face model folder every N steps; 0 = off.", ge=0)
+    hf_export_final: bool = _f(True, "Export a Hugging Face model folder at the end of training.")
+
+
+@dataclass
+class LoggingConfig:
+    """Console, progress and TensorBoard output (metrics.jsonl is always written)."""
+    console_every: int = _f(1, "Print a metrics line every N trainer steps.", ge=1)
+    tensorboard: bool = _f(True, "Write TensorBoard events under <run.dir>/tb/.")
+    progress: bool = _f(True, "Show a progress line.")
+    log_rank: str = _f("0", "Ranks that print: 'all' or a comma-separated list such as '0,3'.")
+
+
+@dataclass
+class RunConfig:
+    """Identity and location of the run."""
+    name: str = _f("tandem", "Run name.")
+    dir: str = _f("", "Run directory; '' = derived: runs/<name>.")
+    seed: int = _f(0, "Global seed, added to the section seeds.")
+    dry_run: bool = _f(False, "Build everything, print the plan, and exit before training.")
+
+
+@dataclass
+class Config:
+    """The whole tree. Sections are attributes: cfg.trainer.lr, cfg.run.dir."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<dict>") -> "Config":
+        """Build from {section: {key: value}} with TOML-typed values; errors name `source`."""
+        cfg = cls()
+        for section, table in d.items():
+            sec = _section(cfg, section, source)
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: [{section}] must be a table of key = value, got {table!r}")
+            for key, value in table.items():
+                tp = _key_type(sec, section, key, source)
+                try:
+                    setattr(sec, key, _coerce(value, tp, f"{section}.{key}"))
+                except ConfigError as e:
+                    raise ConfigError(f"{source}: {e}") from None
+        return cfg
+
+    def to_dict(self) -> dict:
+        """{section: {key: value}}; Config.from_dict(cfg.to_dict()) == cfg."""
+        return dataclasses.asdict(self)
+
+    def override(self, item: str) -> "Config":
+        """Apply one "--section.key=value" (or "section.key=value"; a bare bool key means true) in place."""
+        text = item[2:] if item.startswith("--") else item
+        dotted, eq, value = text.partition("=")
+        section, dot, key = dotted.strip().replace("-", "_").partition(".")
+        if not dot or not key or "." in key:
+            raise ConfigError(f"override {item!r} must look like --section.key=value, e.g. --trainer.lr=1e-5")
+        sec = _section(self, section, f"override {item!r}")
+        tp = _key_type(sec, section, key, f"override {item!r}")
+        if not eq and tp is not bool:
+            raise ConfigError(f"override {item!r} needs a value: --{section}.{key}=<{_type_name(tp)}>")
+        try:
+            setattr(sec, key, _coerce(value if eq else "true", tp, f"{section}.{key}", text=True))
+        except ConfigError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
+        return self
+
+    def validate(self) -> "Config":
+        """Check types, enum choices, bounds and cross-field rules; raise ConfigError with the fix."""
+        for section, sec, f in _walk(self):
+            key, value, meta = f"{section}.{f.name}", getattr(sec, f.name), f.metadata
+            _coerce(value, typing.get_type_hints(type(sec))[f.name], key)  # type + Literal check for hand-built configs
+            for op, bound in ((o, meta[o]) for o in ("gt", "ge", "lt", "le") if o in meta):
+                if not _OPS[op][0](value, bound):
+                    sym = _OPS[op][1]
+                    raise ConfigError(f"{key}={value!r} is invalid: it must be {sym} {bound} "
+                                      f"(set --{key}=<value {sym} {bound}>)")
+        g, a, t = self.generator, self.algo, self.trainer
+        if a.advantage == "rloo" and g.n_samples < 2:
+            raise ConfigError(f"algo.advantage='rloo' needs generator.n_samples >= 2, got {g.n_samples} "
+                              "(set --generator.n_samples=4 or --algo.advantage=group_mean)")
+        if a.kl_coef > 0 and not self.model.ref_path:
+            raise ConfigError(f"algo.kl_coef={a.kl_coef} needs a reference model but model.ref_path is '' "
+                              "(set --model.ref_path=<model folder> or --algo.kl_coef=0)")
+        step = t.prompts_per_step * g.n_samples
+        if 0 < a.buffer_capacity < step:
+            raise ConfigError(f"algo.buffer_capacity={a.buffer_capacity} cannot hold one step of "
+                              f"prompts_per_step*n_samples = {t.prompts_per_step}*{g.n_samples} = {step} samples "
+                              f"(set --algo.buffer_capacity to >= {step}, or 0 to derive it)")
+        ranks = self.logging.log_rank.replace(" ", "")
+        if ranks != "all" and not all(r.isdigit() for r in ranks.split(",")):
+            raise ConfigError(f"logging.log_rank={self.logging.log_rank!r} is invalid: use 'all' or "
+                              "comma-separated rank numbers (e.g. --logging.log_rank=0,4)")
+        return self
+
+    def resolve(self, world_size: int) -> "Config":
+        """Return a copy with every derived value filled in and the layout checked. Idempotent."""
+        cfg = copy.deepcopy(self).validate()
+        _resolve_layout(cfg.parallel, world_size)
+        a, g, t = cfg.algo, cfg.generator, cfg.trainer
+        if a.buffer_capacity == 0:
+            a.buffer_capacity = t.prompts_per_step * g.n_samples * (a.max_staleness + 1)
+        if not cfg.run.dir:
+            cfg.run.dir = os.path.join("runs", cfg.run.name)
+        return cfg
+
+    def to_toml(self) -> str:
+        """The config as TOML, each key preceded by its help text. None is written as ""."""
+        lines = ["# tandem config, written by config.py (None is written as \"\")."]
+        for section, sec in ((f.name, getattr(self, f.name)) for f in fields(self)):
+            lines += ["", f"[{section}]"]
+            for f in fields(sec):
+                lines += [f"# {f.metadata['help']}", f"{f.name} = {_toml_value(getattr(sec, f.name))}"]
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str) -> None:
+        """Write to_toml() to `path` atomically (creating parent folders)."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(self.to_toml())
+        os.replace(tmp, path)
+
+
+def load_config(toml_path: str | None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Defaults <- TOML file (if any) <- overrides, then validate(). Call resolve() once the world size is known."""
+    d, source = {}, "<defaults>"
+    if toml_path:
+        source = str(toml_path)
+        try:
+            with open(toml_path, "rb") as fh:
+                d = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {toml_path} (cwd: {os.getcwd()})") from None
+        except tomllib.TOMLDecodeError as e:  # message ends "(at line L, column C)"
+            line = getattr(e, "lineno", None) or str(e).rpartition("line ")[2].split(",")[0]
+            raise ConfigError(f"{toml_path}:{line}: invalid TOML: {e}") from None
+    cfg = Config.from_dict(d, source)
+    for item in [overrides] if isinstance(overrides, str) else overrides:
+        cfg.override(item)
+    return cfg.validate()
+
+
+def parse_cli(argv: list[str]) -> tuple[str | None, list[str], dict]:
+    """Split argv (without the program name) into (config path, overrides, plain flags).
+
+    "--config F" / "--config=F" -> path; "--a.b=v" / "--a.b v" / "--a.b" -> override "a.b=v" / "a.b";
+    "--dry-run" -> flags["dry_run"] = True; "--name=v" -> flags["name"] = "v".
+    """
+    path, overrides, flags, i = None, [], {}, 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith("-"):
+            raise ConfigError(f"unexpected argument {arg!r}; expected --config FILE, --section.key=value or --flag")
+        name, eq, value = arg.lstrip("-").partition("=")
+        if not eq and (name == "config" or "." in name) and i < len(argv) and not argv[i].startswith("--"):
+            eq, value, i = "=", argv[i], i + 1
+        if name == "config":
+            if not eq or not value:
+                raise ConfigError("--config needs a file: --config configs/tiny_cpu.toml")
+            path = value
+        elif "." in name:
+            overrides.append(f"{name}={value}" if eq else name)
+        else:
+            flags[name.replace("-", "_")] = value if eq else True
+    return path, overrides, flags
+
+
+def field_docs() -> dict[str, str]:
+    """{"section.key": help text} for every field, in declaration order."""
+    return {f"{s}.{f.name}": f.metadata["help"] for s, _, f in _walk(Config())}
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+_OPS = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="),
+        "lt": (lambda v, b: v < b, "<"), "le": (lambda v, b: v <= b, "<=")}
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _walk(cfg: Config):
+    for s in fields(cfg):
+        sec = getattr(cfg, s.name)
+        for f in fields(sec):
+            yield s.name, sec, f
+
+
+def _section(cfg: Config, section: str, source: str):
+    names = [f.name for f in fields(cfg)]
+    if section not in names:
+        raise ConfigError(f"{source}: unknown section [{section}]{_did_you_mean(section, names)}; "
+                          f"valid sections: {', '.join(names)}")
+    return getattr(cfg, section)
+
+
+def _key_type(sec, section: str, key: str, source: str):
+    hints = typing.get_type_hints(type(sec))
+    if key not in hints:
+        raise ConfigError(f"{source}: unknown key '{section}.{key}'{_did_you_mean(key, list(hints))}; "
+                          f"valid keys of [{section}]: {', '.join(hints)}")
+    return hints[key]
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"{tp} (comma separated)"
+    return getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _coerce(raw, tp, key: str, text: bool = False):
+    """`raw` as a value of type `tp`. text=True parses command-line strings; else types must match (int -> float ok)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):  # Optional[X]
+        inner = next(a for a in args if a is not type(None))
+        nones = ("", "none", "null") if text else ("",)
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in nones):
+            return None
+        return _coerce(raw, inner, key, text)
+    if origin is Literal:
+        if raw not in args:
+            raise ConfigError(f"{key}={raw!r} is not a valid choice; choose one of "
+                              f"{', '.join(repr(c) for c in args)} (e.g. --{key}={args[0]})")
+        return raw
+    if origin is list:
+        if text and isinstance(raw, str):
+            raw = [p.strip().strip("'\"") for p in raw.strip().strip("[]").split(",") if p.strip()]
+        if isinstance(raw, list):
+            return [_coerce(x, args[0], key, text) for x in raw]
+    elif isinstance(raw, str) and text and tp is not str:
+        s = raw.strip().lower()
+        try:
+            return _BOOLS[s] if tp is bool else tp(s)
+        except (KeyError, ValueError):
+            pass
+    elif tp is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    elif isinstance(raw, tp) and not (tp is int and isinstance(raw, bool)):
+        return raw
+    hint = " (true/false/1/0/yes/no)" if tp is bool else ""
+    raise ConfigError(f"{key}={raw!r} has the wrong type: expected {_type_name(tp)}{hint}")
+
+
+def _toml_value(v) -> str:
+    if v is None:
+        return '""'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)  # repr round-trips floats; TOML accepts 1e-05, inf and nan as written
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    assert isinstance(v, str), f"cannot write {v!r} to TOML"
+    esc = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return '"' + "".join(esc.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                         for c in v) + '"'
+
+
+def _resolve_layout(p: ParallelConfig, world: int) -> None:
+    """Fill gen_dp / trainer_fsdp (and colocated generator_ranks) and check the mesh arithmetic."""
+    def fail(problem: str, fix: str):
+        factors = ", ".join(f"{k}={getattr(p, k)}" for k in
+                            ("generator_ranks", "gen_tp", "gen_dp", "trainer_tp", "trainer_fsdp"))
+        raise ConfigError(f"invalid parallel layout for world_size={world} (mode={p.mode!r}; {factors}): "
+                          f"{problem}. Fix: {fix}")
+
+    if world < 1:
+        fail("world_size must be >= 1", "launch at least one rank")
+    if p.mode == "colocated":
+        p.generator_ranks = world
+        gen_ranks = trainer_ranks = world
+    else:
+        if not 1 <= p.generator_ranks < world:
+            fix = (f"set --parallel.generator_ranks to a value in 1..{world - 1}" if world > 1 else
+                   "launch at least 2 ranks")
+            fail("split mode needs 1 <= generator_ranks < world_size", fix + ", or --parallel.mode=colocated")
+        gen_ranks, trainer_ranks = p.generator_ranks, world - p.generator_ranks
+    good = [g for g in range(1, world) if g % p.gen_tp == 0 and (world - g) % p.trainer_tp == 0 and g != gen_ranks]
+    move = (f" or set --parallel.generator_ranks={min(good, key=lambda g: abs(g - gen_ranks))}"
+            if good and p.mode == "split" else "")
+    for mesh, ranks, tp_key, dp_key in (("generator", gen_ranks, "gen_tp", "gen_dp"),
+                                        ("trainer", trainer_ranks, "trainer_tp", "trainer_fsdp")):
+        tp = getattr(p, tp_key)
+        if ranks % tp:
+            divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+            fail(f"{tp_key}={tp} does not divide the {ranks} {mesh} ranks",
+                 f"set --parallel.{tp_key} to one of {divisors}{move}")
+        if getattr(p, dp_key) == 0:
+            setattr(p, dp_key, ranks // tp)
+        if tp * getattr(p, dp_key) != ranks:
+            fail(f"{tp_key}*{dp_key} = {tp}*{getattr(p, dp_key)} != {ranks} {mesh} ranks",
+                 f"set --parallel.{dp_key}={ranks // tp} (or 0 to derive it){move}")

@@ -1,0 +1,323 @@
+"""Tests for config.py: defaults, help text, presets, overrides, errors, TOML round trip, resolve()."""
+import dataclasses
+import os
+import re
+import tomllib
+from typing import Literal, Optional
+
+import pytest
+
+import config as C
+from config import Config, ConfigError, load_config, parse_cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny_cpu.toml")
+MULTINODE = os.path.join(REPO, "configs", "example_multinode.toml")
+
+
+def _write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# ---- defaults, help text, presets ------------------------------------------------------------------
+
+def test_defaults_load_and_validate():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.trainer.lr == 1e-5 and cfg.algo.loss == "aipo" and cfg.generator.stop_token_ids == []
+    assert cfg.parallel.mode == "split" and cfg.parallel.trainer_fsdp == 0 and cfg.run.dir == ""
+
+
+def test_every_section_and_field_has_help():
+    sections = dataclasses.fields(Config)
+    assert [s.name for s in sections] == ["model", "parallel", "generator", "trainer", "algo", "data",
+                                          "reward", "checkpoint", "logging", "run"]
+    n = 0
+    for s in sections:
+        cls = s.default_factory
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{cls.__name__} has no docstring"
+        for f in dataclasses.fields(cls):
+            help_text = f.metadata.get("help", "")
+            assert len(help_text) > 5, f"{s.name}.{f.name} has no help text"
+            n += 1
+    docs = C.field_docs()
+    assert len(docs) == n > 70
+    assert "learning rate" in docs["trainer.lr"]
+
+
+def test_default_lists_are_not_shared():
+    a, b = Config(), Config()
+    a.generator.stop_token_ids.append(7)
+    assert b.generator.stop_token_ids == []
+
+
+def test_tiny_cpu_preset_loads_and_resolves_on_3_ranks():
+    cfg = load_config(TINY)
+    assert cfg.model.path == "runs/_models/tiny_addition"
+    assert (cfg.data.source, cfg.reward.fn, cfg.algo.loss) == ("synthetic:addition", "exact_match", "aipo")
+    assert (cfg.generator.n_samples, cfg.trainer.prompts_per_step, cfg.generator.max_new_tokens) == (8, 8, 8)
+    assert cfg.trainer.lr == 2e-4 and cfg.algo.max_staleness == 1 and cfg.trainer.max_steps == 30
+    r = cfg.resolve(3)
+    assert (r.parallel.generator_ranks, r.parallel.gen_dp, r.parallel.trainer_fsdp) == (1, 1, 2)
+    assert r.algo.buffer_capacity == 8 * 8 * 2
+    assert r.run.dir == os.path.join("runs", "tiny_cpu")
+
+
+def test_multinode_preset_loads_and_resolves_on_64_ranks():
+    r = load_config(MULTINODE).resolve(64)
+    p = r.parallel
+    assert (p.generator_ranks, p.gen_tp, p.gen_dp, p.trainer_tp, p.trainer_fsdp) == (16, 4, 4, 4, 12)
+    assert r.model.gen_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="world_size=3"):
+        load_config(MULTINODE).resolve(3)
+
+
+# ---- overrides -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [("true", True), ("1", True), ("yes", True), ("On", True),
+                                           ("false", False), ("0", False), ("no", False), ("NO", False)])
+def test_bool_override_spellings(text, expected):
+    assert load_config(None, [f"--parallel.compile={text}"]).parallel.compile is expected
+
+
+def test_overrides_of_every_field_type():
+    cfg = load_config(None, [
+        "--trainer.lr=3e-4",                  # float
+        "trainer.max_steps=7",                # int, without the leading --
+        "--model.path=/m/llama",              # str
+        "--generator.stop_token_ids=1, 2,3",  # list[int], comma separated
+        "--algo.loss=ppo",                    # Literal
+        "--run.dry_run",                      # bare bool key = true
+        "--algo.kl_coef=1",                   # int text into a float field
+        "--model.ref_path=/m/ref",
+    ])
+    assert cfg.trainer.lr == 3e-4 and isinstance(cfg.trainer.lr, float)
+    assert cfg.trainer.max_steps == 7 and cfg.model.path == "/m/llama"
+    assert cfg.generator.stop_token_ids == [1, 2, 3]
+    assert cfg.algo.loss == "ppo" and cfg.run.dry_run is True
+    assert cfg.algo.kl_coef == 1.0 and isinstance(cfg.algo.kl_coef, float)
+    assert load_config(None, ["--generator.stop_token_ids="]).generator.stop_token_ids == []
+    assert load_config(None, ["--generator.stop_token_ids=[5,6]"]).generator.stop_token_ids == [5, 6]
+
+
+def test_overrides_beat_the_toml_file_and_later_overrides_win():
+    cfg = load_config(TINY, ["--trainer.lr=1e-3", "--trainer.lr=5e-4", "--run.name=x"])
+    assert cfg.trainer.lr == 5e-4 and cfg.run.name == "x" and cfg.trainer.max_steps == 30
+
+
+def test_coerce_list_str_optional_and_literal():
+    assert C._coerce("a, b,c", list[str], "k", text=True) == ["a", "b", "c"]
+    assert C._coerce(["a", "b"], list[str], "k") == ["a", "b"]
+    for none in ("none", "None", "", "null"):
+        assert C._coerce(none, Optional[int], "k", text=True) is None
+    assert C._coerce("3", Optional[int], "k", text=True) == 3
+    assert C._coerce("", Optional[str], "k") is None           # how the TOML writer encodes None
+    assert C._coerce(None, int | None, "k") is None
+    assert C._coerce("b", Literal["a", "b"], "k", text=True) == "b"
+    with pytest.raises(ConfigError, match="k=2 has the wrong type: expected str"):
+        C._coerce(["a", 2], list[str], "k")
+    with pytest.raises(ConfigError, match="k='x'.*expected int"):
+        C._coerce("x", Optional[int], "k", text=True)
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+def test_unknown_key_names_it_and_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--trainer.lrr=1e-5"])
+    msg = str(e.value)
+    assert "trainer.lrr" in msg and "did you mean 'lr'" in msg
+    assert "valid keys of [trainer]: max_steps, prompts_per_step" in msg and "max_nonfinite_steps" in msg
+    path = _write(tmp_path, "[generator]\ntemprature = 0.5\n")
+    with pytest.raises(ConfigError, match=rf"{path}: unknown key 'generator.temprature'.*valid keys of \[generator\]: num_slots"):
+        load_config(path)
+
+
+def test_unknown_section_lists_valid_sections(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown section \[optim\]; valid sections: model, parallel, generator, trainer"):
+        load_config(None, ["--optim.lr=1"])
+    path = _write(tmp_path, "[trainr]\nlr = 1e-5\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[trainr\] \(did you mean 'trainer'\?\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"\[run\] must be a table"):
+        load_config(_write(tmp_path, 'run = "x"\n'))
+
+
+def test_malformed_override_key():
+    for bad in ("--lr=1e-5", "--trainer.=1", "--trainer.lr.x=1"):
+        with pytest.raises(ConfigError, match="must look like --section.key=value"):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match=r"needs a value: --trainer.max_steps=<int>"):
+        load_config(None, ["--trainer.max_steps"])
+
+
+@pytest.mark.parametrize("item,expected", [
+    ("--trainer.lr=abc", "trainer.lr='abc' has the wrong type: expected float"),
+    ("--trainer.max_steps=2.5", "trainer.max_steps='2.5' has the wrong type: expected int"),
+    ("--parallel.compile=maybe", "parallel.compile='maybe' has the wrong type: expected bool \\(true/false"),
+    ("--generator.stop_token_ids=1,x", r"generator.stop_token_ids='x' has the wrong type: expected int"),
+])
+def test_wrong_type_override_names_key_value_and_type(item, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [item])
+
+
+@pytest.mark.parametrize("line,expected", [
+    ('lr = "x"', "trainer.lr='x' has the wrong type: expected float"),
+    ("max_steps = 2.0", "trainer.max_steps=2.0 has the wrong type: expected int"),
+    ("max_steps = true", "trainer.max_steps=True has the wrong type: expected int"),
+    ('schedule = "linear"', "trainer.schedule='linear' is not a valid choice; choose one of 'constant', 'cosine'"),
+])
+def test_wrong_type_in_toml_names_file_key_value_and_type(tmp_path, line, expected):
+    path = _write(tmp_path, f"[trainer]\n{line}\n")
+    with pytest.raises(ConfigError, match=f"{path}: {expected}"):
+        load_config(path)
+
+
+def test_bad_toml_names_file_and_line(tmp_path):
+    path = _write(tmp_path, "[trainer]\nlr = 1e-5\nmax_steps = = 3\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: invalid TOML"):
+        load_config(path)
+
+
+def test_missing_file_names_path():
+    with pytest.raises(ConfigError, match="config file not found: configs/nope.toml"):
+        load_config("configs/nope.toml")
+
+
+@pytest.mark.parametrize("item,expected", [
+    ("--trainer.lr=-1e-5", r"trainer.lr=-1e-05 is invalid: it must be > 0 \(set --trainer.lr=<value > 0>\)"),
+    ("--generator.temperature=-0.1", "generator.temperature=-0.1 is invalid: it must be >= 0"),
+    ("--generator.top_p=0", "generator.top_p=0.0 is invalid: it must be > 0"),
+    ("--generator.top_p=1.5", "generator.top_p=1.5 is invalid: it must be <= 1"),
+    ("--algo.rho=0.5", "algo.rho=0.5 is invalid: it must be >= 1"),
+    ("--trainer.beta2=1", "trainer.beta2=1.0 is invalid: it must be < 1"),
+    ("--parallel.gen_tp=0", "parallel.gen_tp=0 is invalid: it must be >= 1"),
+    ("--algo.loss=foo", r"algo.loss='foo' is not a valid choice; choose one of 'aipo', 'ppo', 'decoupled_ppo'"),
+    ("--parallel.mode=hybrid", "choose one of 'split', 'colocated'"),
+    ("--logging.log_rank=zero", "logging.log_rank='zero' is invalid: use 'all' or comma-separated"),
+])
+def test_invalid_values_name_value_and_fix(item, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [item])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match=r"rloo' needs generator.n_samples >= 2, got 1.*--generator.n_samples"):
+        load_config(None, ["--algo.advantage=rloo", "--generator.n_samples=1"])
+    with pytest.raises(ConfigError, match=r"kl_coef=0.1 needs a reference model.*--model.ref_path"):
+        load_config(None, ["--algo.kl_coef=0.1"])
+    with pytest.raises(ConfigError, match=r"buffer_capacity=10 cannot hold one step.*8\*4 = 32"):
+        load_config(None, ["--algo.buffer_capacity=10"])
+    assert load_config(None, ["--logging.log_rank=0, 4"]).logging.log_rank == "0, 4"
+    assert load_config(None, ["--logging.log_rank=all"]).logging.log_rank == "all"
+
+
+def test_validate_catches_hand_built_bad_values():
+    cfg = Config()
+    cfg.algo.kl_estimator = "k2"
+    with pytest.raises(ConfigError, match="algo.kl_estimator='k2' is not a valid choice"):
+        cfg.validate()
+    cfg = Config()
+    cfg.trainer.max_steps = "10"
+    with pytest.raises(ConfigError, match="trainer.max_steps='10' has the wrong type"):
+        cfg.resolve(3)
+
+
+# ---- TOML round trip -------------------------------------------------------------------------------
+
+def test_save_load_round_trip(tmp_path):
+    cfg = load_config(TINY, ["--generator.stop_token_ids=2,7", "--run.name=we\"ird\\name\tä",
+                             "--trainer.lr=3.3e-7", "--parallel.timeout_s=1e30"])
+    for c in (cfg, cfg.resolve(3)):
+        path = str(tmp_path / "run" / "config.toml")
+        c.save(path)
+        assert load_config(path) == c
+        assert Config.from_dict(c.to_dict()) == c
+    assert not [p for p in os.listdir(tmp_path / "run") if ".tmp" in p]
+
+
+def test_saved_file_is_commented_and_none_is_empty_string(tmp_path):
+    text = Config().to_toml()
+    assert "[trainer]\n# Optimizer steps" in text and "# Peak AdamW learning rate.\nlr = 1e-05\n" in text
+    assert C._toml_value(None) == '""' and C._toml_value([]) == "[]" and C._toml_value(True) == "true"
+    value = tomllib.loads(f"x = {C._toml_value(None)}\n")["x"]
+    assert C._coerce(value, Optional[float], "x") is None
+
+
+def test_from_dict_names_source():
+    with pytest.raises(ConfigError, match=r"^my-source: trainer.lr='x'"):
+        Config.from_dict({"trainer": {"lr": "x"}}, source="my-source")
+
+
+# ---- resolve ---------------------------------------------------------------------------------------
+
+def test_resolve_split_derives_and_is_idempotent():
+    cfg = load_config(None, ["--parallel.generator_ranks=4", "--parallel.gen_tp=2", "--parallel.trainer_tp=2",
+                             "--algo.max_staleness=0"])
+    r = cfg.resolve(16)
+    p = r.parallel
+    assert (p.gen_dp, p.trainer_fsdp) == (2, 6)
+    assert r.algo.buffer_capacity == 8 * 4 * 1 and r.run.dir == os.path.join("runs", "tandem")
+    assert cfg.parallel.gen_dp == 0, "resolve must not mutate its input"
+    assert r.resolve(16) == r
+
+
+def test_resolve_colocated_and_explicit_values_are_kept():
+    r = load_config(None, ["--parallel.mode=colocated", "--parallel.gen_tp=2", "--parallel.trainer_tp=4",
+                           "--run.dir=/tmp/x", "--algo.buffer_capacity=100"]).resolve(8)
+    p = r.parallel
+    assert (p.generator_ranks, p.gen_dp, p.trainer_fsdp) == (8, 4, 2)
+    assert r.run.dir == "/tmp/x" and r.algo.buffer_capacity == 100
+    assert r.resolve(8) == r
+    r = load_config(None, ["--parallel.generator_ranks=2", "--parallel.gen_dp=2", "--parallel.trainer_fsdp=4"]).resolve(6)
+    assert (r.parallel.gen_dp, r.parallel.trainer_fsdp) == (2, 4)
+
+
+@pytest.mark.parametrize("world,overrides,expected", [
+    (1, [], r"world_size=1 .*split mode needs 1 <= generator_ranks < world_size.*launch at least 2 ranks"),
+    (4, ["--parallel.generator_ranks=4"], r"generator_ranks=4.*set --parallel.generator_ranks to a value in 1..3"),
+    (4, ["--parallel.generator_ranks=0"], r"generator_ranks=0.*--parallel.mode=colocated"),
+    (4, ["--parallel.generator_ranks=2", "--parallel.gen_tp=4"],
+     r"gen_tp=4 does not divide the 2 generator ranks. Fix: set --parallel.gen_tp to one of \[1, 2\]"),
+    (8, ["--parallel.generator_ranks=2", "--parallel.trainer_tp=4"],
+     r"trainer_tp=4 does not divide the 6 trainer ranks.*one of \[1, 2, 3, 6\] or set --parallel.generator_ranks=4"),
+    (8, ["--parallel.generator_ranks=2", "--parallel.trainer_fsdp=4"],
+     r"trainer_tp\*trainer_fsdp = 1\*4 != 6 trainer ranks. Fix: set --parallel.trainer_fsdp=6"),
+    (6, ["--parallel.generator_ranks=2", "--parallel.gen_dp=1"], r"gen_tp\*gen_dp = 1\*1 != 2 generator ranks"),
+    (8, ["--parallel.mode=colocated", "--parallel.gen_tp=3"], r"mode='colocated'.*gen_tp=3 does not divide the 8"),
+    (8, ["--parallel.mode=colocated", "--parallel.trainer_tp=2", "--parallel.trainer_fsdp=2"],
+     r"trainer_tp\*trainer_fsdp = 2\*2 != 8 trainer ranks"),
+])
+def test_resolve_layout_errors_print_every_factor_and_fix(world, overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides).resolve(world)
+    msg = str(e.value)
+    assert f"world_size={world}" in msg and "Fix:" in msg
+    for factor in ("generator_ranks=", "gen_tp=", "gen_dp=", "trainer_tp=", "trainer_fsdp="):
+        assert factor in msg
+    assert re.search(expected, msg), msg
+
+
+# ---- parse_cli -------------------------------------------------------------------------------------
+
+def test_parse_cli_splits_config_overrides_and_flags():
+    path, overrides, flags = parse_cli(["--config", "configs/tiny_cpu.toml", "--trainer.lr=1e-5",
+                                        "--generator.top_p", "0.9", "--trainer.lr", "-1", "--run.dry_run",
+                                        "--dry-run", "--log-level=debug"])
+    assert path == "configs/tiny_cpu.toml"
+    assert overrides == ["trainer.lr=1e-5", "generator.top_p=0.9", "trainer.lr=-1", "run.dry_run"]
+    assert flags == {"dry_run": True, "log_level": "debug"}
+    assert parse_cli(["--config=a.toml"]) == ("a.toml", [], {})
+    assert parse_cli([]) == (None, [], {})
+    cfg = load_config(path, overrides[:2])
+    assert cfg.generator.top_p == 0.9
+
+
+def test_parse_cli_errors():
+    with pytest.raises(ConfigError, match="unexpected argument 'stray'"):
+        parse_cli(["stray"])
+    with pytest.raises(ConfigError, match="--config needs a file"):
+        parse_cli(["--config"])
