@@ -1,0 +1,335 @@
+"""Prompt datasets: loading, validation, length filtering, rendering to ids, sharded iteration.
+
+Flow on a generator rank:
+
+    items = load_prompts(cfg.data.source, ...)                     # list[PromptItem], ids 0..N-1
+    encode = lambda it: render_prompt(it, tokenizer, cfg.data.chat_template)
+    items, n_skipped = filter_by_length(items, encode, cfg.data.max_prompt_len)
+    source = PromptSource(items, seed=cfg.data.seed).shard(dp_rank, dp_size)
+    batch = source.next_batch(k)                                   # stable ids, resumable cursor
+
+Prompts become ids exactly once (`render_prompt`); completions are never decoded and re-encoded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+logger = logging.getLogger("tandem.data")
+
+SYNTHETIC_DEFAULT_SIZE = 10_000   # items of a synthetic task when num_prompts = 0
+REASONING_GYM_DEFAULT_SIZE = 1_000
+SOURCE_FORMS = "'synthetic:<task>', 'reasoning_gym:<task>', a .jsonl file or a .parquet file"
+
+
+@dataclass
+class PromptItem:
+    """One prompt. Exactly what the reward needs to judge a completion: `answer` and `meta`.
+
+    `prompt` (raw text) or `messages` (chat turns, [{"role", "content"}]) is set, or both.
+    `id` is stable: the same prompt has the same id on every rank, epoch and resume.
+    """
+
+    id: int
+    prompt: str | None
+    messages: list[dict] | None
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.prompt is None and self.messages is None:
+            raise ValueError(f"PromptItem {self.id} has neither prompt nor messages")
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: str = "messages",
+                 answer_field: str = "answer", num_prompts: int = 0, seed: int = 0,
+                 **source_kwargs) -> list[PromptItem]:
+    """Load prompts from `source` (see SOURCE_FORMS). Ids are 0..N-1 in source order.
+
+    num_prompts: keep the first N (0 = all; synthetic sources are infinite, so 0 means
+        SYNTHETIC_DEFAULT_SIZE, and reasoning_gym generates REASONING_GYM_DEFAULT_SIZE).
+    seed: generation seed of synthetic and reasoning_gym sources (files are read in order).
+    source_kwargs: task parameters, e.g. digits=3 for synthetic:addition or a reasoning_gym
+        dataset option; files take none.
+    The *_field names choose the columns of .jsonl/.parquet records.
+    """
+    if num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0 (0 = all), got {num_prompts}")
+    kind, _, name = source.partition(":")
+    if kind == "synthetic" and name:
+        return _load_synthetic(name, num_prompts, seed, source_kwargs)
+    if kind == "reasoning_gym" and name:
+        return _load_reasoning_gym(name, num_prompts, seed, source_kwargs)
+    path = Path(source)
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"prompt source {source!r} is not one of {SOURCE_FORMS}")
+    if source_kwargs:
+        raise ValueError(f"prompt file {source!r} takes no task parameters, got {sorted(source_kwargs)}")
+    if not path.is_file():
+        raise ValueError(f"prompt file {str(path)!r} does not exist (data.source); give the path "
+                         f"of a .jsonl/.parquet file, relative to the directory you launch from")
+    records = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
+    fields = (prompt_field, messages_field, answer_field)
+    items = []
+    for where, record in records:
+        items.append(_record_to_item(record, len(items), where, path, fields))
+        if num_prompts and len(items) == num_prompts:
+            break
+    if not items:
+        raise ValueError(f"prompt file {str(path)!r} has no records (looked for fields "
+                         f"{prompt_field!r}/{messages_field!r} and {answer_field!r}); "
+                         f"point data.source at a non-empty file")
+    return items
+
+
+def _load_synthetic(name: str, num_prompts: int, seed: int, kwargs: dict) -> list[PromptItem]:
+    from rollout.tasks import make_task
+
+    task = make_task(name, seed=seed, **kwargs)
+    n = num_prompts or (task.size if task.size is not None else SYNTHETIC_DEFAULT_SIZE)
+    meta = {"source": f"synthetic:{name}", "task": name, "reward": task.default_reward}
+    items = []
+    for i in range(n):
+        it = task[i]
+        items.append(PromptItem(id=i, prompt=it["prompt"], messages=None, answer=it["answer"],
+                                meta=dict(meta)))
+    return items
+
+
+def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) -> list[PromptItem]:
+    """reasoning_gym entries are {"question", "answer", "metadata"}; the whole entry is kept in
+    meta["reasoning_gym"] so that the "reasoning_gym" reward can call the task's own scorer."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ValueError(f"source 'reasoning_gym:{name}' needs the optional package reasoning_gym; "
+                         f"install it with `pip install reasoning-gym`") from e
+    size = num_prompts or REASONING_GYM_DEFAULT_SIZE
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+    except Exception as e:  # unknown name (KeyError/ValueError) or a bad option (TypeError, ...)
+        raise ValueError(f"reasoning_gym could not create dataset {name!r} with size={size}, "
+                         f"seed={seed}, options={kwargs}: {type(e).__name__}: {e}") from e
+    items = []
+    for i in range(size):
+        entry = dataset[i]
+        answer = "" if entry.get("answer") is None else str(entry["answer"])
+        items.append(PromptItem(id=i, prompt=str(entry["question"]), messages=None, answer=answer,
+                                meta={"source": f"reasoning_gym:{name}", "reward": "reasoning_gym",
+                                      "reasoning_gym": {"task": name, "entry": entry}}))
+    return items
+
+
+def _read_jsonl(path: Path) -> Iterable[tuple[str, object]]:
+    """Yield ("file:line", record) for every non-blank line."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                                 f"every line of a .jsonl file must be one JSON object") from e
+
+
+def _read_parquet(path: Path) -> Iterable[tuple[str, object]]:
+    """Yield ("file row N", record) for every row. pyarrow is imported only here."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(f"reading {path} needs pyarrow, which is not installed; "
+                         f"`pip install pyarrow`, or convert the file to .jsonl") from e
+    for i, record in enumerate(pq.read_table(str(path)).to_pylist()):
+        yield f"{path} row {i}", record
+
+
+def _record_to_item(record, index: int, where: str, path: Path,
+                    fields: tuple[str, str, str]) -> PromptItem:
+    """Validate one record and make it PromptItem `index`; errors name file:line and the field."""
+    prompt_field, messages_field, answer_field = fields
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    prompt, messages = record.get(prompt_field), record.get(messages_field)
+    if prompt is None and messages is None:
+        raise ValueError(
+            f"{where}: record has neither prompt field {prompt_field!r} nor messages field "
+            f"{messages_field!r} (its keys: {sorted(record)}); set data.prompt_field or "
+            f"data.messages_field to the name this file uses")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"{where}: prompt field {prompt_field!r} must be a string, "
+                         f"got {type(prompt).__name__}")
+    if messages is not None:
+        _check_messages(messages, where, messages_field)
+    answer = record.get(answer_field)
+    if answer is None:
+        raise ValueError(f"{where}: record lacks answer field {answer_field!r} (its keys: "
+                         f"{sorted(record)}); set data.answer_field to the name this file uses")
+    if not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: answer field {answer_field!r} must be a string or a number, "
+                         f"got {type(answer).__name__}")
+    extra = {k: v for k, v in record.items() if k not in fields}
+    meta = {"source": str(path), "where": where, "record": extra}
+    return PromptItem(id=index, prompt=prompt, messages=messages, answer=str(answer), meta=meta)
+
+
+def _check_messages(messages, where: str, messages_field: str) -> None:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise ValueError(f"{where}: messages field {messages_field!r} must be a non-empty list of "
+                         f'{{"role": str, "content": str}} objects, got {messages!r:.200}')
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering and length filter
+
+
+def render_prompt(item: PromptItem, tokenizer, chat_template: bool) -> list[int]:
+    """The prompt ids of `item`, the only place prompt text becomes tokens.
+
+    chat_template=True: `item.messages` (or the prompt as one user turn) through the tokenizer's
+    chat template, with the generation prompt appended. Otherwise the raw prompt text.
+    BOS is prepended when the tokenizer's own default encoding does so (`add_bos_default`) and
+    the text does not already start with it (chat templates usually write it themselves).
+    """
+    if chat_template:
+        messages = item.messages or [{"role": "user", "content": item.prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    elif item.prompt is not None:
+        text = item.prompt
+    else:
+        raise ValueError(f"prompt {item.id} ({item.meta.get('where', item.meta.get('source'))}) "
+                         f"has only chat messages; set data.chat_template = true to render them")
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_id
+    if tokenizer.add_bos_default and bos is not None and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], list[int]],
+                     max_prompt_len: int) -> tuple[list[PromptItem], int]:
+    """Drop prompts longer than `max_prompt_len` tokens; returns (kept, number skipped).
+
+    Skips are logged as one warning with the count. If nothing fits, that is a configuration
+    error, and the message says how long the shortest prompt is.
+    """
+    if not items:
+        raise ValueError("filter_by_length got no prompts; check data.source and data.num_prompts")
+    kept, shortest = [], None
+    for item in items:
+        n = len(encode_fn(item))
+        shortest = n if shortest is None else min(shortest, n)
+        if n <= max_prompt_len:
+            kept.append(item)
+    n_skipped = len(items) - len(kept)
+    if not kept:
+        raise ValueError(
+            f"all {len(items)} prompts are longer than data.max_prompt_len={max_prompt_len} "
+            f"tokens (the shortest has {shortest}); raise data.max_prompt_len to at least "
+            f"{shortest} or use shorter prompts")
+    if n_skipped:
+        logger.warning("skipped %d of %d prompts longer than data.max_prompt_len=%d tokens",
+                       n_skipped, len(items), max_prompt_len)
+    return kept, n_skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded, shuffled, resumable iteration
+
+
+class PromptSource:
+    """An endless, epoch-shuffled, sharded stream of prompts with a resumable cursor.
+
+    Each epoch permutes all N items with a seed derived from (seed, epoch); replica `rank` of
+    `world` takes positions rank, rank+world, ... of that permutation. So, epoch by epoch, the
+    shards are disjoint and together cover the dataset, and every replica computes its own shard
+    with no communication. The cursor (epoch, offset) is the whole state.
+    """
+
+    def __init__(self, items: list[PromptItem], *, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world: int = 1):
+        if not items:
+            raise ValueError("PromptSource needs at least one prompt; check data.source")
+        if not 0 <= rank < world:
+            raise ValueError(f"PromptSource needs 0 <= rank < world, got rank={rank}, world={world}")
+        if world > len(items):
+            raise ValueError(f"{len(items)} prompts cannot feed {world} generator replicas (each "
+                             f"needs at least one); use more prompts or fewer replicas")
+        self._items = list(items)
+        self._by_id = {it.id: it for it in self._items}
+        if len(self._by_id) != len(self._items):
+            raise ValueError("PromptSource needs unique PromptItem ids; "
+                             f"{len(self._items) - len(self._by_id)} duplicates found")
+        self.seed, self.shuffle, self.rank, self.world = int(seed), bool(shuffle), rank, world
+        self._epoch, self._offset = 0, 0
+        self._order = self._epoch_order(0)
+
+    def shard(self, rank: int, world: int) -> "PromptSource":
+        """Replica `rank` of `world` over the same (full) item list, cursor at the start."""
+        return PromptSource(self._items, seed=self.seed, shuffle=self.shuffle, rank=rank, world=world)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._items)))
+        if self.shuffle:
+            random.Random(f"prompts:{self.seed}:{epoch}").shuffle(order)
+        return order[self.rank::self.world]
+
+    def __len__(self) -> int:
+        """Items per epoch in this shard."""
+        return len(self._order)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def next_batch(self, k: int) -> list[PromptItem]:
+        """The next `k` items of this shard, crossing epoch boundaries as needed."""
+        if k < 1:
+            raise ValueError(f"next_batch needs k >= 1, got {k}")
+        batch = []
+        while len(batch) < k:
+            if self._offset == len(self._order):
+                self._epoch, self._offset = self._epoch + 1, 0
+                self._order = self._epoch_order(self._epoch)
+            take = min(k - len(batch), len(self._order) - self._offset)
+            batch += [self._items[i] for i in self._order[self._offset:self._offset + take]]
+            self._offset += take
+        return batch
+
+    def lookup(self, ids: Iterable[int]) -> list[PromptItem]:
+        """Items by id, e.g. to regenerate the prompts that were in flight at a checkpoint."""
+        missing = [i for i in ids if i not in self._by_id]
+        if missing:
+            raise ValueError(f"unknown prompt ids {missing[:10]} (dataset has {len(self._items)})")
+        return [self._by_id[i] for i in ids]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "offset": self._offset, "seed": self.seed,
+                "shuffle": self.shuffle, "rank": self.rank, "world": self.world,
+                "num_items": len(self._items)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next `next_batch` continues exactly where `state` was taken."""
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "rank", "world", "num_items"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"prompt cursor was saved with {key}={state.get(key)!r} but this "
+                                 f"source has {key}={mine[key]!r}; resume with the same data "
+                                 f"config and generator layout")
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        order = self._epoch_order(epoch)
+        if not 0 <= offset <= len(order):
+            raise ValueError(f"prompt cursor offset {offset} is outside this shard's epoch of "
+                             f"{len(order)} items")
+        self._epoch, self._offset, self._order = epoch, offset, order

@@ -1,0 +1,355 @@
+"""Reward functions and the runner that keeps them off the generator's hot path.
+
+A reward is any callable
+
+    reward(item: PromptItem, completion_text: str, completion_ids: list[int]) -> float
+
+`completion_text` is the decoded completion (special tokens skipped) and is only ever read by the
+reward: the trainer gets the ids. Built-ins (names for `resolve_reward` / `reward.fn`):
+
+- "exact_match":   1.0 if the stripped completion equals the stripped `item.answer`.
+- "math":          math answer equivalence. With `math_verify` installed it decides; otherwise
+                   `math_fallback` (documented there) compares the final number.
+- "format":        1.0 if the completion ends in a final-answer marker: `<answer>X</answer>` or a
+                   last line `#### X` (X non-empty). Usually added with a small weight.
+- "reasoning_gym": the task's own scorer, for items loaded from `reasoning_gym:<task>`.
+
+A reward never crashes the run: `RewardRunner` turns an exception or a time-out into 0.0, counts
+it, and logs the first traceback (logger "tandem.reward").
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import importlib
+import importlib.util
+import logging
+import re
+import threading
+from fractions import Fraction
+from typing import Callable
+
+logger = logging.getLogger("tandem.reward")
+
+RewardFn = Callable[..., float]  # (item, completion_text, completion_ids) -> float
+
+
+# ---------------------------------------------------------------------------------------------
+# built-in rewards
+
+
+def exact_match(item, completion_text: str, completion_ids=None) -> float:
+    """1.0 if the completion, stripped of surrounding whitespace, equals the stripped answer."""
+    return float(completion_text.strip() == item.answer.strip())
+
+
+def math_reward(item, completion_text: str, completion_ids=None) -> float:
+    """1.0 if the completion's final answer is mathematically equal to `item.answer`."""
+    if _has_math_verify():
+        return _math_verify_equal(item.answer, completion_text)
+    return math_fallback(item.answer, completion_text)
+
+
+@functools.cache
+def _has_math_verify() -> bool:
+    return importlib.util.find_spec("math_verify") is not None
+
+
+@functools.cache
+def _quiet_math_verify_timeout_warning() -> None:
+    """math_verify warns that its timeouts are off; RewardRunner's time limit covers that."""
+    drop = lambda record: not record.getMessage().startswith("Timeout is disabled")  # noqa: E731
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(drop)
+
+
+def _math_verify_equal(gold: str, completion: str) -> float:
+    from math_verify import parse, verify
+
+    _quiet_math_verify_timeout_warning()
+    # Timeouts off: math_verify's own use signal.alarm, which fails outside the main thread;
+    # RewardRunner enforces the time limit instead.
+    gold_parsed = parse(gold, parsing_timeout=None)
+    if not gold_parsed:  # a non-mathematical answer ("yes", a name): compare as strings
+        return math_fallback(gold, completion)
+    return float(verify(gold_parsed, parse(completion, parsing_timeout=None), timeout_seconds=None))
+
+
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_HASHES_RE = re.compile(r"^####\s*(.+?)\s*$", re.MULTILINE)
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+
+
+def math_fallback(gold: str, completion: str) -> float:
+    """Math equivalence without math_verify (the documented fallback).
+
+    1. The completion's final answer is, in order of preference: the content of the last
+       `\\boxed{...}`, the last `#### X` line, the last `<answer>X</answer>`, else its last number.
+       The gold answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
+    2. Both are normalised: `$`, spaces and thousands commas removed, `\\frac{a}{b}` -> a/b.
+    3. If both parse as numbers (ints, decimals, a/b; via fractions.Fraction, so "46.0" == "46"
+       and "0.5" == "1/2"), they are equal within a relative 1e-6; otherwise the normalised
+       strings must match, case-insensitively.
+    """
+    gold_answer = extract_final_answer(gold, last_number=False) or gold
+    answer = extract_final_answer(completion)
+    if answer is None:
+        return 0.0
+    g, a = _normalise(gold_answer), _normalise(answer)
+    gn, an = _to_fraction(g), _to_fraction(a)
+    if gn is not None and an is not None:
+        return float(gn == an or abs(float(gn - an)) <= 1e-6 * max(1.0, abs(float(gn))))
+    return float(g.lower() == a.lower() and g != "")
+
+
+def extract_final_answer(text: str, last_number: bool = True) -> str | None:
+    """The final answer written in `text` (see `math_fallback` step 1), or None."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    for pattern in (_HASHES_RE, _ANSWER_TAG_RE):
+        found = pattern.findall(text)
+        if found:
+            return found[-1].strip()
+    if last_number:
+        numbers = _NUMBER_RE.findall(text)
+        return numbers[-1] if numbers else None
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (braces balanced), or None if absent or unbalanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j].strip()
+    return None
+
+
+def _normalise(answer: str) -> str:
+    s = answer.strip().strip("$").strip()
+    s = _FRAC_RE.sub(r"(\1)/(\2)", s)
+    s = s.replace("\\!", "").replace(",", "").replace(" ", "").rstrip(".")
+    return s
+
+
+def _to_fraction(s: str) -> Fraction | None:
+    m = re.fullmatch(r"\((-?[\d.]+)\)/\((-?[\d.]+)\)", s)  # from \frac{a}{b}
+    try:
+        if m:
+            return Fraction(m.group(1)) / Fraction(m.group(2))
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+_FORMAT_TAG_RE = re.compile(r"<answer>\s*\S.*?</answer>\s*\Z", re.DOTALL)
+_FORMAT_HASHES_RE = re.compile(r"(?:\A|\n)####[ \t]*\S[^\n]*\s*\Z")
+
+
+def format_reward(item, completion_text: str, completion_ids=None) -> float:
+    """1.0 if the completion ends with `<answer>X</answer>` or a last line `#### X`, X non-empty.
+
+    Only the form is judged, not the answer; used as a small shaping term (reward.format_weight).
+    """
+    text = completion_text.strip()
+    return float(bool(_FORMAT_TAG_RE.search(text) or _FORMAT_HASHES_RE.search(text)))
+
+
+def reasoning_gym_reward(item, completion_text: str, completion_ids=None) -> float:
+    """The reasoning_gym task's own scorer for items loaded from `reasoning_gym:<task>`.
+
+    The answer scored is the content of the last `<answer>...</answer>` (reasoning_gym's
+    convention), else the whole stripped completion.
+    """
+    rg = item.meta.get("reasoning_gym") or {}
+    entry = rg.get("entry")
+    if entry is None:
+        raise ValueError(f"prompt {item.id} (source {item.meta.get('source')!r}) has no "
+                         f"reasoning_gym entry; the 'reasoning_gym' reward only scores prompts "
+                         f"loaded from 'reasoning_gym:<task>'")
+    from reasoning_gym.utils import extract_answer
+
+    answer = extract_answer(completion_text)
+    answer = completion_text.strip() if answer is None else answer
+    task = entry.get("metadata", {}).get("source_dataset", rg.get("task"))
+    return float(_rg_scorer(task)(answer, entry))
+
+
+@functools.cache
+def _rg_scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math": math_reward,
+    "format": format_reward,
+    "reasoning_gym": reasoning_gym_reward,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# resolving a spec
+
+
+def resolve_reward(spec, format_weight: float = 0.0) -> RewardFn:
+    """A reward callable from a built-in name, "package.module:function", or a callable.
+
+    With `format_weight` > 0 the result adds `format_weight * format_reward`.
+    """
+    fn = spec if callable(spec) else _resolve_spec(spec)
+    if format_weight < 0:
+        raise ValueError(f"format_weight must be >= 0, got {format_weight}")
+    if not format_weight:
+        return fn
+
+    def with_format(item, completion_text, completion_ids):
+        return (float(fn(item, completion_text, completion_ids))
+                + format_weight * format_reward(item, completion_text, completion_ids))
+
+    with_format.__name__ = f"{getattr(fn, '__name__', 'reward')}+{format_weight}*format"
+    return with_format
+
+
+def _resolve_spec(spec: str) -> RewardFn:
+    if not isinstance(spec, str):
+        raise ValueError(f"reward spec must be a string or a callable, got {type(spec).__name__}")
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) nor "
+                         f"of the form 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"reward {spec!r}: module {module_name!r} not found ({e}); check the "
+                         f"spelling and that it is importable from the launch directory") from e
+    except Exception as e:
+        raise ValueError(f"reward {spec!r}: importing module {module_name!r} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable; it "
+                         f"must be a function (item, completion_text, completion_ids) -> float")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# running rewards off the hot path
+
+
+class RewardRunner:
+    """Score completions in background threads; a failing or stuck reward scores 0.0.
+
+    Each call runs in a fresh daemon thread, watched by one of `max_workers` supervisor threads
+    that waits at most `timeout_s` for it. Python cannot kill a thread, so a reward that
+    overruns keeps running in the background, but it is abandoned: its supervisor returns 0.0,
+    counts a time-out and moves on, so a stuck reward never blocks the others or the caller
+    (`stats()["stuck"]` counts the abandoned threads still alive). Supervisors bound how many
+    rewards run at once. The first error traceback and the first time-out are logged; later
+    ones are only counted.
+    """
+
+    def __init__(self, fn: RewardFn, timeout_s: float, max_workers: int = 2):
+        if timeout_s <= 0 or max_workers < 1:
+            raise ValueError(f"RewardRunner needs timeout_s > 0 and max_workers >= 1, got "
+                             f"timeout_s={timeout_s}, max_workers={max_workers}")
+        self.fn, self.timeout_s = fn, float(timeout_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "tandem-reward")
+        self._lock = threading.Lock()
+        self._counts = {"calls": 0, "errors": 0, "timeouts": 0}
+        self._abandoned: list[threading.Thread] = []
+        self._name = getattr(fn, "__name__", repr(fn))
+
+    def submit(self, item, completion_text: str, completion_ids) -> concurrent.futures.Future:
+        """A Future of the reward (a float); it never raises."""
+        return self._pool.submit(self._supervise, item, completion_text, list(completion_ids))
+
+    def score_batch(self, items, texts, ids) -> list[float]:
+        """Rewards of completions `texts[i]` / `ids[i]` of prompts `items[i]`, in order."""
+        if not len(items) == len(texts) == len(ids):
+            raise ValueError(f"score_batch needs equal lengths, got {len(items)} items, "
+                             f"{len(texts)} texts, {len(ids)} id lists")
+        futures = [self.submit(it, t, i) for it, t, i in zip(items, texts, ids)]
+        return [f.result() for f in futures]
+
+    def _supervise(self, item, text: str, ids: list[int]) -> float:
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            try:
+                result.set_result(self.fn(item, text, ids))
+            except BaseException as e:  # reported through the future, never raised here
+                result.set_exception(e)
+
+        worker = threading.Thread(target=run, name=f"tandem-reward-{item.id}", daemon=True)
+        with self._lock:
+            self._counts["calls"] += 1
+        worker.start()
+        try:
+            return _as_reward(result.result(timeout=self.timeout_s))
+        except concurrent.futures.TimeoutError:
+            self._record_timeout(item, worker)
+        except BaseException as e:  # even SystemExit from a reward must not escape the future
+            self._record_error(item, e)
+        return 0.0
+
+    def _record_error(self, item, error: BaseException) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+            first = self._counts["errors"] == 1
+        if first:
+            logger.error("reward %s failed on prompt %s; it scores 0.0 (further failures are only "
+                         "counted, see RewardRunner.stats())", self._name, item.id,
+                         exc_info=(type(error), error, error.__traceback__))
+
+    def _record_timeout(self, item, worker: threading.Thread) -> None:
+        with self._lock:
+            self._counts["timeouts"] += 1
+            first = self._counts["timeouts"] == 1
+            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [worker]
+        if first:
+            logger.warning("reward %s exceeded reward.timeout_s=%s on prompt %s; it scores 0.0 "
+                           "and its thread is abandoned (further time-outs are only counted)",
+                           self._name, self.timeout_s, item.id)
+
+    def stats(self) -> dict:
+        """{"calls", "errors", "timeouts", "stuck"}: totals since construction."""
+        with self._lock:
+            stuck = sum(t.is_alive() for t in self._abandoned)
+            return {**self._counts, "stuck": stuck}
+
+    def close(self) -> None:
+        """Wait for running supervisors (each at most timeout_s); abandoned threads are left."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _as_reward(value) -> float:
+    """Rewards must be finite numbers; anything else is a reward bug, reported as an error."""
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"a reward must return a float, got {value!r} "
+                        f"({type(value).__name__})") from None
+    if reward != reward or reward in (float("inf"), float("-inf")):
+        raise ValueError(f"a reward must be finite, got {reward}")
+    return reward

@@ -1,0 +1,216 @@
+"""rollout.tasks and rollout.data: synthetic tasks, loading errors, sharding, resume, rendering."""
+import importlib.util
+import json
+import logging
+
+import pytest
+
+from model.tokenizer import build_char_tokenizer
+from rollout.data import (SYNTHETIC_DEFAULT_SIZE, PromptItem, PromptSource, filter_by_length,
+                          load_prompts, render_prompt)
+from rollout.tasks import AdditionTask, ReverseTask, Task, make_task
+
+
+# ------------------------------------------------------------------------------------- tasks
+
+def test_addition_task_is_deterministic_and_correct():
+    task = AdditionTask(digits=3, seed=7)
+    assert isinstance(task, Task) and task.size is None
+    for i in (0, 1, 10**9):
+        item = task[i]
+        assert item == AdditionTask(digits=3, seed=7)[i] and item["id"] == i
+        a, b = item["prompt"].rstrip("=").split("+")
+        assert int(a) < 1000 and int(b) < 1000 and item["answer"] == str(int(a) + int(b))
+        assert set(item["prompt"] + item["answer"]) <= set(task.alphabet)
+    assert [AdditionTask(seed=1)[i] for i in range(20)] != [AdditionTask(seed=0)[i] for i in range(20)]
+    assert task.make_sft_examples(2, start=5) == [(task[5]["prompt"], task[5]["answer"]),
+                                                  (task[6]["prompt"], task[6]["answer"])]
+
+
+def test_reverse_task_and_make_task_errors():
+    item = ReverseTask(digits=5)[3]
+    assert item["answer"] == item["prompt"].rstrip(">")[::-1] and len(item["answer"]) == 5
+    assert isinstance(make_task("reverse", digits=2), ReverseTask)
+    with pytest.raises(ValueError, match="unknown synthetic task 'nope'.*addition"):
+        make_task("nope")
+    with pytest.raises(ValueError, match="accepts.*digits"):
+        make_task("addition", width=3)
+    with pytest.raises(ValueError, match="digits >= 1"):
+        AdditionTask(digits=0)
+    with pytest.raises(IndexError):
+        AdditionTask()[-1]
+
+
+# ------------------------------------------------------------------------------------- loading
+
+def _jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_load_synthetic():
+    items = load_prompts("synthetic:addition", num_prompts=5, seed=3, digits=1)
+    assert [it.id for it in items] == list(range(5))
+    assert items[2].prompt == AdditionTask(digits=1, seed=3)[2]["prompt"]
+    assert items[0].meta["reward"] == "exact_match"
+    assert len(load_prompts("synthetic:reverse")) == SYNTHETIC_DEFAULT_SIZE
+
+
+def test_load_jsonl_prompts_and_messages(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [
+        {"q": "1+1=", "a": 2, "level": "easy"}, "",
+        {"chat": [{"role": "user", "content": "hi"}], "a": "hello"}])
+    items = load_prompts(path, prompt_field="q", messages_field="chat", answer_field="a")
+    assert [(it.id, it.prompt, it.answer) for it in items] == [(0, "1+1=", "2"), (1, None, "hello")]
+    assert items[1].messages == [{"role": "user", "content": "hi"}]
+    assert items[0].meta["record"] == {"level": "easy"} and items[1].meta["where"] == f"{path}:3"
+    assert len(load_prompts(path, prompt_field="q", messages_field="chat", answer_field="a",
+                            num_prompts=1)) == 1
+
+
+@pytest.mark.parametrize("records, pattern", [
+    ([{"prompt": "x", "answer": "1"}, {"question": "y", "answer": "2"}],
+     r"p\.jsonl:2: .*neither prompt field 'prompt' nor messages field 'messages'.*question"),
+    ([{"prompt": "x"}], r"p\.jsonl:1: record lacks answer field 'answer'.*data.answer_field"),
+    ([{"prompt": "x", "answer": "1"}, '{"prompt": "y", '], r"p\.jsonl:2: malformed JSON"),
+    ([{"prompt": 3, "answer": "1"}], r"p\.jsonl:1: prompt field 'prompt' must be a string"),
+    ([{"messages": [{"role": "user"}], "answer": "1"}], r"p\.jsonl:1: messages field 'messages'"),
+    ([{"prompt": "x", "answer": ["1"]}], r"p\.jsonl:1: answer field 'answer' must be"),
+    (["", "  "], r"p\.jsonl' has no records.*'prompt'.*'answer'"),
+])
+def test_load_jsonl_errors_name_file_line_and_field(tmp_path, records, pattern):
+    path = _jsonl(tmp_path / "p.jsonl", records)
+    with pytest.raises(ValueError, match=pattern):
+        load_prompts(path)
+
+
+def test_load_source_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"prompt file '.*missing.jsonl' does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="is not one of 'synthetic:<task>'"):
+        load_prompts(str(tmp_path / "data.csv"))
+    with pytest.raises(ValueError, match="takes no task parameters"):
+        load_prompts(_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "answer": "1"}]), digits=2)
+    with pytest.raises(ValueError, match="num_prompts must be >= 0"):
+        load_prompts("synthetic:addition", num_prompts=-1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow installed")
+def test_parquet_without_pyarrow_says_how_to_install(tmp_path):
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match="pip install pyarrow"):
+        load_prompts(str(tmp_path / "p.parquet"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed")
+def test_load_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), str(tmp_path / "p.parquet"))
+    items = load_prompts(str(tmp_path / "p.parquet"))
+    assert [(it.id, it.prompt, it.answer) for it in items] == [(0, "a", "1"), (1, "b", "2")]
+    pq.write_table(pa.table({"prompt": ["a"], "label": ["1"]}), str(tmp_path / "q.parquet"))
+    with pytest.raises(ValueError, match=r"q\.parquet row 0: record lacks answer field 'answer'"):
+        load_prompts(str(tmp_path / "q.parquet"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
+                    reason="reasoning_gym not installed (optional)")
+def test_load_reasoning_gym():
+    items = load_prompts("reasoning_gym:basic_arithmetic", num_prompts=3, seed=1)
+    assert len(items) == 3 and items[0].prompt and items[0].answer
+    assert items[0].meta["reasoning_gym"]["entry"]["answer"] == items[0].answer
+    with pytest.raises(ValueError, match="reasoning_gym could not create dataset 'no_such_task'"):
+        load_prompts("reasoning_gym:no_such_task", num_prompts=2)
+
+
+# ------------------------------------------------------------------------------ source/sharding
+
+def _items(n):
+    return [PromptItem(id=i, prompt=f"p{i}", messages=None, answer=str(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (8, 4), (5, 5), (7, 1)])
+def test_shards_are_disjoint_and_cover_every_epoch(n, world):
+    source = PromptSource(_items(n), seed=1)
+    shards = [source.shard(r, world) for r in range(world)]
+    for _ in range(3):  # epochs
+        seen = [[it.id for it in s.next_batch(len(s))] for s in shards]
+        flat = [i for ids in seen for i in ids]
+        assert sorted(flat) == list(range(n))
+
+
+def test_epochs_reshuffle_and_unshuffled_is_in_order():
+    source = PromptSource(_items(20), seed=0)
+    first, second = source.next_batch(20), source.next_batch(20)
+    assert source.epoch == 1 and [it.id for it in first] != [it.id for it in second]
+    ordered = PromptSource(_items(5), shuffle=False).shard(1, 2)
+    assert [it.id for it in ordered.next_batch(4)] == [1, 3, 1, 3]
+
+
+def test_cursor_resume_yields_exactly_the_remaining_sequence():
+    items = _items(11)
+    reference = PromptSource(items, seed=4).shard(1, 3)
+    expected = [it.id for it in reference.next_batch(25)]
+    source = PromptSource(items, seed=4).shard(1, 3)
+    head = [it.id for it in source.next_batch(7)]
+    state = json.loads(json.dumps(source.state_dict()))  # survives a checkpoint file
+    resumed = PromptSource(items, seed=4).shard(1, 3)
+    resumed.load_state_dict(state)
+    assert head + [it.id for it in resumed.next_batch(18)] == expected
+    other = PromptSource(items, seed=4).shard(0, 3)
+    with pytest.raises(ValueError, match="saved with rank=1 but this source has rank=0"):
+        other.load_state_dict(state)
+    assert [it.id for it in resumed.lookup([3, 5])] == [3, 5]
+
+
+def test_source_errors():
+    with pytest.raises(ValueError, match="3 prompts cannot feed 4 generator replicas"):
+        PromptSource(_items(3)).shard(0, 4)
+    with pytest.raises(ValueError, match="unique PromptItem ids"):
+        PromptSource(_items(2) + _items(1))
+    with pytest.raises(ValueError, match="0 <= rank < world"):
+        PromptSource(_items(2), rank=2, world=2)
+    with pytest.raises(ValueError, match="unknown prompt ids"):
+        PromptSource(_items(2)).lookup([5])
+
+
+# ---------------------------------------------------------------------- length filter, rendering
+
+def test_filter_by_length_counts_and_warns(caplog):
+    items = [PromptItem(id=i, prompt="x" * i, messages=None, answer="") for i in range(1, 7)]
+    encode = lambda it: list(range(len(it.prompt)))  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="tandem.data"):
+        kept, skipped = filter_by_length(items, encode, max_prompt_len=4)
+    assert [it.id for it in kept] == [1, 2, 3, 4] and skipped == 2
+    assert "skipped 2 of 6 prompts" in caplog.text
+    with pytest.raises(ValueError, match="max_prompt_len=0.*shortest has 1.*at least 1"):
+        filter_by_length(items, encode, max_prompt_len=0)
+
+
+def test_render_prompt():
+    task = AdditionTask()
+    tok = build_char_tokenizer(task.alphabet)
+    item = load_prompts("synthetic:addition", num_prompts=1)[0]
+    ids = render_prompt(item, tok, chat_template=False)
+    assert ids == [tok.bos_id] + tok.encode(item.prompt)  # BOS once, as the tokenizer's default
+    assert tok.decode(ids) == item.prompt
+    with pytest.raises(ValueError, match="no chat template"):
+        render_prompt(item, tok, chat_template=True)
+    chat_only = PromptItem(id=9, prompt=None, messages=[{"role": "user", "content": "1"}], answer="")
+    with pytest.raises(ValueError, match="prompt 9 .*set data.chat_template = true"):
+        render_prompt(chat_only, tok, chat_template=False)
+
+
+def test_render_prompt_with_chat_template_writes_bos_once():
+    from model.tokenizer import HFTokenizer
+
+    hf = build_char_tokenizer("0123456789+=:u").hf
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+                        "{% endfor %}{% if add_generation_prompt %}={% endif %}")
+    tok = HFTokenizer(hf)
+    item = PromptItem(id=0, prompt="1+2", messages=None, answer="3")
+    ids = render_prompt(item, tok, chat_template=True)
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    assert tok.decode(ids, skip_special=False) == "<bos>u:1+2="

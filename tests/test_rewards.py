@@ -1,0 +1,180 @@
+"""rollout.rewards: built-ins, spec resolution, and a runner that survives bad rewards."""
+import importlib.util
+import logging
+import sys
+import threading
+import types
+
+import pytest
+
+from rollout.data import PromptItem, load_prompts
+from rollout.rewards import (RewardRunner, exact_match, extract_final_answer, format_reward,
+                             math_fallback, math_reward, reasoning_gym_reward, resolve_reward)
+
+
+def _item(answer, i=0, **meta):
+    return PromptItem(id=i, prompt="q", messages=None, answer=answer, meta=meta)
+
+
+def test_exact_match():
+    assert exact_match(_item("46"), " 46\n", []) == 1.0
+    assert exact_match(_item(" 46 "), "46", []) == 1.0
+    assert exact_match(_item("46"), "460", []) == 0.0
+    assert exact_match(_item("46"), "", []) == 0.0
+
+
+@pytest.mark.parametrize("gold, completion, expected", [
+    ("46", "so the answer is 46.", 1.0),
+    ("46", "\\boxed{46}", 1.0),
+    ("46", "46.0", 1.0),
+    ("1234", "that is 1,234 apples", 1.0),
+    ("0.5", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("1/2", "the answer: 0.5", 1.0),
+    ("-4", "#### -4", 1.0),
+    ("72", "<answer>72</answer>", 1.0),
+    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72", 1.0),  # GSM8K-style gold
+    ("46", "45, no wait, 47", 0.0),
+    ("46", "no number here", 0.0),
+    ("46", "\\boxed{46", 1.0),           # unbalanced box: the last number is the answer
+    ("46", "\\boxed{47", 0.0),
+    ("yes", "\\boxed{Yes}", 1.0),        # non-numeric: normalised string match
+    ("46", "", 0.0),
+])
+def test_math_fallback(gold, completion, expected):
+    assert math_fallback(gold, completion) == expected
+
+
+def test_math_reward_uses_math_verify_or_fallback():
+    assert math_reward(_item("46"), "The answer is \\boxed{46}", []) == 1.0
+    assert math_reward(_item("46"), "The answer is \\boxed{47}", []) == 0.0
+    assert math_reward(_item("1/2"), "\\boxed{0.5}", []) == 1.0
+
+
+def test_extract_final_answer_prefers_box_then_markers():
+    assert extract_final_answer("3 then \\boxed{x+1} then 5") == "x+1"
+    assert extract_final_answer("3\n#### 7\n") == "7"
+    assert extract_final_answer("1 2 3") == "3"
+    assert extract_final_answer("none", last_number=False) is None
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("reasoning... <answer>42</answer>", 1.0),
+    ("<answer>42</answer>\n", 1.0),
+    ("work\n#### 42", 1.0),
+    ("<answer></answer>", 0.0),
+    ("<answer>42</answer> and more text", 0.0),
+    ("#### ", 0.0),
+    ("42", 0.0),
+])
+def test_format_reward(completion, expected):
+    assert format_reward(_item("42"), completion, []) == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
+                    reason="reasoning_gym not installed (optional)")
+def test_reasoning_gym_passthrough():
+    item = load_prompts("reasoning_gym:basic_arithmetic", num_prompts=1, seed=1)[0]
+    assert reasoning_gym_reward(item, f"thinking <answer>{item.answer}</answer>", []) == 1.0
+    assert reasoning_gym_reward(item, item.answer, []) == 1.0
+    assert reasoning_gym_reward(item, "<answer>not it</answer>", []) == 0.0
+    with pytest.raises(ValueError, match="prompt 0 .*only scores prompts loaded from"):
+        reasoning_gym_reward(_item("1"), "1", [])
+
+
+# ------------------------------------------------------------------------------------ resolve
+
+@pytest.fixture
+def user_module(monkeypatch):
+    """A user reward module importable as `tandem_user_rewards`."""
+    mod = types.ModuleType("tandem_user_rewards")
+    mod.length = lambda item, text, ids: float(len(ids))
+    mod.THRESHOLD = 3
+    monkeypatch.setitem(sys.modules, "tandem_user_rewards", mod)
+    return mod
+
+
+def test_resolve_builtins_and_paths(user_module):
+    assert resolve_reward("exact_match") is exact_match
+    assert resolve_reward("math") is math_reward
+    assert resolve_reward("tandem_user_rewards:length")(_item("1"), "", [1, 2]) == 2.0
+    combined = resolve_reward("exact_match", format_weight=0.5)
+    assert combined(_item("1"), "1", []) == 1.0
+    assert combined(_item("1"), "<answer>2</answer>", []) == 0.5
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ("nope", r"reward 'nope' is neither a built-in .*'package.module:function'"),
+    ("no_such_pkg_xyz.mod:fn", r"module 'no_such_pkg_xyz.mod' not found"),
+    ("tandem_user_rewards:missing", r"module 'tandem_user_rewards' has no attribute 'missing'"),
+    ("tandem_user_rewards:THRESHOLD", r"'THRESHOLD' is a int, not callable"),
+    ("tandem_user_rewards:", r"neither a built-in"),
+])
+def test_resolve_errors_name_spec_and_cause(user_module, spec, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        resolve_reward(spec)
+
+
+# ------------------------------------------------------------------------------------- runner
+
+def test_runner_scores_in_order():
+    with RewardRunner(exact_match, timeout_s=10.0) as runner:
+        items = [_item(str(i), i) for i in range(6)]
+        scores = runner.score_batch(items, ["0", "x", "2", "3", "", "5"], [[]] * 6)
+        assert scores == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+        assert runner.submit(items[0], "0", []).result() == 1.0
+        assert runner.stats() == {"calls": 7, "errors": 0, "timeouts": 0, "stuck": 0}
+
+
+def test_raising_reward_scores_zero_counts_and_logs_first_traceback_once(caplog):
+    def flaky(item, text, ids):
+        if item.id % 2:
+            raise RuntimeError(f"boom on {item.id}")
+        return 1.0
+
+    items = [_item("", i) for i in range(6)]
+    with caplog.at_level(logging.ERROR, logger="tandem.reward"):
+        with RewardRunner(flaky, timeout_s=10.0) as runner:
+            scores = runner.score_batch(items, [""] * 6, [[]] * 6)
+            stats = runner.stats()
+    assert scores == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert stats["errors"] == 3 and stats["timeouts"] == 0
+    failures = [r for r in caplog.records if r.name == "tandem.reward"]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert "RuntimeError: boom on" in caplog.text and "Traceback" in caplog.text
+
+
+def test_bad_return_values_are_errors():
+    values = iter(["abc", float("nan"), None])
+    with RewardRunner(lambda item, text, ids: next(values), timeout_s=10.0, max_workers=1) as runner:
+        assert runner.score_batch([_item("")] * 3, [""] * 3, [[]] * 3) == [0.0, 0.0, 0.0]
+        assert runner.stats()["errors"] == 3
+
+
+def test_stuck_reward_times_out_without_blocking_others(caplog):
+    release = threading.Event()
+
+    def reward(item, text, ids):
+        if text == "stuck":
+            release.wait()  # stuck until the test releases it: overruns any time limit
+        return 1.0
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.reward"):
+            with RewardRunner(reward, timeout_s=0.2, max_workers=1) as runner:
+                # one supervisor: the second call only runs once the first is abandoned
+                scores = runner.score_batch([_item("", 0), _item("", 1), _item("", 2)],
+                                            ["stuck", "ok", "stuck"], [[]] * 3)
+                stats = runner.stats()
+        assert scores == [0.0, 1.0, 0.0]
+        assert stats["timeouts"] == 2 and stats["errors"] == 0 and stats["stuck"] == 2
+        assert caplog.text.count("exceeded reward.timeout_s=0.2") == 1
+    finally:
+        release.set()
+
+
+def test_runner_argument_errors():
+    with pytest.raises(ValueError, match="timeout_s > 0"):
+        RewardRunner(exact_match, timeout_s=0)
+    with RewardRunner(exact_match, timeout_s=1.0) as runner:
+        with pytest.raises(ValueError, match="equal lengths"):
+            runner.score_batch([_item("")], [], [])
