@@ -1,0 +1,243 @@
+"""Off-policy buffer and staleness gate: properties under simulated interleavings, real threads
+for blocking (synchronised by the buffer's own counters and joins, never by sleeping)."""
+import doctest
+import random
+import threading
+import time
+
+import pytest
+
+import trainer.buffer
+from trainer.batch import Group, Trajectory
+from trainer.buffer import (BufferClosed, GenerationGate, OffPolicyBuffer,
+                            staleness_gate_allows)
+
+
+def make_group(pid, version, n=2, newer=None):
+    """n samples; when `newer` is set, later tokens were sampled by that (newer) version."""
+    later = version if newer is None else newer
+    trajs = [Trajectory(pid, j, [1, 2], [3, 4, 5], [-0.5] * 3, [version, later, later],
+                        float(j), "stop") for j in range(n)]
+    return Group(pid, trajs)
+
+
+def wait_until(pred, timeout=5.0):
+    """Spin (no sleep) until `pred()`; used only to observe that a thread reached its wait."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "the other thread never reached its wait"
+
+
+def test_docstring_examples():
+    assert doctest.testmod(trainer.buffer).failed == 0
+
+
+def test_gate_formula_matches_areal():
+    # B = 4, eta = 1, version 2: groups 1..16 may start ((16 - 1) // 4 = 3 <= 3), 17 may not.
+    assert staleness_gate_allows(16, 2, batch_groups=4, max_staleness=1)
+    assert not staleness_gate_allows(17, 2, batch_groups=4, max_staleness=1)
+    buf = OffPolicyBuffer(capacity_samples=64, max_staleness=1, batch_groups=4, group_size=2)
+    assert buf.admit_allowed(16, 2) and not buf.admit_allowed(17, 2)
+    with pytest.raises(ValueError, match="counts the new group"):
+        staleness_gate_allows(0, 0, 4, 1)
+
+
+def _simulate(seed, in_order):
+    """Generator and trainer act in a random interleaving. The generator samples with the
+    trainer's current weights (mid-generation weight swaps give later tokens newer versions).
+    `in_order`: groups finish in start order; else any in-flight group may finish next."""
+    rng = random.Random(seed)
+    B, n, eta = rng.randint(1, 4), rng.randint(1, 3), rng.randint(0, 3)
+    buf = OffPolicyBuffer(capacity_samples=(eta + 2) * B * n + rng.randint(0, 5), max_staleness=eta,
+                          batch_groups=B, group_size=n)
+    gate = GenerationGate(B, eta)
+    version, inflight, trained, max_staleness_seen = 0, [], 0, 0
+    while version < 40:
+        action = rng.random()
+        if action < 0.35:
+            if gate.try_acquire():
+                inflight.append((gate.n_started, version))
+        elif action < 0.7 and inflight:
+            pid, v0 = inflight[0 if in_order else rng.randrange(len(inflight))]
+            if buf.try_put(make_group(pid, v0, n, newer=version)):
+                inflight.remove((pid, v0))
+        elif action >= 0.7:
+            batch = buf.try_take(B, version)
+            if batch is not None:
+                assert len(batch) == B and all(g.num_samples == n for g in batch)
+                staleness = [version - g.min_version for g in batch]
+                assert max(staleness) <= eta, (seed, staleness)     # never trains stale samples
+                max_staleness_seen = max(max_staleness_seen, *staleness)
+                trained += B
+                version += 1
+                gate.update(version, buf.stats()["dropped_stale"])
+        st = buf.stats()
+        # every started group is trained, buffered, in flight or counted as dropped
+        assert gate.n_started == trained + st["size_groups"] + len(inflight) + st["dropped_stale"]
+        assert st["size_samples"] <= buf.capacity_samples
+    return buf.stats(), eta, max_staleness_seen
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_gate_bounds_staleness_so_nothing_is_dropped(seed):
+    stats, eta, seen = _simulate(seed, in_order=True)
+    assert stats["dropped_stale"] == 0
+    assert seen <= eta
+
+
+def test_out_of_order_completion_drops_but_never_trains_stale_and_never_deadlocks():
+    dropped = [_simulate(seed, in_order=False)[0]["dropped_stale"] for seed in range(40)]
+    assert sum(dropped) > 0    # stragglers do go stale; they are counted, and the loop finished
+
+
+def test_eta_zero_trains_only_current_version():
+    B, n = 2, 2
+    buf = OffPolicyBuffer(capacity_samples=8, max_staleness=0, batch_groups=B, group_size=n)
+    gate = GenerationGate(B, 0)
+    for version in range(5):
+        while gate.try_acquire():
+            buf.put(make_group(gate.n_started, version, n), timeout=1.0)
+        assert len(buf) == B                     # the gate admitted exactly one batch
+        batch = buf.take(B, version, timeout=1.0)
+        assert {g.min_version for g in batch} == {version}
+        gate.update(version + 1)
+    assert buf.stats()["dropped_stale"] == 0
+
+
+def test_take_drops_stale_and_returns_oldest_fresh_first():
+    buf = OffPolicyBuffer(capacity_samples=20, max_staleness=1, batch_groups=2, group_size=2)
+    for pid, v in [(1, 5), (2, 3), (3, 4), (4, 6), (5, 4)]:
+        buf.put(make_group(pid, v), timeout=1.0)
+    batch = buf.take(2, trainer_version=5, timeout=1.0)    # versions >= 4; 3 is stale
+    assert [g.prompt_id for g in batch] == [3, 5]
+    st = buf.stats()
+    assert st["dropped_stale"] == 1 and st["dropped_stale_samples"] == 2
+    assert st["size_groups"] == 2 and st["taken_groups"] == 2
+    # dropped groups give their slot back in the gate
+    assert buf.admit_allowed(n_generated_groups=2 * (5 + 1 + 1) + 1, trainer_version=5)
+
+
+def test_groups_stay_whole():
+    buf = OffPolicyBuffer(capacity_samples=9, max_staleness=0, batch_groups=1, group_size=3)
+    with pytest.raises(ValueError, match="group_size=3"):
+        buf.put(make_group(1, 0, n=2), timeout=1.0)
+    g = make_group(1, 0, n=3)
+    buf.put(g, timeout=1.0)
+    (out,) = buf.take(1, 0, timeout=1.0)
+    assert out is g and [t.sample_idx for t in out.trajectories] == [0, 1, 2]
+
+
+def test_back_pressure_blocks_put_until_take_frees_room():
+    buf = OffPolicyBuffer(capacity_samples=4, max_staleness=2, batch_groups=1, group_size=2)
+    buf.put(make_group(1, 0), timeout=1.0)
+    buf.put(make_group(2, 0), timeout=1.0)
+    assert not buf.try_put(make_group(3, 0))
+    errors = []
+
+    def producer():
+        try:
+            buf.put(make_group(3, 1), timeout=10.0)
+        except Exception as e:      # surfaced in the main thread below
+            errors.append(e)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    wait_until(lambda: buf.stats()["waiting_puts"] == 1)
+    assert len(buf) == 2                                # still blocked: full
+    buf.take(1, trainer_version=0, timeout=1.0)
+    t.join(timeout=10.0)
+    assert not t.is_alive() and not errors
+    assert len(buf) == 2 and buf.num_samples == 4
+
+
+def test_blocked_take_wakes_on_put():
+    buf = OffPolicyBuffer(capacity_samples=8, max_staleness=0, batch_groups=2, group_size=2)
+    result = []
+    t = threading.Thread(target=lambda: result.append(buf.take(2, 3, timeout=10.0)))
+    t.start()
+    wait_until(lambda: buf.stats()["waiting_takes"] == 1)
+    buf.put(make_group(1, 3), timeout=1.0)
+    buf.put(make_group(2, 2), timeout=1.0)              # stale for version 3: dropped on wake
+    buf.put(make_group(3, 3), timeout=1.0)
+    t.join(timeout=10.0)
+    assert [g.prompt_id for g in result[0]] == [1, 3]
+    assert buf.stats()["dropped_stale"] == 1
+
+
+def test_timeout_messages_name_what_was_awaited():
+    buf = OffPolicyBuffer(capacity_samples=4, max_staleness=1, batch_groups=2, group_size=2)
+    buf.put(make_group(7, 4), timeout=1.0)
+    with pytest.raises(TimeoutError, match=r"for 2 groups with min_version >= 4 .*trainer_version 5"
+                                           r".*it has 1 \(versions \[4\]\)"):
+        buf.take(2, trainer_version=5, timeout=0.01)
+    buf.put(make_group(8, 4), timeout=1.0)
+    with pytest.raises(TimeoutError,
+                       match=r"room for 2 samples \(group prompt_id=9\).*4/4 samples"):
+        buf.put(make_group(9, 4), timeout=0.01)
+    gate = GenerationGate(batch_groups=2, max_staleness=1)
+    assert gate.try_acquire() and gate.try_acquire() and gate.try_acquire() and gate.try_acquire()
+    with pytest.raises(TimeoutError, match=r"group 5 may start only at trainer version >= 1, "
+                                           r"trainer is at 0"):
+        gate.acquire(timeout=0.01)
+    with pytest.raises(ValueError, match="finite timeout"):
+        buf.take(1, 0, timeout=None)
+
+
+def test_gate_pauses_generator_until_trainer_advances():
+    gate = GenerationGate(batch_groups=1, max_staleness=0)
+    assert gate.acquire(timeout=1.0) == 1 and not gate.try_acquire()
+    got = []
+    t = threading.Thread(target=lambda: got.append(gate.acquire(timeout=10.0)))
+    t.start()
+    gate.update(1)
+    t.join(timeout=10.0)
+    assert got == [2] and gate.trainer_version == 1
+    gate.update(0)                              # stale message: versions only move forward
+    assert gate.trainer_version == 1
+
+
+def test_close_wakes_waiters_with_reason():
+    buf = OffPolicyBuffer(capacity_samples=2, max_staleness=0, batch_groups=1, group_size=2)
+    errors = []
+
+    def consumer():
+        try:
+            buf.take(1, 0, timeout=10.0)
+        except BufferClosed as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    wait_until(lambda: buf.stats()["waiting_takes"] == 1)
+    buf.close("generator rank 3 crashed")
+    t.join(timeout=10.0)
+    assert errors == ["buffer closed: generator rank 3 crashed"]
+    with pytest.raises(BufferClosed):
+        buf.try_put(make_group(1, 0))
+
+
+def test_state_dict_round_trip():
+    buf = OffPolicyBuffer(capacity_samples=12, max_staleness=2, batch_groups=2, group_size=2)
+    for pid, v in [(1, 3), (2, 1), (3, 2)]:
+        buf.put(make_group(pid, v, newer=v + 1), timeout=1.0)
+    buf.take(1, trainer_version=3, timeout=1.0)           # takes pid 2 (oldest)
+    state = buf.state_dict()
+    assert {type(x) for x in state["groups"]} == {dict}   # plain python data
+    fresh = OffPolicyBuffer(capacity_samples=12, max_staleness=2, batch_groups=2, group_size=2)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    assert fresh.stats() == buf.stats()
+    got = fresh.take(2, trainer_version=3, timeout=1.0)
+    assert [(g.prompt_id, g.min_version) for g in got] == [(3, 2), (1, 3)]
+    assert got[0].trajectories[1].token_versions == [2, 3, 3]
+    small = OffPolicyBuffer(capacity_samples=2, max_staleness=2, batch_groups=1, group_size=2)
+    with pytest.raises(ValueError, match="holds 4 samples but capacity_samples is 2"):
+        small.load_state_dict(state)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"cannot hold one trainer batch .* 4 \* 3"):
+        OffPolicyBuffer(capacity_samples=11, max_staleness=1, batch_groups=4, group_size=3)
+    buf = OffPolicyBuffer(capacity_samples=12, max_staleness=1, batch_groups=4, group_size=3)
+    with pytest.raises(ValueError, match=r"take\(5\) must ask for 1..4 groups"):
+        buf.take(5, 0, timeout=0.01)

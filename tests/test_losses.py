@@ -1,0 +1,333 @@
+"""Losses, log-prob helpers and packing, against hand-computed values."""
+import doctest
+import math
+import random
+
+import pytest
+import torch
+
+import trainer.batch
+import trainer.losses
+from trainer.advantages import group_advantages
+from trainer.batch import (Group, Trajectory, count_loss_tokens, flatten_groups, pack,
+                           rewards_GN, split_by_token_budget, token_budget_bins)
+from trainer.losses import (aipo_loss, decoupled_ppo_loss, entropy_from_logits,
+                            kl_penalty, mismatch_kl, normalize, ppo_clip_loss, token_is,
+                            token_logprobs)
+
+LN = math.log
+
+
+@pytest.mark.parametrize("module", [trainer.losses, trainer.batch])
+def test_docstring_examples(module):
+    assert doctest.testmod(module).failed == 0
+
+
+# -- AIPO ------------------------------------------------------------------------------------------
+def test_aipo_gradient_coefficients_above_and_below_rho():
+    # ratios pi/mu: 0.5/0.1 = 5 (> rho=3, truncated), 0.5/0.4 = 1.25, 0.2/0.2 = 1; 4th masked.
+    logp_N = torch.tensor([LN(0.5), LN(0.5), LN(0.2), -30.0], dtype=torch.float64,
+                          requires_grad=True)
+    logp_mu_N = torch.tensor([LN(0.1), LN(0.4), LN(0.2), 0.0], dtype=torch.float64)
+    adv_N = torch.tensor([2.0, -1.0, 3.0, 100.0], dtype=torch.float64)
+    mask_N = torch.tensor([True, True, True, False])
+    out = aipo_loss(logp_N, logp_mu_N, adv_N, mask_N, rho=3.0)
+    out.loss_sum.backward()
+    # d loss / d logp_t = -min(ratio, rho) * A: -3*2, -1.25*(-1), -1*3, masked 0.
+    assert logp_N.grad.tolist() == pytest.approx([-6.0, 1.25, -3.0, 0.0])
+    expect = -(3 * 2 * LN(0.5) + 1.25 * -1 * LN(0.5) + 1 * 3 * LN(0.2))
+    assert out.loss_sum.item() == pytest.approx(expect)
+    assert int(out.tokens) == 3 and int(out.truncated_count) == 1
+    assert out.is_ratio_sum.item() == pytest.approx(5 + 1.25 + 1)
+    assert out.is_ratio_max.item() == pytest.approx(5.0)
+
+
+def test_aipo_differs_from_the_clamp_port_only_on_truncated_tokens():
+    logp_N = torch.tensor([LN(0.5), LN(0.5)], dtype=torch.float64, requires_grad=True)
+    logp_mu_N = torch.tensor([LN(0.1), LN(0.4)], dtype=torch.float64)   # ratios 5, 1.25
+    adv_N = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    port = -(torch.exp(logp_N - logp_mu_N).clamp(max=2.0) * adv_N).sum()
+    (port_grad_N,) = torch.autograd.grad(port, logp_N)
+    aipo_loss(logp_N, logp_mu_N, adv_N, torch.ones(2, dtype=torch.bool), 2.0).loss_sum.backward()
+    assert port_grad_N.tolist() == pytest.approx([0.0, -1.25])   # truncated token: no gradient
+    assert logp_N.grad.tolist() == pytest.approx([-2.0, -1.25])  # faithful: weight rho
+
+
+def test_aipo_on_policy_is_reinforce():
+    logp_N = torch.tensor([-0.3, -1.2, -2.0], requires_grad=True)
+    adv_N = torch.tensor([0.5, -0.5, 2.0])
+    mask_N = torch.tensor([True, True, True])
+    out = aipo_loss(logp_N, logp_N.detach(), adv_N, mask_N, rho=2.0)
+    out.loss_sum.backward()
+    assert out.loss_sum.item() == pytest.approx(-(0.5 * -0.3 + -0.5 * -1.2 + 2.0 * -2.0))
+    assert logp_N.grad.tolist() == pytest.approx([-0.5, 0.5, -2.0])
+    assert int(out.truncated_count) == 0 and out.is_ratio_sum.item() == pytest.approx(3.0)
+
+
+def test_aipo_rejects_bad_rho():
+    with pytest.raises(ValueError, match="rho must be positive"):
+        aipo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.ones(1, dtype=bool), 0.0)
+
+
+# -- PPO and decoupled PPO -------------------------------------------------------------------------
+def test_ppo_clip_known_numbers():
+    # u = pi/pi_old, eps 0.2: rows (u, A) -> surrogate, d loss / d logp
+    # (1.5, +1) -> 1.2 clipped, 0 | (0.5, -1) -> -0.8 clipped, 0 | (1.5, -1) -> -1.5, +1.5
+    # (1.1, +1) -> 1.1, -1.1
+    u = [1.5, 0.5, 1.5, 1.1]
+    logp_N = torch.tensor([LN(x) for x in u], dtype=torch.float64, requires_grad=True)
+    adv_N = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    out = ppo_clip_loss(logp_N, torch.zeros(4, dtype=torch.float64), adv_N,
+                        torch.ones(4, dtype=torch.bool), eps=0.2)
+    out.loss_sum.backward()
+    assert out.loss_sum.item() == pytest.approx(-(1.2 - 0.8 - 1.5 + 1.1))
+    assert logp_N.grad.tolist() == pytest.approx([0.0, 0.0, 1.5, -1.1])
+    assert int(out.clipped_count) == 2
+
+
+def test_ppo_with_token_is_weights():
+    logp_N = torch.tensor([0.0, 0.0], requires_grad=True)          # u = 1 (pi == pi_old)
+    logp_mu_N = torch.tensor([LN(0.25), LN(0.8)])                   # pi/mu = 4, 1.25
+    mask_N = torch.ones(2, dtype=torch.bool)
+    w_N = token_is(logp_N, logp_mu_N, "truncate", cap=2.0)
+    assert w_N.tolist() == pytest.approx([2.0, 1.25]) and not w_N.requires_grad
+    assert token_is(logp_N, logp_mu_N, "mask", cap=2.0).tolist() == pytest.approx([0.0, 1.25])
+    assert token_is(logp_N, logp_mu_N, "none", cap=2.0).tolist() == [1.0, 1.0]
+    out = ppo_clip_loss(logp_N, logp_N.detach(), torch.ones(2), mask_N, 0.2, is_weight_N=w_N)
+    out.loss_sum.backward()
+    assert logp_N.grad.tolist() == pytest.approx([-2.0, -1.25])
+    with pytest.raises(ValueError, match="unknown token IS mode"):
+        token_is(logp_N, logp_mu_N, "sequence", 2.0)
+
+
+def test_decoupled_reduces_to_ppo_when_prox_equals_behaviour():
+    g = torch.Generator().manual_seed(0)
+    logp_prox_N = -torch.rand(32, generator=g, dtype=torch.float64) * 3
+    logp_N = (logp_prox_N + torch.randn(32, generator=g, dtype=torch.float64) * 0.4)
+    adv_N = torch.randn(32, generator=g, dtype=torch.float64)
+    mask_N = torch.rand(32, generator=g) > 0.2
+    a = logp_N.clone().requires_grad_()
+    b = logp_N.clone().requires_grad_()
+    dec = decoupled_ppo_loss(a, logp_prox_N, logp_prox_N, adv_N, mask_N, 0.2, prox_cap=5.0)
+    ppo = ppo_clip_loss(b, logp_prox_N, adv_N, mask_N, 0.2)
+    dec.loss_sum.backward(); ppo.loss_sum.backward()
+    assert dec.loss_sum.item() == pytest.approx(ppo.loss_sum.item())
+    torch.testing.assert_close(a.grad, b.grad)
+    assert int(dec.clipped_count) == int(ppo.clipped_count) > 0
+    assert int(dec.truncated_count) == 0
+
+
+def test_decoupled_behaviour_weight_and_cap():
+    # pi = pi_prox = 0.5; mu = 0.25 (weight 2), 0.05 (weight 10 > cap, dropped), 0.5 (weight 1)
+    logp_N = torch.full((3,), LN(0.5), dtype=torch.float64, requires_grad=True)
+    logp_mu_N = torch.tensor([LN(0.25), LN(0.05), LN(0.5)], dtype=torch.float64)
+    adv_N = torch.tensor([1.0, 1.0, -2.0], dtype=torch.float64)
+    out = decoupled_ppo_loss(logp_N, logp_N.detach(), logp_mu_N, adv_N,
+                             torch.ones(3, dtype=torch.bool), eps=0.2, prox_cap=5.0)
+    out.loss_sum.backward()
+    assert out.loss_sum.item() == pytest.approx(-(2 * 1 + 1 * -2))
+    assert logp_N.grad.tolist() == pytest.approx([-2.0, 0.0, 2.0])
+    assert int(out.truncated_count) == 1 and int(out.tokens) == 3
+
+
+# -- KL, entropy, log-probs ------------------------------------------------------------------------
+def test_kl_estimators_known_numbers():
+    logp_N = torch.tensor([0.0, LN(0.5), 5.0])
+    logp_ref_N = torch.tensor([LN(0.5), 0.0, -5.0])
+    mask_N = torch.tensor([True, True, False])
+    # d = ref - logp = [-ln2, +ln2]
+    assert kl_penalty(logp_N, logp_ref_N, mask_N, "k1").item() == pytest.approx(0.0, abs=1e-7)
+    assert kl_penalty(logp_N, logp_ref_N, mask_N, "k2").item() == pytest.approx(LN(2) ** 2)
+    # k3: (0.5 + ln2 - 1) + (2 - ln2 - 1) = 0.5
+    assert kl_penalty(logp_N, logp_ref_N, mask_N, "k3").item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_penalty(logp_N, logp_ref_N, mask_N, "k4")
+
+
+def test_k3_gradient_flows_and_vanishes_at_ref():
+    logp_N = torch.tensor([-1.0, -2.0], requires_grad=True)
+    kl_penalty(logp_N, logp_N.detach(), torch.ones(2, dtype=torch.bool), "k3").backward()
+    assert logp_N.grad.tolist() == [0.0, 0.0]
+
+
+def test_mismatch_kl_known_numbers():
+    # log r = logp - logp_mu = [ln2, -ln2]: (2 - 1 - ln2) + (0.5 - 1 + ln2) = 0.5
+    logp_N = torch.tensor([0.0, 0.0, 3.0], requires_grad=True)
+    logp_mu_N = torch.tensor([-LN(2), LN(2), 0.0])
+    out = mismatch_kl(logp_N, logp_mu_N, torch.tensor([True, True, False]))
+    assert out.item() == pytest.approx(0.5) and not out.requires_grad
+    assert mismatch_kl(logp_N, logp_N.detach(), torch.ones(3, dtype=torch.bool)).item() == 0.0
+
+
+def _manual_logp(logits_NV, targets_N, temperature):
+    p_NV = [[math.exp(z / temperature) for z in row] for row in logits_NV.tolist()]
+    return [math.log(row[t] / sum(row)) for row, t in zip(p_NV, targets_N.tolist())]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
+def test_token_logprobs_vs_manual_softmax(temperature):
+    g = torch.Generator().manual_seed(1)
+    logits_NV = torch.randn(7, 5, generator=g)
+    targets_N = torch.randint(0, 5, (7,), generator=g)
+    got = token_logprobs(logits_NV, targets_N, temperature, chunk_size=3)
+    assert got.tolist() == pytest.approx(_manual_logp(logits_NV, targets_N, temperature), abs=1e-5)
+
+
+def test_token_logprobs_chunked_equals_unchunked_with_grads_and_bf16():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 5, 11, generator=g)
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    la = token_logprobs(a, targets, 0.9, chunk_size=3)
+    lb = token_logprobs(b, targets, 0.9, chunk_size=1000)
+    assert la.shape == (2, 5)
+    torch.testing.assert_close(la, lb)
+    (la * torch.arange(10.0).view(2, 5)).sum().backward()
+    (lb * torch.arange(10.0).view(2, 5)).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+    lbf = token_logprobs(logits.bfloat16(), targets, 0.9)
+    assert lbf.dtype == torch.float32
+    torch.testing.assert_close(lbf, la.detach(), atol=0.05, rtol=0)
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        token_logprobs(logits, targets, 0.0)
+
+
+def test_entropy_known_numbers_and_chunking():
+    logits_NV = torch.stack([torch.zeros(3), torch.tensor([LN(0.5), LN(0.25), LN(0.25)]),
+                             torch.tensor([9.0, 0.0, 0.0])])
+    mask_N = torch.tensor([True, True, False])
+    # log 3 + (0.5 ln2 + 2 * 0.25 ln4) = ln3 + 1.5 ln2
+    expect = LN(3) + 1.5 * LN(2)
+    assert entropy_from_logits(logits_NV, mask_N).item() == pytest.approx(expect, rel=1e-6)
+    assert entropy_from_logits(logits_NV, mask_N, chunk_size=1).item() == pytest.approx(expect,
+                                                                                         rel=1e-6)
+    # temperature 2 on [ln .5, ln .25, ln .25] gives probs proportional to sqrt: [.5**.5, .5, .5]
+    p = [0.5 ** 0.5, 0.5, 0.5]
+    p = [x / sum(p) for x in p]
+    h_t2 = -sum(x * LN(x) for x in p)
+    got = entropy_from_logits(logits_NV[1:2], torch.tensor([True]), temperature=2.0)
+    assert got.item() == pytest.approx(h_t2, rel=1e-6)
+
+
+def test_normalize_and_accumulate_outputs():
+    assert normalize(torch.tensor(6.0), torch.tensor(4)).item() == 1.5
+    assert normalize(torch.tensor(0.0), 0).item() == 0.0
+    m = torch.ones(2, dtype=torch.bool)
+    a = aipo_loss(torch.zeros(2), torch.tensor([0.0, -LN(3)]), torch.ones(2), m, 2.0)
+    b = aipo_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), m[:1], 2.0)
+    s = (a + b).metrics()
+    assert s["tokens"] == 3 and s["is_ratio_max"] == pytest.approx(3.0)
+    assert s["is_ratio_mean"] == pytest.approx(5 / 3)
+    assert s["truncated_frac"] == pytest.approx(1 / 3)
+
+
+# -- packing ---------------------------------------------------------------------------------------
+def _traj(pid, idx, p, c, version=0, reward=0.0):
+    return Trajectory(prompt_id=pid, sample_idx=idx, prompt_ids=list(range(1, p + 1)),
+                      completion_ids=[10 + k for k in range(c)],
+                      logp_mu=[-0.1 * (k + 1) for k in range(c)],
+                      token_versions=[version + (k % 2) for k in range(c)],
+                      reward=reward, finish_reason="stop")
+
+
+def test_pack_alignment_by_hand():
+    a = Trajectory(0, 0, [5, 6], [7, 8], [-0.1, -0.2], [3, 4], 1.0, "stop")
+    b = Trajectory(1, 0, [9], [4, 2, 3], [-1.0, -2.0, -3.0], [5, 5, 5], 0.0, "length")
+    pb = pack([a, b], [0.5, -2.0])
+    assert pb.input_ids_N.tolist() == [5, 6, 7, 8, 9, 4, 2, 3]
+    assert pb.seq_lens_S.tolist() == [4, 4]
+    assert pb.targets_N.tolist() == [6, 7, 8, 0, 4, 2, 3, 0]
+    assert pb.loss_mask_N.tolist() == [False, True, True, False, True, True, True, False]
+    assert pb.logp_mu_N.tolist() == pytest.approx([0, -0.1, -0.2, 0, -1, -2, -3, 0])
+    assert pb.adv_N.tolist() == [0, 0.5, 0.5, 0, -2, -2, -2, 0]
+    assert pb.versions_N.tolist() == [-1, 3, 4, -1, 5, 5, 5, -1]
+    assert pb.position_ids_N.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert pb.cu_seqlens_S1.tolist() == [0, 4, 8]
+    assert count_loss_tokens([pb, pb]) == 10
+    assert a.version == 3 and Group(0, [a]).min_version == 3
+
+
+def test_trajectory_and_group_validation():
+    with pytest.raises(ValueError, match="one entry per completion token"):
+        Trajectory(0, 0, [1], [2, 3], [-0.1], [0, 0], 0.0, "stop")
+    with pytest.raises(ValueError, match="non-empty"):
+        Trajectory(0, 0, [1], [], [], [], 0.0, "stop")
+    with pytest.raises(ValueError, match=r"prompt ids \[7\]"):
+        Group(0, [_traj(0, 0, 2, 2), _traj(7, 1, 2, 2)])
+    with pytest.raises(ValueError, match="2 trajectories but 1 advantages"):
+        pack([_traj(0, 0, 2, 2), _traj(0, 1, 2, 2)], [1.0])
+
+
+def test_split_by_token_budget():
+    trajs = [_traj(i, 0, p, c) for i, (p, c) in enumerate([(2, 1), (3, 5), (1, 4), (1, 1), (9, 3)])]
+    # lengths 3, 8, 5, 2, 12; the 12-token sequence exceeds the budget and sits alone
+    bins = split_by_token_budget(trajs, max_tokens=10)
+    assert [[t.prompt_id for t in b] for b in bins] == [[4], [1, 3], [0, 2]]
+    assert all(sum(t.num_tokens for t in b) <= 10 for b in bins if len(b) > 1)
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(200)]
+    bins = token_budget_bins(lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(200))
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    with pytest.raises(ValueError, match="max_tokens must be positive"):
+        token_budget_bins([1], 0)
+
+
+# -- micro-batch invariance ------------------------------------------------------------------------
+def _groups(seed, n_groups=4, n=3, vocab=13):
+    rng = random.Random(seed)
+    groups = []
+    for pid in range(n_groups):
+        trajs = []
+        for j in range(n):
+            p, c = rng.randint(1, 6), rng.randint(1, 9)
+            trajs.append(Trajectory(pid, j, [rng.randrange(vocab) for _ in range(p)],
+                                    [rng.randrange(vocab) for _ in range(c)],
+                                    [-rng.uniform(0.5, 4.0) for _ in range(c)], [0] * c,
+                                    float(rng.randint(0, 2)), "stop"))
+        groups.append(Group(pid, trajs))
+    return groups
+
+
+LOSSES = {
+    "aipo": lambda lp, pb: aipo_loss(lp, pb.logp_mu_N.double(), pb.adv_N.double(),
+                                     pb.loss_mask_N, rho=2.0),
+    "ppo": lambda lp, pb: ppo_clip_loss(lp, pb.logp_mu_N.double(), pb.adv_N.double(),
+                                        pb.loss_mask_N, eps=0.2),
+    "decoupled": lambda lp, pb: decoupled_ppo_loss(lp, lp.detach() - 0.3, pb.logp_mu_N.double(),
+                                                   pb.adv_N.double(), pb.loss_mask_N, 0.2, 5.0),
+}
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_loss_and_grad_invariant_to_micro_batch_split(loss_name):
+    vocab = 13
+    groups = _groups(seed=3, vocab=vocab)
+    trajs = flatten_groups(groups)
+    adv_S = group_advantages(rewards_GN(groups), "group_mean").flatten()
+    torch.manual_seed(0)
+    policy = torch.nn.Embedding(vocab, vocab).double()       # tiny "policy": bigram logits
+
+    def run(bins):
+        policy.zero_grad()
+        micro = [pack([trajs[i] for i in b], adv_S[b]) for b in bins]
+        global_tokens = count_loss_tokens(micro)               # all micro-batches of the step
+        total, acc = 0.0, None
+        for pb in micro:
+            logp_N = token_logprobs(policy(pb.input_ids_N), pb.targets_N)
+            out = LOSSES[loss_name](logp_N.double(), pb)
+            loss = normalize(out.loss_sum, global_tokens)
+            loss.backward()
+            total += loss.item()
+            acc = out.detach() if acc is None else acc + out.detach()
+        return total, policy.weight.grad.clone(), acc
+
+    full_loss, full_grad, full_out = run([list(range(len(trajs)))])
+    bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens=12)
+    assert len(bins) > 3
+    micro_loss, micro_grad, micro_out = run(bins)
+    assert micro_loss == pytest.approx(full_loss, rel=1e-10)
+    torch.testing.assert_close(micro_grad, full_grad, rtol=1e-10, atol=1e-12)
+    assert full_grad.abs().sum() > 0
+    assert int(micro_out.tokens) == int(full_out.tokens)
+    assert micro_out.is_ratio_max.item() == pytest.approx(full_out.is_ratio_max.item())

@@ -1,0 +1,231 @@
+"""Typed batches: what the generator sends (`Trajectory`, `Group`) and what the trainer runs on
+(`PackedBatch`: padding-free packed sequences with explicit lengths, as in ReaLHF).
+
+Typical trainer step (advantages are computed per group BEFORE micro-batching, so splitting a
+step into micro-batches never changes the baseline):
+
+    trajs = flatten_groups(groups)                                   # S trajectories
+    adv_S = group_advantages(rewards_GN(groups), "group_mean").flatten()
+    bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens)
+    micro = [pack([trajs[i] for i in b], adv_S[b]) for b in bins]
+    global_tokens = count_loss_tokens(micro)                         # then all-reduce over DP
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Trajectory:
+    """One sampled completion, exactly as the generator produced it (tokens in, tokens out).
+
+    `logp_mu[k]` is the behaviour log-prob of `completion_ids[k]` under the (temperature-scaled)
+    sampling distribution, and `token_versions[k]` the policy version that sampled it. Versions
+    can differ within one completion when the generator swaps weights mid-sequence; the oldest
+    one (`version`) is what staleness is measured by.
+    """
+
+    prompt_id: int
+    sample_idx: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logp_mu: list[float]
+    token_versions: list[int]
+    reward: float
+    finish_reason: str
+
+    def __post_init__(self) -> None:
+        c = len(self.completion_ids)
+        if c == 0 or len(self.prompt_ids) == 0:
+            raise ValueError(
+                f"Trajectory(prompt_id={self.prompt_id}, sample_idx={self.sample_idx}) needs a "
+                f"non-empty prompt and completion, got {len(self.prompt_ids)} prompt and {c} "
+                "completion tokens")
+        if len(self.logp_mu) != c or len(self.token_versions) != c:
+            raise ValueError(
+                f"Trajectory(prompt_id={self.prompt_id}, sample_idx={self.sample_idx}): "
+                f"logp_mu ({len(self.logp_mu)}) and token_versions ({len(self.token_versions)}) "
+                f"must have one entry per completion token ({c})")
+
+    @property
+    def version(self) -> int:
+        """The oldest policy version that sampled any token of this completion."""
+        return min(self.token_versions)
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the packed sequence (prompt + completion)."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        return cls(**d)
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt. They travel, wait and train together (the group baseline
+    needs all of them), so the buffer never splits a group."""
+
+    prompt_id: int
+    trajectories: list[Trajectory]
+
+    def __post_init__(self) -> None:
+        if not self.trajectories:
+            raise ValueError(f"Group(prompt_id={self.prompt_id}) has no trajectories")
+        other = sorted({t.prompt_id for t in self.trajectories} - {self.prompt_id})
+        if other:
+            raise ValueError(
+                f"Group(prompt_id={self.prompt_id}) holds trajectories of prompt ids {other}")
+
+    @property
+    def min_version(self) -> int:
+        """The oldest token version in the group: the group is as stale as its stalest token."""
+        return min(t.version for t in self.trajectories)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.trajectories)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_id": self.prompt_id,
+                "trajectories": [t.to_dict() for t in self.trajectories]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Group:
+        return cls(d["prompt_id"], [Trajectory.from_dict(t) for t in d["trajectories"]])
+
+
+def flatten_groups(groups: Sequence[Group]) -> list[Trajectory]:
+    """Group-major list of trajectories: row g*n + j is sample j of group g."""
+    return [t for g in groups for t in g.trajectories]
+
+
+def rewards_GN(groups: Sequence[Group]) -> Tensor:
+    """Rewards as a float32 [G, n] tensor (all groups must have the same size n)."""
+    sizes = sorted({g.num_samples for g in groups})
+    if len(sizes) != 1:
+        raise ValueError(f"rewards_GN needs groups of equal size, got sizes {sizes}")
+    return torch.tensor([[t.reward for t in g.trajectories] for g in groups], dtype=torch.float32)
+
+
+@dataclass
+class PackedBatch:
+    """S sequences concatenated into one row of N tokens (no padding).
+
+    Alignment: within each sequence `targets_N[i] = input_ids_N[i + 1]`; the last position of
+    each sequence has no target (0, masked). `loss_mask_N[i]` is True iff the target at i is a
+    completion token, so the per-target fields are defined only there:
+    `logp_mu_N` (0 elsewhere), `adv_N` (the sequence's advantage, 0 elsewhere) and
+    `versions_N` (the version that sampled the target, -1 elsewhere).
+
+    Worked example: prompt [5, 6] and completion [7, 8] (logp_mu [-.1, -.2], versions [3, 4]):
+        input_ids_N   5     6     7     8
+        targets_N     6     7     8     0
+        loss_mask_N   F     T     T     F
+        logp_mu_N     0   -.1   -.2     0
+        versions_N   -1     3     4    -1
+    """
+
+    input_ids_N: Tensor    # int64 [N]
+    seq_lens_S: Tensor     # int64 [S], sums to N
+    targets_N: Tensor      # int64 [N]
+    loss_mask_N: Tensor    # bool  [N]
+    logp_mu_N: Tensor      # float32 [N]
+    adv_N: Tensor          # float32 [N]
+    versions_N: Tensor     # int64 [N]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids_N.numel()
+
+    @property
+    def position_ids_N(self) -> Tensor:
+        """Position of each token inside its own sequence (restarts at 0 per sequence)."""
+        starts_S = torch.cumsum(self.seq_lens_S, 0) - self.seq_lens_S
+        return torch.arange(self.num_tokens, device=self.input_ids_N.device) - \
+            torch.repeat_interleave(starts_S, self.seq_lens_S)
+
+    @property
+    def cu_seqlens_S1(self) -> Tensor:
+        """int32 [S + 1] cumulative lengths, the varlen-attention convention."""
+        return torch.nn.functional.pad(torch.cumsum(self.seq_lens_S, 0), (1, 0)).to(torch.int32)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+
+
+def pack(trajs: Sequence[Trajectory], advantages: Sequence[float] | Tensor) -> PackedBatch:
+    """Pack `trajs` into one `PackedBatch`; `advantages[s]` is broadcast over sequence s."""
+    adv_S = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+    if adv_S.numel() != len(trajs):
+        raise ValueError(f"pack got {len(trajs)} trajectories but {adv_S.numel()} advantages")
+    if not trajs:
+        raise ValueError("pack needs at least one trajectory")
+    ids, tgt, mask, lmu, ver, adv = [], [], [], [], [], []
+    for s, t in enumerate(trajs):
+        p, c = len(t.prompt_ids), len(t.completion_ids)
+        seq = list(t.prompt_ids) + list(t.completion_ids)
+        ids += seq
+        tgt += seq[1:] + [0]
+        # Position i predicts seq[i+1], i.e. completion token i + 1 - p for i in [p-1, p+c-2].
+        mask += [False] * (p - 1) + [True] * c + [False]
+        lmu += [0.0] * (p - 1) + list(t.logp_mu) + [0.0]
+        ver += [-1] * (p - 1) + list(t.token_versions) + [-1]
+        adv += [0.0] * (p - 1) + [float(adv_S[s])] * c + [0.0]
+    return PackedBatch(
+        input_ids_N=torch.tensor(ids, dtype=torch.long),
+        seq_lens_S=torch.tensor([t.num_tokens for t in trajs], dtype=torch.long),
+        targets_N=torch.tensor(tgt, dtype=torch.long),
+        loss_mask_N=torch.tensor(mask, dtype=torch.bool),
+        logp_mu_N=torch.tensor(lmu, dtype=torch.float32),
+        adv_N=torch.tensor(adv, dtype=torch.float32),
+        versions_N=torch.tensor(ver, dtype=torch.long),
+    )
+
+
+def token_budget_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Dynamic micro-batching (AReaL): indices grouped so each bin holds <= max_tokens tokens.
+
+    First-fit decreasing: longest first, each into the first bin with room. A sequence longer
+    than the budget gets a bin of its own. Deterministic (ties keep input order); indices in each
+    bin are ascending.
+
+    >>> token_budget_bins([3, 8, 5, 2, 12], max_tokens=10)
+    [[4], [1, 3], [0, 2]]
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, r in enumerate(room):
+            if lengths[i] <= r:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def split_by_token_budget(trajs: Sequence[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
+    """`token_budget_bins` over trajectory lengths, returning the trajectories themselves.
+    Use `token_budget_bins` directly when per-trajectory data (advantages) must follow."""
+    bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens)
+    return [[trajs[i] for i in b] for b in bins]
+
+
+def count_loss_tokens(batches: Iterable[PackedBatch]) -> int:
+    """Loss tokens over all micro-batches of this rank. Sum it over data-parallel ranks too
+    (all-reduce) before `losses.normalize`, so accumulation equals one big batch."""
+    return int(sum(int(b.loss_mask_N.sum()) for b in batches))
