@@ -1,0 +1,1 @@
+"""Parallelism applied from outside model/: meshes (dims, mesh), TP/FSDP2 (sharding), layouts."""

@@ -1,0 +1,179 @@
+"""`ParallelDims`: the one object that owns every parallel degree, the rank map and the meshes.
+
+Rank map (split mode), documented because launch scripts and weight sync rely on it:
+    global ranks [0, N - G)  -> trainer mesh, shape (fsdp, tp), tp innermost (tp stays within a node)
+    global ranks [N - G, N)  -> generator mesh, shape (dp, tp), tp innermost
+The trainer comes first so that global rank 0 is trainer rank 0: it owns the off-policy buffer,
+writes metrics and checkpoints. With G a multiple of the GPUs per node, the generator mesh fills
+whole nodes at the end of the allocation.
+Colocated mode: every rank is both trainer (fsdp x tp over all N) and generator (dp x tp over all N),
+time-shared and synchronous; used when the model cannot be held twice.
+
+    python -m parallel.dims --world 1024 --generator-ranks 256 --gen-tp 8 --trainer-tp 8
+prints the rank map and per-mesh layouts without creating any process group.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    mode: str = "split"  # "split" | "colocated"
+    generator_ranks: int = 1  # G (split); == world_size when colocated
+    gen_tp: int = 1
+    gen_dp: int = 1
+    trainer_fsdp: int = 1
+    trainer_tp: int = 1
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_config(cls, pcfg, world_size: int) -> "ParallelDims":
+        """From a *resolved* `config.ParallelConfig` (derived degrees already filled in)."""
+        return cls(world_size=world_size, mode=pcfg.mode, generator_ranks=pcfg.generator_ranks,
+                   gen_tp=pcfg.gen_tp, gen_dp=pcfg.gen_dp, trainer_fsdp=pcfg.trainer_fsdp,
+                   trainer_tp=pcfg.trainer_tp)
+
+    def describe(self) -> str:
+        return (f"world_size={self.world_size} mode={self.mode} generator_ranks={self.generator_ranks} "
+                f"(gen_dp={self.gen_dp} x gen_tp={self.gen_tp}) trainer_ranks={self.trainer_ranks} "
+                f"(trainer_fsdp={self.trainer_fsdp} x trainer_tp={self.trainer_tp})")
+
+    def _fail(self, problem: str, fix: str) -> None:
+        raise ValueError(f"invalid parallel layout: {problem}. Factors: {self.describe()}. Fix: {fix}")
+
+    def _validate(self) -> None:
+        degrees = dict(world_size=self.world_size, generator_ranks=self.generator_ranks,
+                       gen_tp=self.gen_tp, gen_dp=self.gen_dp, trainer_fsdp=self.trainer_fsdp,
+                       trainer_tp=self.trainer_tp)
+        bad = [k for k, v in degrees.items() if not isinstance(v, int) or v < 1]
+        if bad:
+            self._fail(f"degrees must be positive integers, got {bad}", "set every degree >= 1")
+        if self.mode not in ("split", "colocated"):
+            self._fail(f"unknown mode {self.mode!r}", "use --parallel.mode=split or colocated")
+        if self.mode == "split" and self.generator_ranks >= self.world_size:
+            self._fail(f"split mode needs generator_ranks < world_size (got {self.generator_ranks} >= "
+                       f"{self.world_size})", "lower --parallel.generator_ranks or use mode=colocated")
+        if self.mode == "colocated" and self.generator_ranks != self.world_size:
+            self._fail("colocated mode puts the generator on every rank",
+                       f"set --parallel.generator_ranks={self.world_size}")
+        if self.gen_dp * self.gen_tp != self.generator_ranks:
+            self._fail(f"gen_dp*gen_tp={self.gen_dp * self.gen_tp} != generator_ranks="
+                       f"{self.generator_ranks}", "choose gen_tp dividing generator_ranks")
+        if self.trainer_fsdp * self.trainer_tp != self.trainer_ranks:
+            self._fail(f"trainer_fsdp*trainer_tp={self.trainer_fsdp * self.trainer_tp} != trainer ranks="
+                       f"{self.trainer_ranks}", "choose trainer_tp dividing the trainer ranks")
+
+    def check_model(self, num_heads: int, num_kv_heads: int, tied_embeddings: bool = False) -> None:
+        """TP shards whole heads: every tp degree must divide both head counts."""
+        for name, tp in (("trainer_tp", self.trainer_tp), ("gen_tp", self.gen_tp)):
+            if num_heads % tp or num_kv_heads % tp:
+                self._fail(f"{name}={tp} does not divide num_heads={num_heads} and "
+                           f"num_kv_heads={num_kv_heads}", f"pick {name} from "
+                           f"{[d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and num_heads % d == 0]}")
+            if tp > 1 and tied_embeddings:
+                self._fail(f"{name}={tp} with tied input/output embeddings is not supported",
+                           f"set {name}=1 (tied models are small) or untie the embeddings")
+
+    # ----- the rank map ------------------------------------------------------------------
+    @property
+    def trainer_ranks(self) -> int:
+        return self.world_size if self.mode == "colocated" else self.world_size - self.generator_ranks
+
+    @cached_property
+    def trainer_rank_list(self) -> list[int]:
+        return list(range(self.trainer_ranks))
+
+    @cached_property
+    def generator_rank_list(self) -> list[int]:
+        if self.mode == "colocated":
+            return list(range(self.world_size))
+        return list(range(self.trainer_ranks, self.world_size))
+
+    def is_trainer(self, rank: int) -> bool:
+        return rank < self.trainer_ranks
+
+    def is_generator(self, rank: int) -> bool:
+        return self.mode == "colocated" or rank >= self.trainer_ranks
+
+    def role(self, rank: int) -> str:
+        if self.mode == "colocated":
+            return "colocated"
+        return "trainer" if self.is_trainer(rank) else "generator"
+
+    def trainer_mesh_ranks(self) -> list[list[int]]:
+        """[fsdp][tp] -> global rank."""
+        r, tp = self.trainer_rank_list, self.trainer_tp
+        return [r[i * tp:(i + 1) * tp] for i in range(self.trainer_fsdp)]
+
+    def generator_mesh_ranks(self) -> list[list[int]]:
+        """[dp][tp] -> global rank; each row is one generator replica."""
+        r, tp = self.generator_rank_list, self.gen_tp
+        return [r[i * tp:(i + 1) * tp] for i in range(self.gen_dp)]
+
+    def trainer_coord(self, rank: int) -> tuple[int, int]:
+        i = self.trainer_rank_list.index(rank)
+        return divmod(i, self.trainer_tp)
+
+    def generator_coord(self, rank: int) -> tuple[int, int]:
+        i = self.generator_rank_list.index(rank)
+        return divmod(i, self.gen_tp)
+
+    def rank_map(self) -> str:
+        """Human-readable rank map, compressed into ranges for large worlds."""
+        lines = [self.describe()]
+        lines.append(f"  trainer   mesh (fsdp={self.trainer_fsdp}, tp={self.trainer_tp}): "
+                     f"{_ranges(self.trainer_rank_list)}")
+        for i, row in enumerate(self.trainer_mesh_ranks()[:4]):
+            lines.append(f"    fsdp {i}: tp group {_ranges(row)}")
+        if self.trainer_fsdp > 4:
+            lines.append(f"    ... {self.trainer_fsdp - 4} more fsdp shards")
+        lines.append(f"  generator mesh (dp={self.gen_dp}, tp={self.gen_tp}): "
+                     f"{_ranges(self.generator_rank_list)}")
+        for i, row in enumerate(self.generator_mesh_ranks()[:4]):
+            lines.append(f"    replica {i}: tp group {_ranges(row)}")
+        if self.gen_dp > 4:
+            lines.append(f"    ... {self.gen_dp - 4} more replicas")
+        return "\n".join(lines)
+
+
+def _ranges(ranks: list[int]) -> str:
+    if not ranks:
+        return "[]"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"[{ranks[0]}..{ranks[-1]}]"
+    return str(ranks)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Print the rank map and layouts without process groups.")
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--mode", default="split", choices=["split", "colocated"])
+    ap.add_argument("--generator-ranks", type=int, default=1)
+    ap.add_argument("--gen-tp", type=int, default=1)
+    ap.add_argument("--trainer-tp", type=int, default=1)
+    ap.add_argument("--model", default="", help="HF folder; prints per-parameter boxes of rank 0s")
+    a = ap.parse_args(argv)
+    g = a.world if a.mode == "colocated" else a.generator_ranks
+    t = a.world if a.mode == "colocated" else a.world - g
+    try:
+        dims = ParallelDims(a.world, a.mode, g, a.gen_tp, g // a.gen_tp if g % a.gen_tp == 0 else -1,
+                            t // a.trainer_tp if t % a.trainer_tp == 0 else -1, a.trainer_tp)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(dims.rank_map())
+    if a.model:
+        from parallel.sharding import describe_layouts
+        print(describe_layouts(dims, a.model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Process groups, device placement and the two meshes, built from a `ParallelDims`.
+
+Every rank constructs both DeviceMeshes (creating a sub-group is collective over the world), but
+only uses the one(s) it belongs to. After start-up there are no collectives spanning both meshes.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.dims import ParallelDims
+
+
+def pick_device(local_rank: int | None = None) -> torch.device:
+    """`LOCAL_RANK % device_count` with CUDA (several ranks may share one GPU), else CPU."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device, requested: str = "cpu:gloo,cuda:nccl") -> str:
+    """The configured backend on CUDA; plain gloo on a CPU-only machine (no NCCL there)."""
+    return requested if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, backend: str, timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend_for(device, backend), timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass
+class Meshes:
+    """This rank's view of the world. Ask for meshes by name; there is no global state."""
+
+    dims: ParallelDims
+    rank: int
+    device: torch.device
+    trainer: DeviceMesh | None = None  # (fsdp, tp), None on generator-only ranks
+    generator: DeviceMesh | None = None  # (dp, tp), None on trainer-only ranks
+    gpu_of: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (host, gpu index)
+
+    @property
+    def role(self) -> str:
+        return self.dims.role(self.rank)
+
+    def same_gpu_peers(self, rank: int | None = None) -> list[int]:
+        """Other ranks on the same physical GPU: weight sync uses CUDA IPC with them."""
+        rank = self.rank if rank is None else rank
+        me = self.gpu_of.get(rank)
+        if me is None or me[1] < 0:
+            return []
+        return [r for r, g in self.gpu_of.items() if g == me and r != rank]
+
+
+def _placement(device: torch.device) -> tuple[str, int]:
+    return socket.gethostname(), device.index if device.type == "cuda" else -1
+
+
+def check_no_duplicate_gpu(groups: list[list[int]], gpu_of: dict[int, tuple[str, int]], what: str):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): refuse such a mesh up front."""
+    for group in groups:
+        seen: dict[tuple[str, int], int] = {}
+        for r in group:
+            g = gpu_of[r]
+            if g[1] >= 0 and g in seen:
+                raise ValueError(
+                    f"{what} group {group} puts ranks {seen[g]} and {r} on the same GPU {g[0]}:cuda:{g[1]}; "
+                    f"NCCL cannot run a collective over two ranks of one GPU ('Duplicate GPU detected'). "
+                    f"Give each rank of a mesh its own GPU (launch more GPUs, or lower that mesh's "
+                    f"degrees); ranks of *different* meshes may share a GPU and sync by CUDA IPC")
+            seen[g] = r
+
+
+def _axis_groups(grid: list[list[int]]) -> list[list[int]]:
+    rows = [row for row in grid]
+    cols = [list(c) for c in zip(*grid)]
+    return rows + cols
+
+
+def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes:
+    """Collective over the world: every rank must call it, in the same order."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but the layout "
+                         f"expects world_size={dims.world_size}: {dims.describe()}")
+    gathered: list = [None] * dims.world_size
+    dist.all_gather_object(gathered, _placement(device))
+    gpu_of = dict(enumerate(gathered))
+    t_grid, g_grid = dims.trainer_mesh_ranks(), dims.generator_mesh_ranks()
+    check_no_duplicate_gpu(_axis_groups(t_grid), gpu_of, "trainer mesh")
+    check_no_duplicate_gpu(_axis_groups(g_grid), gpu_of, "generator mesh")
+    dev_type = device.type
+    tmesh = DeviceMesh(dev_type, torch.tensor(t_grid), mesh_dim_names=("fsdp", "tp"))
+    gmesh = DeviceMesh(dev_type, torch.tensor(g_grid), mesh_dim_names=("dp", "tp"))
+    return Meshes(dims, rank, device,
+                  trainer=tmesh if dims.is_trainer(rank) else None,
+                  generator=gmesh if dims.is_generator(rank) else None, gpu_of=gpu_of)

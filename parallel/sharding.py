@@ -1,0 +1,160 @@
+"""Apply tensor parallelism, activation checkpointing, compile and FSDP2 to a `model.Transformer`
+from outside, in torchtitan's order (TP -> AC -> compile -> FSDP), then materialise and load.
+
+TP (Megatron-style, no sequence parallelism):
+  q/k/v, gate/up  ColwiseParallel  -> each rank holds whole heads (and their q/k/v bias slices)
+  o, down         RowwiseParallel  -> partial sums all-reduced ("g" operator of Megatron)
+  embed_tokens    RowwiseParallel  -> vocab-sharded lookup, all-reduced to a replicated output
+  lm_head         ColwiseParallel  -> vocab-sharded logits, gathered to replicated logits
+  norms           replicated
+FSDP2 shards every parameter on dim 0 over the `fsdp` axis (after TP on the same 2-D mesh).
+Gradients are *summed* over fsdp ranks (divide factor 1): the trainer normalises its loss by the
+global token count itself, so gradient accumulation and data parallelism equal one big batch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+from model import Transformer
+from model.hf_io import CheckpointReader, check_tensors, expected_tensors
+
+
+def tp_plan(model: Transformer) -> dict:
+    """Module FQN -> ParallelStyle; keyed by the same names as the HF checkpoint."""
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                     "mlp.up_proj"):
+            plan[p + name] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    if model.args.tie_word_embeddings:
+        raise ValueError("tensor parallelism with tied embeddings is not supported; set tp=1")
+    parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def apply_ac(model: Transformer) -> None:
+    """Recompute each decoder layer in backward. Patches `forward` on the instance so that module
+    names (and therefore checkpoint keys and layouts) do not change."""
+    for layer in model.model.layers:
+        inner = layer.forward
+
+        def forward(x, ctx, _inner=inner):
+            return checkpoint(_inner, x, ctx, use_reentrant=False)
+
+        layer.forward = forward
+
+
+def apply_compile(model: Transformer) -> None:
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
+    """Per-layer FSDP2 units plus a root unit (embeddings, final norm, head)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+    for unit in (*model.model.layers, model):  # the setters apply per FSDP unit
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_checkpointing=False,
+                        compile=False) -> Transformer:
+    """`mesh` is the trainer mesh (fsdp, tp). bf16 compute on GPU, fp32 on CPU."""
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    if activation_checkpointing:
+        apply_ac(model)
+    if compile:
+        apply_compile(model)
+    if mesh["fsdp"].size() > 1:
+        compute = torch.bfloat16 if mesh.device_type == "cuda" else None
+        apply_fsdp(model, mesh["fsdp"], compute)  # FSDP2 composes with TP DTensors into 2-D
+    return model
+
+
+def parallelize_generator(model: Transformer, mesh: DeviceMesh) -> Transformer:
+    """TP only, no gradients; replicas along `dp` each hold a full TP-sharded copy."""
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    model.requires_grad_(False)
+    return model
+
+
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the slice of the full parameter that this rank holds."""
+    if isinstance(param, DTensor):
+        sizes, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                               param.placements)
+        return tuple(offsets), tuple(sizes)
+    return (0,) * param.dim(), tuple(param.shape)
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def load_sharded(model: Transformer, path) -> None:
+    """Fill a materialised (possibly sharded) model from a HF folder, reading only each rank's
+    own slice of every tensor: no rank ever holds a full tensor beyond its shard."""
+    reader = CheckpointReader(path)
+    check_tensors(reader, expected_tensors(model))
+    for name, param in model.named_parameters():  # a tied head appears once, as the embedding
+        offsets, sizes = local_box(param)
+        local_tensor(param).copy_(reader.get_slice(name, offsets, sizes))
+
+
+def build_model(args, device: torch.device, dtype: torch.dtype,
+                parallelize=None, path=None, seed: int = 0) -> Transformer:
+    """meta -> parallelize -> to_empty -> load (or init): the model never exists unsharded."""
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
+    if path:
+        load_sharded(model, path)
+    else:
+        model.init_weights(seed=seed)
+    return model
+
+
+def describe_layouts(dims, model_path: str) -> str:
+    """Dry-run text: per-parameter placement on both meshes (no process group)."""
+    from model.hf_io import load_model_args
+    args = load_model_args(model_path)
+    with torch.device("meta"):
+        names = [(n, tuple(p.shape)) for n, p in Transformer(args).named_parameters()]
+    lines = [f"model: {args.arch} {args.num_params() / 1e6:.1f}M params"]
+    for name, shape in names[:12]:
+        style = _style_of(name)
+        lines.append(f"  {name} {list(shape)}: trainer fsdp Shard(0){style}, generator {style or 'replicated'}")
+    return "\n".join(lines)
+
+
+def _style_of(name: str) -> str:
+    if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head",
+                               "embed_tokens")):
+        return " + tp Shard(0)"
+    if any(k in name for k in ("o_proj", "down_proj")):
+        return " + tp Shard(1)"
+    return ""

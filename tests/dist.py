@@ -1,0 +1,64 @@
+"""Run a function on N real gloo ranks (torch.multiprocessing, CPU) with a timeout.
+
+Each worker returns a dict of tensors/floats; they come back through torch.save files read with
+`weights_only=True`. A worker exception fails the test with the rank's traceback; a hang fails it
+after `timeout` seconds instead of blocking the suite.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, outdir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        result = fn(rank, world, *args)
+        torch.save(result or {}, Path(outdir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 180.0) -> list[dict]:
+    """Run `fn(rank, world, *args)` on `world` gloo ranks; return each rank's result."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, fn, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        try:
+            _join(ctx, timeout, outdir)
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _join(ctx, timeout, outdir):
+    import time
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            errs = sorted(Path(outdir).glob("*.err"))
+            detail = "\n".join(e.read_text() for e in errs)
+            raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s\n{detail}")
