@@ -1,0 +1,60 @@
+"""The cross-mesh link on real gloo ranks: typed messages, polling, queuing, timeouts, shutdown."""
+import pytest
+
+from tests.dist import run_ranks
+from trainer.link import Link, Msg, PeerError
+
+
+def _ping_pong(rank, world):
+    link = Link(rank, [1 - rank], timeout_s=30)
+    out = {}
+    if rank == 0:
+        link.send(1, Msg.STATS, 3, {"note": "first"})
+        link.send(1, Msg.TRAJECTORIES, 7, [{"ids": [1, 2, 3], "logp": [-0.125, -1e-30]}])
+        ack = link.wait_for(Msg.ACK, "an ack of version 7")
+        out["ack_version"] = ack.version
+    else:
+        m = link.wait_for(Msg.TRAJECTORIES, "trajectories")  # STATS arrives first and is queued
+        assert m.payload == [{"ids": [1, 2, 3], "logp": [-0.125, -1e-30]}] and m.version == 7
+        queued = link.poll()
+        assert [(q.type, q.payload) for q in queued] == [(Msg.STATS, {"note": "first"})]
+        link.send(0, Msg.ACK, m.version)
+        out["got"] = 1
+    link.flush()
+    return out
+
+
+def test_messages_round_trip_in_order_and_queue():
+    res = run_ranks(_ping_pong, 2, timeout=60)
+    assert res[0]["ack_version"] == 7 and res[1]["got"] == 1
+
+
+def _timeout(rank, world):
+    link = Link(rank, [1 - rank], timeout_s=30)
+    if rank == 0:
+        with pytest.raises(TimeoutError, match=r"rank 0 timed out after 1s waiting for weights v5 from rank 1"):
+            link.wait_for(Msg.WEIGHTS_READY, "weights v5", timeout_s=1, peer=1)
+    link.send(1 - rank, Msg.ACK, 0)  # let both finish cleanly
+    link.wait_for(Msg.ACK, "the final ack")
+    link.flush()
+    return {}
+
+
+def test_wait_times_out_naming_peer_and_what():
+    run_ranks(_timeout, 2, timeout=60)
+
+
+def _shutdown(rank, world):
+    link = Link(rank, [1 - rank], timeout_s=30)
+    if rank == 1:
+        link.broadcast_shutdown("trainer rank 1: loss is NaN")
+        link.flush()
+    else:
+        with pytest.raises(PeerError, match="rank 1 shut down while rank 0 waited for trajectories: "
+                                            "trainer rank 1: loss is NaN"):
+            link.wait_for(Msg.TRAJECTORIES, "trajectories")
+    return {}
+
+
+def test_shutdown_with_error_reaches_the_peer():
+    run_ranks(_shutdown, 2, timeout=60)

@@ -1,0 +1,155 @@
+"""The asynchronous link: every cross-mesh message goes through this module.
+
+After start-up there are no collectives spanning both meshes, only typed point-to-point messages
+between known peers over gloo (CPU tensors, so it works whatever the accelerator). Bulk weight bytes
+travel through weights_sync/, announced and acknowledged here.
+
+Wire format of one message from `src` to `dst`:
+    body    uint8[nbytes] = UTF-8 JSON, sent first with gloo `isend` (tag TAG_BODY)
+    header  a ticket n = store.add("<dst>/tickets", 1), then store key "<dst>/<n>" =
+            JSON {type, version, src, nbytes}, in the job's TCPStore
+The store gives receivers a truly non-blocking poll (gloo's `Work.is_completed()` only turns true
+inside `wait()`, so an irecv cannot be polled): a receiver reads its ticket counter, and for each
+published header posts a receive for a body that is already on its way. Tickets from one sender are
+increasing in its send order, and gloo matches messages of one (src, tag) in order, so bodies pair
+with their headers. JSON (not pickle) means a corrupt peer cannot execute code, and it is exact for
+ints and Python floats (repr round-trips), which is all a trajectory holds.
+
+Blocking waits (`wait_for`) always have a timeout, and the error names the peer and what was
+awaited. Messages that arrive while waiting for something else are queued, not lost.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TAG_BODY = 12
+
+
+class Msg(IntEnum):
+    TRAJECTORIES = 1  # generator -> buffer owner: one or more whole prompt groups
+    WEIGHTS_READY = 2  # trainer -> generators: version v is staged, pull it
+    ACK = 3  # generator -> trainer: version v applied
+    CHECKPOINT = 4  # trainer -> generators: report in-flight prompt ids
+    SHUTDOWN = 5  # either way: stop; payload may carry an error
+    STATS = 6  # generator -> trainer: counters for metrics
+
+
+@dataclass
+class Message:
+    type: Msg
+    version: int
+    src: int
+    payload: Any = None
+
+
+class PeerError(RuntimeError):
+    """A peer asked for shutdown because of an error; the message names it."""
+
+
+class Link:
+    """Typed point-to-point messages between this rank and known peers (see module docstring)."""
+
+    def __init__(self, rank: int, peers: list[int], timeout_s: float, max_in_flight: int = 64,
+                 store=None):
+        self.rank, self.peers, self.timeout_s = rank, list(peers), timeout_s
+        self.max_in_flight = max_in_flight
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore("tandem/link/", base)
+        self._next_ticket = 1  # next of my tickets to read
+        self._queue: deque[Message] = deque()
+        self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()
+        self.bytes_sent = self.bytes_received = 0
+
+    # ----- sending ----------------------------------------------------------------------------
+    def send(self, dst: int, type: Msg, version: int, payload: Any = None) -> None:
+        """Asynchronous; blocks (with timeout) only when `max_in_flight` bodies are unreceived."""
+        body = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8)
+        work = dist.isend(body, dst, tag=TAG_BODY)
+        ticket = self.store.add(f"{dst}/tickets", 1)
+        header = {"type": int(type), "version": version, "src": self.rank, "nbytes": body.numel()}
+        self.store.set(f"{dst}/{ticket}", json.dumps(header))
+        self._sends.append((work, body, dst, type))
+        self.bytes_sent += body.numel()
+        while len(self._sends) > self.max_in_flight:
+            self._wait_send()
+
+    def _wait_send(self) -> None:
+        work, _, dst, type = self._sends.popleft()
+        self._wait(work, f"rank {dst} to receive a {type.name} message")
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has been received."""
+        while self._sends:
+            self._wait_send()
+
+    # ----- receiving --------------------------------------------------------------------------
+    def _receive_published(self) -> None:
+        published = self.store.add(f"{self.rank}/tickets", 0)
+        while self._next_ticket <= published:
+            key = f"{self.rank}/{self._next_ticket}"
+            if not self.store.check([key]):
+                return  # ticket taken, header not written yet: next poll
+            header = json.loads(self.store.get(key))
+            self.store.delete_key(key)
+            self._next_ticket += 1
+            body = torch.empty(header["nbytes"], dtype=torch.uint8)
+            src = header["src"]
+            self._wait(dist.irecv(body, src, tag=TAG_BODY), f"the body of a message from rank {src}")
+            self.bytes_received += body.numel()
+            payload = json.loads(bytes(body.numpy()).decode())
+            self._queue.append(Message(Msg(header["type"]), header["version"], src, payload))
+
+    def poll(self) -> list[Message]:
+        """Every message that has arrived (queued first), without blocking on new ones."""
+        self._receive_published()
+        out = list(self._queue)
+        self._queue.clear()
+        return out
+
+    def wait_for(self, types: set[Msg] | Msg, what: str, timeout_s: float | None = None,
+                 peer: int | None = None) -> Message:
+        """Block until a message of one of `types` arrives; others stay queued for `poll`.
+
+        A SHUTDOWN from a peer raises PeerError at once (a crash on one side ends the other)."""
+        types = {types} if isinstance(types, Msg) else set(types)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline, backoff = time.monotonic() + timeout, 1e-4
+        while True:
+            self._receive_published()
+            for m in list(self._queue):
+                if m.type == Msg.SHUTDOWN and Msg.SHUTDOWN not in types:
+                    raise PeerError(f"rank {m.src} shut down while rank {self.rank} waited for {what}: "
+                                    f"{(m.payload or {}).get('error', 'no error given')}")
+                if m.type in types and (peer is None or m.src == peer):
+                    self._queue.remove(m)
+                    return m
+            if time.monotonic() > deadline:
+                who = f"rank {peer}" if peer is not None else f"ranks {self.peers}"
+                raise TimeoutError(f"rank {self.rank} timed out after {timeout:.0f}s "
+                                   f"waiting for {what} from {who}")
+            time.sleep(backoff)  # a poll interval (yields the core), not synchronisation
+            backoff = min(backoff * 2, 0.01)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:  # gloo reports its timeout as a RuntimeError
+            raise TimeoutError(f"rank {self.rank} timed out after {self.timeout_s:.0f}s waiting for "
+                               f"{what} ({e})") from None
+
+    def broadcast_shutdown(self, error: str | None = None) -> None:
+        """Best effort: tell every peer to stop (with the cause), without waiting long."""
+        for p in self.peers:
+            try:
+                self.send(p, Msg.SHUTDOWN, -1, {"error": error} if error else None)
+            except Exception:
+                pass
