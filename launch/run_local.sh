@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Single-node launcher: one torchrun, NPROC ranks, driven by environment variables.
+#
+#   launch/run_local.sh                                    # tiny CPU demo, 3 ranks
+#   CONFIG=configs/tiny_cpu.toml NPROC=4 LOG_RANK=all launch/run_local.sh --trainer.lr=1e-4
+#
+# CONFIG       TOML preset, relative to the repo root    (default configs/tiny_cpu.toml)
+# NPROC        ranks (= world size)                      (default: derived from CONFIG, see below)
+# PYTHON       interpreter                               (default .venv/bin/python, else python3)
+# LOG_RANK     local ranks shown on the console, "0,2" or "all"   (default 0)
+# MAX_RESTARTS torchrun restarts of the whole worker group (default 0)
+# RDZV_PORT    fixed rendezvous port                     (default: a free port, via --standalone)
+# LOG_DIR      where torchrun keeps every rank's stdout/stderr (default runs/torchrun_logs)
+# Arguments are passed through to train_rl.py as --section.key=value overrides.
+set -euo pipefail
+
+# train_rl.py, config.py and the default runs/ folder are all relative to the repo root.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+CONFIG=${CONFIG:-configs/tiny_cpu.toml}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+LOG_DIR=${LOG_DIR:-runs/torchrun_logs}
+
+# The config does not store the world size: it is pinned only when the trainer's FSDP degree
+# (split) or the replica count (colocated) is set. Otherwise take the smallest world in which the
+# trainer mesh really shards (2 FSDP ranks): 1 generator + 2 trainers = 3 for the tiny demo.
+# resolve() then checks the layout, so a bad config or override fails here, before any rank starts.
+if [[ -z "${NPROC:-}" ]]; then
+  NPROC=$("$PYTHON" - "$CONFIG" "$@" <<'PY'
+import math, sys
+from config import ConfigError, load_config, parse_cli
+try:
+    cfg = load_config(sys.argv[1], parse_cli(sys.argv[2:])[1])
+    p = cfg.parallel
+    trainer = p.trainer_tp * (p.trainer_fsdp or 2)
+    if p.mode == "split":
+        world = p.generator_ranks + trainer
+    else:
+        world = p.gen_tp * p.gen_dp if p.gen_dp else math.lcm(p.gen_tp, trainer)
+    cfg.resolve(world)
+except ConfigError as e:
+    sys.exit(f"run_local.sh: {e} (or set NPROC)")
+print(world)
+PY
+  )
+fi
+
+# --standalone picks a free port and ignores --rdzv-endpoint, so a fixed port needs explicit c10d.
+if [[ -n "${RDZV_PORT:-}" ]]; then
+  rdzv=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "localhost:$RDZV_PORT")
+else
+  rdzv=(--standalone)
+fi
+# Without --tee, ranks removed by the filter lose their stderr (tracebacks included) entirely;
+# teeing keeps every rank's output in LOG_DIR and prefixes console lines with [rankN].
+logs=(--role rank --tee 3 --log-dir "$LOG_DIR")
+if [[ "$LOG_RANK" != all ]]; then logs+=(--local-ranks-filter "$LOG_RANK"); fi
+
+cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$NPROC"
+     --max-restarts "$MAX_RESTARTS" "${logs[@]}" train_rl.py --config "$CONFIG" "$@")
+echo "+ ${cmd[*]}" >&2
+exec "${cmd[@]}"

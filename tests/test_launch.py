@@ -1,0 +1,253 @@
+"""Launchers: sweep grid expansion and validation, and the exact commands the shell scripts run.
+
+The shell scripts run for real with stub executables (a fake PYTHON, fake srun/scontrol/torchrun on
+PATH) that record their arguments, so nothing is launched and no SLURM is needed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from config import ConfigError
+from launch import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_LOCAL = os.path.join(ROOT, "launch", "run_local.sh")
+SBATCH = os.path.join(ROOT, "launch", "tandem.sbatch")
+TINY = "configs/tiny_cpu.toml"
+GRID = [("trainer.lr", ["1e-4", "3e-4"]), ("algo.max_staleness", ["0", "1", "4"])]
+
+
+def _stub(path, body: str) -> str:
+    with open(path, "w") as fh:
+        fh.write("#!/bin/bash\n" + textwrap.dedent(body))
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def _args(path) -> list[str]:
+    with open(path) as fh:
+        return fh.read().splitlines()
+
+
+# ---- sweep.py ------------------------------------------------------------------------------------
+
+def test_expand_is_an_ordered_cartesian_product():
+    runs = sweep.expand(GRID, "sw")
+    assert [r.overrides[:2] for r in runs] == [
+        [f"--trainer.lr={lr}", f"--algo.max_staleness={s}"] for lr in ("1e-4", "3e-4") for s in ("0", "1", "4")]
+    assert [r.name for r in runs][:2] == ["sw_lr-1e-4_max_staleness-0", "sw_lr-1e-4_max_staleness-1"]
+    assert all(r.overrides[-1] == f"--run.name={r.name}" for r in runs)
+    assert len({r.name for r in runs}) == 6
+    assert [r.name for r in sweep.expand(GRID, "sw")] == [r.name for r in runs]  # deterministic
+
+
+def test_names_are_sanitised_and_unique():
+    runs = sweep.expand([("data.source", ["a/b.jsonl", "a:b.jsonl"]), ("trainer.seed", ["1"]),
+                         ("data.seed", ["2"])], "my sweep!")
+    names = [r.name for r in runs]
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+-")
+               for n in names)
+    assert len(set(names)) == 2                                   # clashes after sanitising get numbered
+    assert "trainer.seed-1_data.seed-2" in names[0]               # a shared leaf name keeps its section
+    assert names[0].startswith("my-sweep_source-a-b.jsonl")
+
+
+@pytest.mark.parametrize("grid, match", [
+    ([("trainer.lr", ["1", "2"]), ("trainer.lr", ["3"])], "more than once"),
+    ([("trainer.lr", ["1", "1"])], "repeats a value"),
+    ([("data.source", ["a b"])], "whitespace"),
+    ([("run.name", ["x"])], "name-prefix"),
+])
+def test_expand_rejects_ambiguous_grids(grid, match):
+    with pytest.raises(ValueError, match=match):
+        sweep.expand(grid, "sw")
+
+
+def test_validation_uses_config_messages():
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer.lrr'.*valid keys of \[trainer\]:.* lr,"):
+        sweep.validate(TINY, sweep.expand([("trainer.lrr", ["1e-4"])], "sw"))
+    with pytest.raises(ConfigError, match=r"run sw_max_staleness-x: .*max_staleness='x' has the wrong type"):
+        sweep.validate(TINY, sweep.expand([("algo.max_staleness", ["0", "x"])], "sw"))
+    with pytest.raises(ConfigError, match="invalid parallel layout for world_size=1"):
+        sweep.validate(TINY, sweep.expand(GRID, "sw"), world_size=1)
+    sweep.validate(TINY, sweep.expand(GRID, "sw"), world_size=3)
+
+
+def test_unknown_key_fails_before_anything_runs(capsys, tmp_path):
+    sweep_file = tmp_path / "sweep.txt"
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4", "--grid", "algo.nope=1",
+                    "--slurm", "--sweep-file", str(sweep_file)])
+    assert e.value.code == 2
+    assert "unknown key 'algo.nope'" in capsys.readouterr().err
+    assert not sweep_file.exists()
+
+
+def test_dry_run_prints_commands(capsys):
+    assert sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4,3e-4", "--grid", "algo.max_staleness=0,1,4",
+                       "--name-prefix", "sw", "--generator.n_samples=4", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6
+    assert lines[0] == (f"CONFIG={TINY} launch/run_local.sh --generator.n_samples=4 --trainer.lr=1e-4 "
+                        "--algo.max_staleness=0 --run.name=sw_lr-1e-4_max_staleness-0")
+    assert lines[5].endswith("--trainer.lr=3e-4 --algo.max_staleness=4 --run.name=sw_lr-3e-4_max_staleness-4")
+
+
+def test_grid_file_and_default_prefix(tmp_path, capsys):
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[grid]\n"trainer.lr" = [1e-4, 3e-4]\nalgo.loss = ["aipo", "ppo"]\n'
+                    '"parallel.compile" = [true]\n')
+    assert sweep.load_grid_file(str(grid)) == [
+        ("trainer.lr", ["0.0001", "0.0003"]), ("algo.loss", ["aipo", "ppo"]), ("parallel.compile", ["true"])]
+    assert sweep.main(["--config", TINY, "--grid-file", str(grid), "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[1].endswith("--run.name=tiny_cpu_lr-0.0001_loss-ppo_compile-true")
+
+
+def test_slurm_writes_one_override_line_per_run(tmp_path, capsys):
+    sweep_file = tmp_path / "s" / "sweep.txt"
+    assert sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4,3e-4", "--name-prefix", "sw",
+                       "--slurm", "--sweep-file", str(sweep_file), "--max-concurrent", "2"]) == 0
+    assert sweep_file.read_text() == ("--trainer.lr=1e-4 --run.name=sw_lr-1e-4\n"
+                                      "--trainer.lr=3e-4 --run.name=sw_lr-3e-4\n")
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"SWEEP_FILE={sweep_file} CONFIG={TINY} sbatch --array=0-1%2 launch/tandem.sbatch"
+
+
+@pytest.mark.parametrize("keep_going, started, rc", [(False, 1, 1), (True, 3, 1)])
+def test_local_runs_in_order_and_stops_on_failure(tmp_path, monkeypatch, capsys, keep_going, started, rc):
+    log = tmp_path / "calls"
+    # A PYTHON whose "torchrun" fails for lr=1e-4: the first of three runs.
+    monkeypatch.setenv("PYTHON", _stub(tmp_path / "python", f"""\
+        echo "$*" >> {log}
+        [[ "$*" != *--trainer.lr=1e-4* ]]
+        """))
+    argv = ["--config", TINY, "--grid", "trainer.lr=1e-4,2e-4,3e-4", "--local", "--nproc", "3"]
+    assert sweep.main(argv + ["--keep-going"] * keep_going) == rc
+    calls = _args(log)
+    assert len(calls) == started and all("--nproc-per-node 3" in c for c in calls)
+    assert [c.split("--trainer.lr=")[1].split()[0] for c in calls] == ["1e-4", "2e-4", "3e-4"][:started]
+    assert "failed: tiny_cpu_lr-1e-4 (exit 1)" in capsys.readouterr().out
+
+
+# ---- shell scripts -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", [RUN_LOCAL, SBATCH])
+def test_shell_syntax(script):
+    subprocess.run(["bash", "-n", script], check=True)
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """A PYTHON that records a torchrun invocation and runs anything else (run_local's NPROC probe)."""
+    record = tmp_path / "torchrun_args"
+    path = _stub(tmp_path / "python", f"""\
+        if [[ "$1 $2" == "-m torch.distributed.run" ]]; then printf '%s\\n' "$@" > {record}; exit 0; fi
+        exec {sys.executable} "$@"
+        """)
+    return path, record
+
+
+def _run_local(fake_python, args=(), **env):
+    path, record = fake_python
+    env = {**os.environ, "PYTHON": path, **env}
+    proc = subprocess.run(["bash", RUN_LOCAL, *args], env=env, capture_output=True, text=True, cwd="/")
+    return proc, (_args(record) if record.exists() else None)
+
+
+def test_run_local_command_line(fake_python):
+    proc, args = _run_local(fake_python, ["--trainer.lr=1e-4", "--run.name=x"], NPROC="4", MAX_RESTARTS="2")
+    assert proc.returncode == 0, proc.stderr
+    assert args == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "2",
+                    "--role", "rank", "--tee", "3", "--log-dir", "runs/torchrun_logs", "--local-ranks-filter", "0",
+                    "train_rl.py", "--config", TINY, "--trainer.lr=1e-4", "--run.name=x"]
+    assert proc.stderr.startswith(f"+ {fake_python[0]} -m torch.distributed.run --standalone")
+
+
+def test_run_local_all_ranks_fixed_port(fake_python):
+    _, args = _run_local(fake_python, NPROC="2", LOG_RANK="all", RDZV_PORT="29123", CONFIG="configs/x.toml")
+    assert "--local-ranks-filter" not in args and "--standalone" not in args
+    assert args[2:11] == ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29123",
+                          "--nproc-per-node", "2", "--max-restarts"]
+    assert args[-3:] == ["train_rl.py", "--config", "configs/x.toml"]
+
+
+@pytest.mark.parametrize("overrides, nproc", [
+    ([], "3"),                                                   # the tiny demo: 1 generator + 2 trainers
+    (["--parallel.trainer_fsdp=4", "--parallel.generator_ranks=2"], "6"),
+    (["--parallel.mode=colocated", "--parallel.gen_tp=2", "--parallel.gen_dp=2"], "4"),
+])
+def test_run_local_derives_nproc_from_config(fake_python, overrides, nproc):
+    proc, args = _run_local(fake_python, overrides, LOG_RANK="1,2")
+    assert proc.returncode == 0, proc.stderr
+    assert args[args.index("--nproc-per-node") + 1] == nproc
+    assert args[args.index("--local-ranks-filter") + 1] == "1,2"
+
+
+def test_run_local_bad_override_fails_before_torchrun(fake_python):
+    proc, args = _run_local(fake_python, ["--trainer.lrr=1"])
+    assert proc.returncode != 0 and args is None
+    assert "valid keys of [trainer]" in proc.stderr
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """Stub scontrol/srun/torchrun on PATH and a fake SLURM job environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "torchrun_args"
+    _stub(bin_dir / "scontrol", 'test "$1 $2 $3" = "show hostnames node[07-08]" && printf "node07\\nnode08\\n"\n')
+    _stub(bin_dir / "srun", 'test "$1" = --kill-on-bad-exit=1 && shift && exec "$@"\n')
+    _stub(bin_dir / "torchrun", f"printf '%s\\n' \"$@\" > {record}\n")
+    for tool in ("bash", "sed", "grep", "basename"):  # a PATH with nothing else on it
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    env = {"PATH": str(bin_dir), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "1234",
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[07-08]", "HOME": str(tmp_path)}
+    return env, record
+
+
+def _sbatch(slurm, args=(), **env):
+    env_, record = slurm
+    proc = subprocess.run(["bash", SBATCH, *args], env={**env_, **env}, capture_output=True, text=True)
+    return proc, (_args(record) if record.exists() else None)
+
+
+def test_sbatch_command_line(slurm):
+    proc, args = _sbatch(slurm, ["--trainer.lr=1e-6"], CONFIG="configs/big.toml", GPUS_PER_NODE="4")
+    assert proc.returncode == 0, proc.stderr
+    assert args == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "node07:29500", "--rdzv-id", "1234", "--max-restarts", "3",
+                    "train_rl.py", "--config", "configs/big.toml", "--run.name=big_1234", "--trainer.lr=1e-6"]
+
+
+def test_sbatch_array_task_reads_its_sweep_line(slurm, tmp_path):
+    sweep_file = tmp_path / "sweep.txt"
+    runs = sweep.expand(GRID, "sw")
+    sweep.write_sweep_file(str(sweep_file), runs)
+    proc, args = _sbatch(slurm, SWEEP_FILE=str(sweep_file), SLURM_ARRAY_TASK_ID="4",
+                         SLURM_ARRAY_JOB_ID="1230", SLURM_JOB_ID="1238", MAX_RESTARTS="0")
+    assert proc.returncode == 0, proc.stderr
+    assert args[args.index("--rdzv-id") + 1] == "1238"
+    # The sweep line comes last, so its run name wins over the job-id default.
+    assert args[args.index("train_rl.py"):] == [
+        "train_rl.py", "--config", "configs/example_multinode.toml", "--run.name=example_multinode_1230_4",
+        *runs[4].overrides]
+
+
+def test_sbatch_sweep_overrides_function(slurm, tmp_path):
+    sweep_file = tmp_path / "sweep.txt"
+    sweep_file.write_text("--a.b=1 --run.name=r0\n--a.b=2 --run.name=r1\n")
+
+    def call(task):
+        return subprocess.run(["bash", "-c", f'source "{SBATCH}" && sweep_overrides "{sweep_file}" {task}'],
+                              capture_output=True, text=True, env=slurm[0])
+    assert call(1).stdout == "--a.b=2 --run.name=r1\n"
+    missing = call(2)
+    assert missing.returncode == 1 and "holds 2 runs (submit with --array=0-1)" in missing.stderr
+    assert "not a task index" in call("x").stderr
+    proc, args = _sbatch(slurm, SWEEP_FILE=str(sweep_file), SLURM_ARRAY_TASK_ID="5", SLURM_ARRAY_JOB_ID="1")
+    assert proc.returncode != 0 and args is None                 # no torchrun without the task's overrides
