@@ -374,7 +374,7 @@ class Layout:
             for name, p in module.named_parameters():
                 shape = tuple(p.shape)
                 if isinstance(p, DTensor):
-                    box = _dtensor_box(name, p)
+                    box = dtensor_box(name, p)
                 else:
                     box = Box.full(shape)
                 specs.append(ParamSpec(name, shape, str(p.dtype).removeprefix("torch.")))
@@ -428,7 +428,7 @@ class Layout:
         return h.hexdigest()
 
 
-def _dtensor_box(name: str, p) -> Box:
+def dtensor_box(name: str, p) -> Box:
     """This rank's box of DTensor parameter `p`, checked against its local tensor."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -453,6 +453,12 @@ def _dtensor_box(name: str, p) -> Box:
         raise AssertionError(f"param {name!r}: computed box {box} but local shard is {local} "
                              f"(placements {p.placements}, mesh {tuple(p.device_mesh.shape)})")
     return box
+
+
+def local_box(name: str, p) -> Box:
+    """This rank's box of any parameter: a DTensor's shard, or the whole of a plain tensor."""
+    from torch.distributed.tensor import DTensor
+    return dtensor_box(name, p) if isinstance(p, DTensor) else Box.full(tuple(p.shape))
 
 
 def _replicas_on_axis(ranks, coords, axis_names, replica_axis, placements_per_param, specs):

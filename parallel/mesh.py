@@ -49,6 +49,8 @@ class Meshes:
     trainer: DeviceMesh | None = None  # (fsdp, tp), None on generator-only ranks
     generator: DeviceMesh | None = None  # (dp, tp), None on trainer-only ranks
     gpu_of: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (host, gpu index)
+    trainer_group: object = None  # process group over the whole trainer mesh (this rank's side)
+    generator_group: object = None
 
     @property
     def role(self) -> str:
@@ -103,6 +105,9 @@ def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes:
     dev_type = device.type
     tmesh = DeviceMesh(dev_type, torch.tensor(t_grid), mesh_dim_names=("fsdp", "tp"))
     gmesh = DeviceMesh(dev_type, torch.tensor(g_grid), mesh_dim_names=("dp", "tp"))
-    return Meshes(dims, rank, device,
-                  trainer=tmesh if dims.is_trainer(rank) else None,
-                  generator=gmesh if dims.is_generator(rank) else None, gpu_of=gpu_of)
+    tgroup = dist.new_group(dims.trainer_rank_list)  # collective: every rank creates both
+    ggroup = dist.new_group(dims.generator_rank_list)
+    is_t, is_g = dims.is_trainer(rank), dims.is_generator(rank)
+    return Meshes(dims, rank, device, trainer=tmesh if is_t else None,
+                  generator=gmesh if is_g else None, gpu_of=gpu_of,
+                  trainer_group=tgroup if is_t else None, generator_group=ggroup if is_g else None)

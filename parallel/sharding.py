@@ -18,12 +18,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from model import Transformer
 from model.hf_io import CheckpointReader, check_tensors, expected_tensors
+from parallel.layout import local_box
 
 
 def tp_plan(model: Transformer) -> dict:
@@ -99,15 +99,6 @@ def parallelize_generator(model: Transformer, mesh: DeviceMesh) -> Transformer:
     return model
 
 
-def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, sizes) of the slice of the full parameter that this rank holds."""
-    if isinstance(param, DTensor):
-        sizes, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                               param.placements)
-        return tuple(offsets), tuple(sizes)
-    return (0,) * param.dim(), tuple(param.shape)
-
-
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
@@ -119,8 +110,8 @@ def load_sharded(model: Transformer, path) -> None:
     reader = CheckpointReader(path)
     check_tensors(reader, expected_tensors(model))
     for name, param in model.named_parameters():  # a tied head appears once, as the embedding
-        offsets, sizes = local_box(param)
-        local_tensor(param).copy_(reader.get_slice(name, offsets, sizes))
+        box = local_box(name, param)  # what FSDP2/TP really stores, uneven shards included
+        local_tensor(param).copy_(reader.get_slice(name, box.offsets, box.sizes))
 
 
 def build_model(args, device: torch.device, dtype: torch.dtype,

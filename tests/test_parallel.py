@@ -121,7 +121,7 @@ def _sharded_worker(rank, world, folder, fsdp, tp):
                         parallelize=lambda m: parallelize_trainer(m, mesh), path=folder)
     ids = _batch()
     with torch.no_grad():
-        logits = _full(model(ids)) if fsdp == 1 else None  # sharded load reproduces logits
+        logits = _full(model(ids))  # the sharded load reproduces single-device logits
     # data parallel over fsdp: each fsdp shard takes its rows, tp ranks share them
     rows = ids.chunk(fsdp)[mesh.get_coordinate()[0]]
     loss_sum = _loss_sum(model, rows)
@@ -131,11 +131,8 @@ def _sharded_worker(rank, world, folder, fsdp, tp):
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     torch.optim.AdamW(model.parameters(), **ADAMW).step()
     params = {n: _full(p.detach()) for n, p in model.named_parameters()}
-    out = {"loss": total / ids[:, 1:].numel(), **{"g." + k: v for k, v in grads.items()},
-           **{"p." + k: v for k, v in params.items()}}
-    if logits is not None:
-        out["logits"] = logits
-    return out
+    return {"loss": total / ids[:, 1:].numel(), "logits": logits,
+            **{"g." + k: v for k, v in grads.items()}, **{"p." + k: v for k, v in params.items()}}
 
 
 def _close(a, b, rtol=1e-5):
@@ -155,8 +152,7 @@ def test_sharded_training_matches_single_process(tmp_path, fsdp, tp, family):
             _close(res["g." + name], g)
         for name, p in ref_params.items():
             _close(res["p." + name], p)
-        if "logits" in res:
-            _close(res["logits"], ref_logits)
+        _close(res["logits"], ref_logits)
 
 
 def _generator_worker(rank, world, folder):

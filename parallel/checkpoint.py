@@ -1,0 +1,265 @@
+"""Sharded checkpoints (torch.distributed.checkpoint), Hugging Face export and JSON-able RNG state.
+
+A checkpoint is a directory `<root>/step_000123/` holding
+  - the DCP files: every trainer rank writes only its own shards of the model and optimizer state
+    (DTensors from FSDP2/TP), so resume works without any rank holding the full model, and DCP
+    reshards on load if the trainer layout changed;
+  - `extra.json`: plain JSON written by trainer rank 0 (policy version, data cursor, buffer
+    contents, RNG states as lists). JSON, not pickle: it is readable, diffable and safe to load.
+Saves are atomic: everything goes to `step_000123.tmp/`, and rank 0 renames it only after every
+rank has finished writing. `latest_checkpoint` never returns a `.tmp` directory, so a crash during
+a save leaves the previous checkpoint as the one resumed from.
+
+Every function that takes `group` is collective over it: pass a process group spanning every
+trainer rank (and no generator rank). `None` means the default group, or no group at all when
+torch.distributed is not initialised. All ranks must see the same file system at `path`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
+
+from model.hf_io import INDEX_FILE, SINGLE_FILE, _split_shards, expected_tensors, save_file
+
+EXTRA_FILE = "extra.json"
+_STEP_DIR = re.compile(r"step_(\d+)")  # full match only: "step_000123.tmp" is never a checkpoint
+
+
+# ----- directory naming, latest and pruning (pure file-system logic, no process group) ---------
+def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
+    """`<root>/step_000123`: zero-padded so that names sort like steps (up to a million)."""
+    return Path(root) / f"step_{step:06d}"
+
+
+def _complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, dir) of every finished checkpoint under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.fullmatch(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The finished checkpoint with the highest step under `root`, or None (a missing root too)."""
+    found = _complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all finished checkpoints but the newest `keep_last`; return what was deleted.
+    Call it on one rank (trainer rank 0) after a save. In-progress `.tmp` directories are left alone."""
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer >= 1 (the checkpoint just saved is always "
+                         f"kept), got {keep_last!r}")
+    doomed = [d for _, d in _complete_checkpoints(root)[:-keep_last]]
+    for d in doomed:
+        shutil.rmtree(d)
+    return doomed
+
+
+# ----- process-group helpers ----------------------------------------------------------------
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns that it "assumes" single-process mode without a process group; here that is the
+    intent (single-device runs and tests), so the warning is noise."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (same step saved again) is moved aside first,
+    because a directory rename cannot overwrite a non-empty directory."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def _fresh_tmp(final: Path, group) -> Path:
+    """`final.tmp`, emptied of any leftovers from a crashed save, visible to every rank on return."""
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank(group) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    return tmp
+
+
+# ----- DCP save / load ----------------------------------------------------------------------
+def _app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """{"model": ..., "optim": ...} keyed by parameter FQNs (the HF names), values sharded DTensors.
+    get_state_dict gives an optimizer without state yet (fresh, before its first step) a zero
+    state via a step with lr=0, so that DCP has tensors to load into."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _encode_extra(extra: dict | None) -> str | None:
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra must be a dict of JSON-able values, got {type(extra).__name__}")
+    try:
+        return json.dumps(extra, indent=1, sort_keys=True, allow_nan=True)
+    except TypeError as e:  # e.g. a tensor: convert with .tolist() / .item() first
+        raise ValueError(f"extra must hold only JSON-able values (dict, list, str, int, float, bool, "
+                         f"None): {e}; convert tensors with .tolist() or .item()") from None
+
+
+def save_sharded(path: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None,
+                 group: dist.ProcessGroup | None = None) -> Path:
+    """Write model (+ optimizer) shards and `extra.json` to `path`, atomically. Collective over
+    `group`. Pass the same `extra` on every rank: it is validated everywhere (so that a bad value
+    raises on all ranks instead of hanging the others) and written by rank 0. JSON turns tuples
+    into lists."""
+    final = Path(path)
+    text = _encode_extra(extra)
+    tmp = _fresh_tmp(final, group)
+    with _quiet_single_process():
+        dcp.save(_app_state(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+    if _rank(group) == 0:
+        if text is not None:
+            (tmp / EXTRA_FILE).write_text(text + "\n")
+    _barrier(group)  # every rank's shards (and DCP's metadata) are on disk before the rename
+    if _rank(group) == 0:
+        _replace_dir(tmp, final)
+    _barrier(group)  # nobody returns (and e.g. prunes or resumes) before the rename
+    return final
+
+
+def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 group: dist.ProcessGroup | None = None) -> dict:
+    """Load a `save_sharded` directory into a model (+ optimizer) built with the same parameter
+    names; the parallel layout may differ (DCP reshards). Returns the `extra` dict ({} if none).
+    Collective over `group`; every rank reads `extra.json` itself."""
+    folder = Path(path)
+    if not (folder / ".metadata").is_file():
+        latest = latest_checkpoint(folder.parent)
+        raise ValueError(f"{folder} is not a finished checkpoint (no DCP .metadata file); "
+                         f"latest finished checkpoint under {folder.parent}: {latest}")
+    state = _app_state(model, optimizer)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(folder), process_group=group)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    extra_file = folder / EXTRA_FILE
+    return json.loads(extra_file.read_text()) if extra_file.is_file() else {}
+
+
+# ----- Hugging Face export ------------------------------------------------------------------
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter; collective over its DTensor mesh, so every rank must call it."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
+              group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a Hugging Face model folder (config.json + safetensors, an index when sharded) from a
+    sharded `model.Transformer`, loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
+
+    Parameters are gathered one at a time (`full_tensor()`, collective: every rank of the model's
+    mesh must call this). Rank 0 moves each to CPU and writes a safetensors file as soon as it has
+    one file's worth; the other ranks drop it at once. Peak extra memory: one full tensor on the
+    device, and one safetensors file (<= max_shard_bytes) in host memory on rank 0. The folder is
+    written as `path.tmp` and renamed when complete. `dtype` casts on the way out (default: the
+    parameters' own dtype); config.json records the dtype actually written."""
+    final = Path(path)
+    writer = _rank(group) == 0
+    tmp = _fresh_tmp(final, group)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    names = list(expected_tensors(model))  # same order on every rank: the gathers must line up
+    out_dtype = dtype or params[names[0]].dtype
+    # Plan the files on meta tensors (shapes and dtype only), then fill them one file at a time.
+    plan = _split_shards({n: torch.empty(params[n].shape, dtype=out_dtype, device="meta")
+                          for n in names}, max_shard_bytes)
+    files = [SINGLE_FILE] if len(plan) == 1 else [
+        f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
+    weight_map, total = {}, 0
+    for fname, shard in zip(files, plan):
+        tensors = {}
+        for name in shard:
+            full = _full_tensor(params[name].detach())
+            if writer:
+                tensors[name] = full.to(device="cpu", dtype=out_dtype).contiguous()
+            del full
+        if writer:
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, fname))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if writer:
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        cfg = model.args.to_hf_config()
+        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _replace_dir(tmp, final)
+    _barrier(group)
+    return final
+
+
+# ----- RNG state as JSON ----------------------------------------------------------------------
+def rng_state() -> dict:
+    """This process's RNG states as plain lists: torch CPU, the current CUDA device (only if CUDA
+    is already initialised: a process that never touched CUDA has no CUDA randomness to restore)
+    and Python's `random`. Per rank: gather them (all_gather_object) to keep every rank's."""
+    version, mt, gauss = random.getstate()
+    state = {"python": [version, list(mt), gauss], "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state()` returned (after a JSON round trip); absent entries are skipped."""
+    if "python" in state:
+        version, mt, gauss = state["python"]
+        random.setstate((version, tuple(mt), gauss))
+    if "torch" in state:
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
