@@ -1,0 +1,122 @@
+"""Weight sync on real gloo ranks: bitwise-exact shards after push, two versions in a row,
+atomic swap, and timeouts that name the peer and the version."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import tiny
+from tests.dist import run_ranks
+
+GEN_DTYPE = torch.bfloat16
+
+
+def _setup(rank, folder, n_trainer, gen_tp):
+    """Trainer ranks [0, n_trainer) with FSDP, generator ranks after them with dp x tp."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from model.hf_io import load_model_args
+    from parallel.layout import Layout
+    from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
+    from weights_sync.plan import plan
+    from weights_sync.sync import exchange_layouts, transfer_specs
+
+    world = dist.get_world_size()
+    gen = list(range(n_trainer, world))
+    tmesh = DeviceMesh("cpu", torch.arange(n_trainer).view(n_trainer, 1), mesh_dim_names=("fsdp", "tp"))
+    gmesh = DeviceMesh("cpu", torch.tensor(gen).view(-1, gen_tp), mesh_dim_names=("dp", "tp"))
+    tgroup, ggroup = dist.new_group(list(range(n_trainer))), dist.new_group(gen)
+    wgroup = dist.new_group(backend="gloo")
+    args = load_model_args(folder)
+    if rank < n_trainer:
+        model = build_model(args, torch.device("cpu"), torch.float32,
+                            parallelize=lambda m: parallelize_trainer(m, tmesh), path=folder)
+        layout = Layout.from_module(model, group=tgroup)
+    else:
+        model = build_model(args, torch.device("cpu"), GEN_DTYPE,
+                            parallelize=lambda m: parallelize_generator(m, gmesh), seed=rank)
+        layout = Layout.from_module(model, group=ggroup)
+    src, dst = exchange_layouts(layout, rank == 0, rank == n_trainer)
+    return model, plan(src, dst, transfer_specs(src, dst)), wgroup, tgroup
+
+
+def _full_params(model, group):
+    from torch.distributed.tensor import DTensor
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _loc(p):
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
+def _sync_worker(rank, world, folder, n_trainer, gen_tp):
+    from parallel.layout import local_box
+    from weights_sync.sync import WeightReceiver, WeightSender
+
+    model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp)
+    out = {}
+    for version in (1, 2):
+        if rank < n_trainer:
+            with torch.no_grad():  # a new version: every shard changes
+                for prm in model.parameters():
+                    prm.add_(0.01 * version)
+            full = _full_params(model, tgroup)
+            sender = WeightSender(model, p, rank, GEN_DTYPE, wgroup, timeout_s=30, bucket_bytes=4096)
+            sender.push(version)
+            sender.wait_sent()
+            if rank == 0:
+                for n, t in full.items():
+                    out[f"v{version}.{n}"] = t
+        else:
+            recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30, bucket_bytes=4096)
+            before = {n: _loc(prm).clone() for n, prm in model.named_parameters()}
+            apply = recv.receive(version)
+            # received but not applied: the model still holds the old version (no torn state)
+            assert all(torch.equal(before[n], _loc(prm)) for n, prm in model.named_parameters())
+            apply()
+            for n, prm in model.named_parameters():
+                box = local_box(n, prm)
+                out[f"v{version}.{n}"] = _loc(prm).clone()
+                out[f"box.{n}"] = torch.tensor([box.offsets, box.sizes])
+        dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,n_trainer,gen_tp", [(3, 2, 1), (4, 2, 2), (4, 3, 1), (4, 2, 1)])
+def test_generator_shards_bitwise_equal_trainer_slices(tmp_path, world, n_trainer, gen_tp):
+    tiny.save_hf("qwen2", tmp_path)
+    results = run_ranks(_sync_worker, world, str(tmp_path), n_trainer, gen_tp, timeout=240)
+    trainer0 = results[0]
+    for res in results[n_trainer:]:
+        for version in (1, 2):
+            for key, local in res.items():
+                if not key.startswith(f"v{version}."):
+                    continue
+                name = key[len(f"v{version}."):]
+                offsets, sizes = res[f"box.{name}"].tolist()
+                full = trainer0[key]
+                want = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].to(GEN_DTYPE)
+                assert local.dtype == GEN_DTYPE and torch.equal(local, want), (version, name)
+
+
+def _timeout_worker(rank, world, folder, silent_side):
+    """`silent_side` never posts its half; the other side must time out naming it."""
+    from weights_sync.sync import WeightReceiver, WeightSender
+    model, p, wgroup, _ = _setup(rank, folder, 2, 1)
+    if rank == 2 and silent_side == "trainer":
+        recv = WeightReceiver(model, p, rank, wgroup, timeout_s=2)
+        with pytest.raises(TimeoutError, match=r"weights version 7 from trainer rank [01]"):
+            recv.receive(7)
+    elif rank < 2 and silent_side == "generator":
+        sender = WeightSender(model, p, rank, GEN_DTYPE, wgroup, timeout_s=2)
+        sender.push(9)
+        with pytest.raises(TimeoutError, match=r"generator rank 2.*version 9|version 9.*generator ranks \[2\]"):
+            sender.wait_sent()
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("silent_side", ["trainer", "generator"])
+def test_missing_peer_times_out_naming_peer_and_version(tmp_path, silent_side):
+    tiny.save_hf("llama3", tmp_path)
+    run_ranks(_timeout_worker, 3, str(tmp_path), silent_side, timeout=120)

@@ -1,0 +1,60 @@
+"""The byte stream of one (src rank, dst rank) pair, cut into buckets.
+
+Both ends derive it from the same plan: the transfers of the pair, in plan order, each flattened
+row-major in the destination dtype, concatenated. The sender fills one bucket at a time from its
+live shard (casting on the way: fp32 master -> bf16 generator weights happens before bytes move);
+the receiver lands the whole stream in one flat staging buffer and later scatters it into its
+parameters in one atomic swap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel.layout import Box
+
+
+@dataclass(frozen=True)
+class Segment:
+    param: str
+    box: Box  # in the local shard of whichever end reads this segment
+    start: int  # element offset in the pair's stream
+    numel: int
+
+
+def segments(transfers, side: str) -> list[Segment]:
+    """`side` = "src" (boxes in the sender's shard) or "dst" (in the receiver's shard)."""
+    out, start = [], 0
+    for t in transfers:
+        box = t.src_box if side == "src" else t.dst_box
+        out.append(Segment(t.param, box, start, box.numel))
+        start += box.numel
+    return out
+
+
+def stream_numel(segs: list[Segment]) -> int:
+    return segs[-1].start + segs[-1].numel if segs else 0
+
+
+def buckets(total: int, bucket_numel: int) -> list[tuple[int, int]]:
+    """[start, end) element ranges of the buckets of a stream of `total` elements."""
+    return [(s, min(s + bucket_numel, total)) for s in range(0, total, max(1, bucket_numel))]
+
+
+def fill(bucket: torch.Tensor, lo: int, hi: int, segs: list[Segment], tensors: dict) -> None:
+    """Copy stream elements [lo, hi) from local shards into `bucket[: hi - lo]` (with cast)."""
+    for seg in segs:
+        a, b = max(lo, seg.start), min(hi, seg.start + seg.numel)
+        if a >= b:
+            continue
+        view = tensors[seg.param][seg.box.slices()]
+        flat = view.reshape(-1)  # a copy only when the box is not contiguous in the shard
+        bucket[a - lo:b - lo].copy_(flat[a - seg.start:b - seg.start])
+
+
+def scatter(flat: torch.Tensor, segs: list[Segment], tensors: dict) -> None:
+    """Copy a received stream into the receiver's local parameter tensors."""
+    for seg in segs:
+        part = flat[seg.start:seg.start + seg.numel]
+        tensors[seg.param][seg.box.slices()].copy_(part.view(seg.box.sizes))
