@@ -51,6 +51,7 @@ class Meshes:
     gpu_of: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (host, gpu index)
     trainer_group: object = None  # process group over the whole trainer mesh (this rank's side)
     generator_group: object = None
+    weights_group: object = None  # point-to-point weight sync (gloo on CPU, NCCL across GPUs)
 
     @property
     def role(self) -> str:
@@ -107,7 +108,11 @@ def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes:
     gmesh = DeviceMesh(dev_type, torch.tensor(g_grid), mesh_dim_names=("dp", "tp"))
     tgroup = dist.new_group(dims.trainer_rank_list)  # collective: every rank creates both
     ggroup = dist.new_group(dims.generator_rank_list)
+    # Weight bytes get their own communicator, so the background sender never shares one with
+    # the link or with FSDP's collectives.
+    wgroup = dist.new_group(backend="nccl" if dev_type == "cuda" else "gloo")
     is_t, is_g = dims.is_trainer(rank), dims.is_generator(rank)
     return Meshes(dims, rank, device, trainer=tmesh if is_t else None,
                   generator=gmesh if is_g else None, gpu_of=gpu_of,
-                  trainer_group=tgroup if is_t else None, generator_group=ggroup if is_g else None)
+                  trainer_group=tgroup if is_t else None, generator_group=ggroup if is_g else None,
+                  weights_group=wgroup)

@@ -116,8 +116,9 @@ class Link:
         return out
 
     def wait_for(self, types: set[Msg] | Msg, what: str, timeout_s: float | None = None,
-                 peer: int | None = None) -> Message:
+                 peer: int | None = None, consume: bool = True) -> Message:
         """Block until a message of one of `types` arrives; others stay queued for `poll`.
+        With `consume=False` the message stays queued too (wait now, handle it in order later).
 
         A SHUTDOWN from a peer raises PeerError at once (a crash on one side ends the other)."""
         types = {types} if isinstance(types, Msg) else set(types)
@@ -130,7 +131,8 @@ class Link:
                     raise PeerError(f"rank {m.src} shut down while rank {self.rank} waited for {what}: "
                                     f"{(m.payload or {}).get('error', 'no error given')}")
                 if m.type in types and (peer is None or m.src == peer):
-                    self._queue.remove(m)
+                    if consume:
+                        self._queue.remove(m)
                     return m
             if time.monotonic() > deadline:
                 who = f"rank {peer}" if peer is not None else f"ranks {self.peers}"

@@ -1,0 +1,50 @@
+"""Checks of user input that need no process group, run on every rank before any is created, so a
+bad config fails in seconds with one message instead of a hang or a wall of tracebacks."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from config import ConfigError
+
+
+def preflight(cfg, dims):
+    """Validate model folder, tokenizer, layout vs heads, data, reward and run dir.
+    Returns the tokenizer (loaded once here, reused by the roles)."""
+    import torch
+    from model import Transformer
+    from model.hf_io import CheckpointReader, check_tensors, expected_tensors, load_model_args
+    from model.tokenizer import load_tokenizer
+    from rollout.rewards import resolve_reward
+    from rollout.role import load_items
+
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
+                          "(for the demo: python tools/make_tiny_model.py)")
+    args = load_model_args(cfg.model.path)
+    with torch.device("meta"):
+        check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
+    dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings)
+    tok = load_tokenizer(cfg.model.path)
+    if tok.vocab_size > args.vocab_size:
+        raise ValueError(f"tokenizer of {cfg.model.path} has {tok.vocab_size} tokens but the model's "
+                         f"vocab_size is {args.vocab_size}: they do not belong together")
+    B = cfg.trainer.prompts_per_step
+    if B < dims.gen_dp or B < dims.trainer_fsdp:
+        raise ConfigError(f"trainer.prompts_per_step={B} must be >= gen_dp={dims.gen_dp} and "
+                          f"trainer_fsdp={dims.trainer_fsdp} (every replica and rank needs a group)")
+    load_items(cfg, tok)  # raises on a missing/empty dataset or when every prompt is too long
+    resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
+    _check_writable(Path(cfg.run.dir))
+    return tok
+
+
+def _check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_test_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run directory {str(run_dir)!r} is not writable ({e.strerror}); "
+                          f"set --run.dir to a writable folder") from None

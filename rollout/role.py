@@ -1,0 +1,59 @@
+"""Build and run the generator role on this rank: TP model, engine, prompts, rewards, receiver."""
+from __future__ import annotations
+
+from model.hf_io import load_model_args, to_dtype
+from parallel.layout import Layout
+from parallel.sharding import build_model, parallelize_generator
+from rollout.data import PromptSource, filter_by_length, load_prompts, render_prompt
+from rollout.engine import Engine
+from rollout.rewards import RewardRunner, resolve_reward
+from rollout.worker import GeneratorWorker
+from trainer.link import Link
+from weights_sync.plan import plan_cached
+from weights_sync.sync import WeightReceiver, exchange_layouts, transfer_specs
+
+
+def load_items(cfg, tokenizer):
+    """Prompts that fit `data.max_prompt_len`, plus their token ids (tokens in, tokens out)."""
+    d = cfg.data
+    items = load_prompts(d.source, prompt_field=d.prompt_field, messages_field=d.messages_field,
+                         answer_field=d.answer_field, num_prompts=d.num_prompts, seed=d.seed,
+                         **({"digits": d.synthetic_digits} if d.source.startswith("synthetic:") else {}))
+    encode = lambda it: render_prompt(it, tokenizer, d.chat_template)  # noqa: E731
+    kept, skipped = filter_by_length(items, encode, d.max_prompt_len)
+    return kept, skipped, encode
+
+
+def run_generator(cfg, meshes, tokenizer) -> None:
+    dims, rank = meshes.dims, meshes.rank
+    replica, tp_rank = dims.generator_coord(rank)
+    args = load_model_args(cfg.model.path)
+    model = build_model(args, meshes.device, to_dtype(cfg.model.gen_dtype),
+                        parallelize=lambda m: parallelize_generator(m, meshes.generator),
+                        path=cfg.model.path)
+    layout = Layout.from_module(model, group=meshes.generator_group)
+    src, dst = exchange_layouts(layout, is_src_leader=False,
+                                is_dst_leader=rank == dims.generator_rank_list[0])
+    receiver = WeightReceiver(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
+                              meshes.weights_group, cfg.parallel.timeout_s)
+    items, skipped, encode = load_items(cfg, tokenizer)
+    prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
+                           world=dims.gen_dp)
+    g = cfg.generator
+    engine = Engine(model, num_slots=g.num_slots, max_len=cfg.data.max_prompt_len + g.max_new_tokens,
+                    seed=g.seed + replica, kv_policy=g.kv_policy,
+                    compile_decode=cfg.parallel.compile and meshes.device.type == "cuda")
+    trainer0 = dims.trainer_rank_list[0]
+    link = Link(rank, [trainer0], cfg.parallel.timeout_s) if tp_rank == 0 else None
+    tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None
+    rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
+    worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver, trainer0,
+                             replica, tp_group, encode)
+    try:
+        worker.run()
+    except BaseException as e:
+        if link is not None:
+            link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        rewards.close()

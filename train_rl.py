@@ -1,0 +1,79 @@
+"""tandem's entry point: one SPMD program on every rank.
+
+    torchrun --nproc-per-node 3 train_rl.py --config configs/tiny_cpu.toml [--section.key=value ...]
+
+config -> checks that need no process group -> ParallelDims -> meshes -> this rank's role loop.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from config import ConfigError, load_config, parse_cli
+
+_STARTED = False  # process groups exist: every rank reports its own errors from here on
+
+
+def resolve_config(argv):
+    path, overrides, flags = parse_cli(argv)
+    unknown = set(flags) - {"dry_run"}
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}; "
+                          f"valid: --config FILE, --dry-run, --section.key=value")
+    if flags.get("dry_run"):
+        overrides.append("run.dry_run=true")
+    cfg = load_config(path, overrides)
+    return cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def run(cfg) -> None:
+    import torch.distributed as dist
+    from launch.preflight import preflight
+    from parallel.dims import ParallelDims
+    from parallel.mesh import build_meshes, init_process_group, pick_device
+
+    dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    tokenizer = preflight(cfg, dims)  # bad input is reported before any process group exists
+    device = pick_device()
+    init_process_group(device, cfg.parallel.backend, cfg.parallel.warmup_timeout_s)
+    global _STARTED
+    _STARTED = True
+    meshes = build_meshes(dims, device)
+    if meshes.rank == 0:
+        cfg.save(os.path.join(cfg.run.dir, "config.toml"))
+        print(dims.rank_map(), flush=True)
+    if dims.mode == "colocated":
+        raise ConfigError("parallel.mode='colocated' is not implemented yet; use mode='split'")
+    if meshes.role == "trainer":
+        from trainer.role import run_trainer
+        run_trainer(cfg, meshes, tokenizer)
+    else:
+        from rollout.role import run_generator
+        run_generator(cfg, meshes, tokenizer)
+    dist.barrier()  # the shutdown barrier: both meshes are done
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = resolve_config(sys.argv[1:] if argv is None else argv)
+        if cfg.run.dry_run:
+            from launch.dry_run import dry_run
+            return dry_run(cfg)
+        run(cfg)
+        return 0
+    except (ConfigError, ValueError) as e:
+        # Detected before process groups start, every rank sees the same error: rank 0 prints it
+        # and the others exit quietly. Later, only the failing rank knows: it prints one line.
+        if rank == 0 or _STARTED:
+            print(f"error{f' (rank {rank})' if _STARTED else ''}: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

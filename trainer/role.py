@@ -1,0 +1,54 @@
+"""Build and run the trainer role on this rank: sharded model, optimizer, weight sender, link."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from model.hf_io import load_model_args, to_dtype
+from parallel.layout import Layout
+from parallel.sharding import build_model, parallelize_trainer
+from trainer.link import Link
+from trainer.metrics import MetricsLogger
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.worker import TrainerWorker
+from weights_sync.plan import plan_cached
+from weights_sync.sync import WeightSender, exchange_layouts, transfer_specs
+
+
+def build_trainer_model(cfg, meshes, path: str):
+    args = load_model_args(path)
+    pcfg = cfg.parallel
+    return build_model(args, meshes.device, to_dtype(cfg.model.dtype),
+                       parallelize=lambda m: parallelize_trainer(
+                           m, meshes.trainer, activation_checkpointing=pcfg.activation_checkpointing,
+                           compile=pcfg.compile), path=path)
+
+
+def run_trainer(cfg, meshes, tokenizer=None) -> None:
+    dims, rank = meshes.dims, meshes.rank
+    owner = rank == dims.trainer_rank_list[0]
+    model = build_trainer_model(cfg, meshes, cfg.model.path)
+    ref = build_trainer_model(cfg, meshes, cfg.model.ref_path).requires_grad_(False) \
+        if cfg.model.ref_path else None
+    layout = Layout.from_module(model, group=meshes.trainer_group)
+    src, dst = exchange_layouts(layout, is_src_leader=owner, is_dst_leader=False)
+    sender = WeightSender(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
+                          to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s)
+    leaders = [row[0] for row in dims.generator_mesh_ranks()]
+    link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
+    logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every) if owner else None
+    opt = build_optimizer(model, cfg.trainer)
+    worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
+                           logger, ref)
+    try:
+        worker.run()
+    finally:
+        if logger is not None:
+            logger.close()
+    if cfg.checkpoint.hf_export_final:
+        from parallel.checkpoint import export_hf
+        out = Path(cfg.run.dir) / "hf_final"
+        export_hf(model, out, tokenizer=tokenizer if owner else None, group=meshes.trainer_group)
+        if owner:
+            print(f"exported the final policy (version {worker.version}) to {out}", flush=True)

@@ -1,0 +1,132 @@
+"""One trainer step over this data-parallel rank's prompt groups.
+
+Loss normalisation: every micro-batch's token-summed loss is divided by the GLOBAL number of loss
+tokens of the step (all micro-batches of all data-parallel ranks), and FSDP sums gradients, so
+gradient accumulation and data parallelism give exactly the gradient of one big batch.
+FSDP runs collectives in every forward/backward, so all data-parallel ranks run the same number of
+micro-batches; a rank with fewer pads with a zero-weighted copy of one of its own micro-batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer import losses
+from trainer.advantages import group_advantages
+from trainer.batch import Group, PackedBatch, flatten_groups, pack, rewards_GN, token_budget_bins
+from trainer.optim import clip_grad_norm
+
+
+@dataclass
+class StepResult:
+    stats: dict  # summed over this rank's tokens (reduce across dp ranks before dividing)
+    grad_norm: float
+    skipped: bool  # non-finite loss or gradient norm: the update was not applied
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[PackedBatch]:
+    """Advantages per group (group integrity), then packed micro-batches by token budget."""
+    if not groups:
+        return []
+    adv_GN = group_advantages(rewards_GN(groups), adv_kind)  # [G, n]
+    trajs = flatten_groups(groups)
+    adv = adv_GN.flatten().tolist()
+    bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens)
+    return [pack([trajs[i] for i in b], [adv[i] for i in b]) for b in bins]
+
+
+def _policy_logp(model, batch: PackedBatch, temperature: float):
+    logits_NV = model(batch.input_ids_N, seq_lens=batch.seq_lens_S)
+    return losses.token_logprobs(logits_NV, batch.targets_N, temperature), logits_NV
+
+
+def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
+    m, mu, adv = batch.loss_mask_N, batch.logp_mu_N, batch.adv_N
+    if acfg.loss == "aipo":
+        return losses.aipo_loss(logp, mu, adv, m, rho=acfg.rho)
+    if acfg.loss == "decoupled_ppo":
+        return losses.decoupled_ppo_loss(logp, logp_prox, mu, adv, m, eps=acfg.clip_eps,
+                                         prox_cap=acfg.prox_cap)
+    weight = None
+    if acfg.token_is != "none":
+        weight = losses.token_is(logp, mu, acfg.token_is, acfg.token_is_cap)
+    return losses.ppo_clip_loss(logp, mu, adv, m, eps=acfg.clip_eps, is_weight_N=weight)
+
+
+def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, device,
+               version: int, ref_model=None, before_update=None) -> StepResult:
+    """Forward/backward over micro-batches, clip, and (if finite) one optimizer step.
+    `before_update()` runs just before the parameters change (the weight sender waits there
+    until the previous version has left, so it streams while we compute)."""
+    acfg, temp = cfg.algo, cfg.generator.temperature
+    batches = [b.to(device) for b in micro_batches(groups, acfg.advantage, cfg.trainer.micro_batch_tokens)]
+    counts = torch.tensor([len(batches), sum(int(b.loss_mask_N.sum()) for b in batches)])
+    n_micro, _ = _all_reduce(counts.clone(), dist.ReduceOp.MAX, dp_group).tolist()
+    global_tokens = int(_all_reduce(counts.clone(), dist.ReduceOp.SUM, dp_group)[1])
+    if not batches:
+        raise ValueError("a trainer rank got no samples; raise trainer.prompts_per_step to at least "
+                         "trainer_fsdp")
+    prox = _prox_logps(model, batches, temp) if acfg.loss == "decoupled_ppo" else [None] * len(batches)
+    stats = _zero_stats()
+    for i in range(n_micro):
+        real = i < len(batches)
+        batch = batches[i if real else 0]
+        logp, logits = _policy_logp(model, batch, temp)
+        out = _loss(acfg, logp, batch, prox[i if real else 0])
+        loss_sum = out.loss_sum
+        if acfg.kl_coef > 0 and ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = _policy_logp(ref_model, batch, temp)
+            kl = losses.kl_penalty(logp, ref_logp, batch.loss_mask_N, acfg.kl_estimator)
+            loss_sum = loss_sum + acfg.kl_coef * kl
+            stats["kl_sum"] += float(kl.detach()) if real else 0.0
+        scale = 1.0 if real else 0.0  # padding micro-batch: keeps FSDP collectives aligned
+        (losses.normalize(loss_sum, max(global_tokens, 1)) * scale).backward()
+        if real:
+            _accumulate(stats, out, logp.detach(), logits.detach(), batch, version, temp)
+    grad_norm = float(clip_grad_norm(list(model.parameters()), cfg.trainer.grad_clip))
+    # The global gradient norm is the same on every rank (a non-finite loss makes it non-finite
+    # too), so every rank takes the same skip decision.
+    finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+    if before_update is not None:
+        before_update()
+    if finite:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(stats, grad_norm, skipped=not finite)
+
+
+@torch.no_grad()
+def _prox_logps(model, batches, temp):
+    """Decoupled PPO's pi_prox: the policy before this update, one extra forward (AReaL)."""
+    return [_policy_logp(model, b, temp)[0] for b in batches]
+
+
+def _zero_stats() -> dict:
+    keys = ("loss_sum", "tokens", "is_ratio_sum", "is_ratio_max", "truncated", "clipped",
+            "entropy_sum", "mismatch_kl_sum", "onpolicy_tokens", "kl_sum")
+    return dict.fromkeys(keys, 0.0)
+
+
+def _accumulate(stats, out: losses.LossOutput, logp, logits, batch: PackedBatch, version, temp):
+    m = batch.loss_mask_N
+    stats["loss_sum"] += float(out.loss_sum.detach())
+    stats["tokens"] += float(out.tokens)
+    stats["is_ratio_sum"] += float(out.is_ratio_sum)
+    stats["is_ratio_max"] = max(stats["is_ratio_max"], float(out.is_ratio_max))
+    stats["truncated"] += float(out.truncated_count)
+    stats["clipped"] += float(out.clipped_count)
+    stats["entropy_sum"] += float(losses.entropy_from_logits(logits, m, temperature=temp))
+    # Mismatch between generator and trainer numerics: only tokens sampled by these very weights.
+    same = m & (batch.versions_N == version)
+    stats["mismatch_kl_sum"] += float(losses.mismatch_kl(logp, batch.logp_mu_N, same))
+    stats["onpolicy_tokens"] += float(same.sum())

@@ -1,0 +1,180 @@
+"""The trainer role: take batches from the off-policy buffer, train, push weights, log.
+
+Buffer ownership: trainer rank 0 owns the `OffPolicyBuffer`. Generator replica leaders send whole
+prompt groups to it; it admits them, takes B groups per step (never older than eta versions), and
+broadcasts the step's groups to every trainer rank over the trainer mesh. Each data-parallel rank
+(fsdp coordinate) trains on groups[dp_rank::dp], so a group is never split. Tensor-parallel ranks of
+one fsdp shard train on the same groups.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.batch import Group
+from trainer.buffer import OffPolicyBuffer
+from trainer.link import Link, Msg, PeerError
+from trainer.step import train_step
+
+
+def broadcast_json(obj, src: int, group) -> object:
+    """Broadcast a JSON-able object from global rank `src` over `group` (no pickle)."""
+    if dist.get_world_size(group) == 1:
+        return obj
+    if dist.get_rank() == src:
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        n = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(n, src=src, group=group)
+    if dist.get_rank() != src:
+        data = torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=group)
+    return json.loads(bytes(data.numpy()).decode())
+
+
+class TrainerWorker:
+    def __init__(self, cfg, meshes, model, optimizer, scheduler, sender, link: Link | None,
+                 logger=None, ref_model=None, start_step: int = 0):
+        self.cfg, self.meshes, self.model = cfg, meshes, model
+        self.opt, self.sched, self.sender, self.link = optimizer, scheduler, sender, link
+        self.logger, self.ref_model = logger, ref_model
+        self.step, self.version = start_step, start_step
+        self.dp_group = meshes.trainer["fsdp"].get_group()
+        self.dp_rank, self.dp = meshes.trainer.get_coordinate()[0], meshes.dims.trainer_fsdp
+        self.is_owner = meshes.rank == meshes.dims.trainer_rank_list[0]
+        self.leaders = [row[0] for row in meshes.dims.generator_mesh_ranks()]
+        self.buffer = None
+        if self.is_owner:
+            a, t, g = cfg.algo, cfg.trainer, cfg.generator
+            self.buffer = OffPolicyBuffer(a.buffer_capacity, a.max_staleness, t.prompts_per_step, g.n_samples)
+        self.acks: dict[int, float] = {}
+        self.nonfinite_in_a_row = self.nonfinite_total = 0
+
+    def run(self) -> None:
+        try:
+            while self.step < self.cfg.trainer.max_steps:
+                self._one_step()
+        except PeerError:
+            raise
+        except BaseException as e:
+            if self.link is not None:
+                self.link.broadcast_shutdown(f"trainer rank {self.meshes.rank}: {type(e).__name__}: {e}")
+            raise
+        self._shutdown_generators()
+
+    def _one_step(self) -> None:
+        t0 = time.perf_counter()
+        groups = self._take_batch()
+        mine = groups[self.dp_rank::self.dp]
+        res = train_step(self.model, self.opt, self.sched, mine, self.cfg, self.dp_group,
+                         self.meshes.device, self.version, self.ref_model,
+                         before_update=self.sender.wait_sent)
+        self._check_finite(res)
+        lr = self.sched.get_last_lr()[0]
+        # The version advances even when a non-finite step was skipped, so a synchronous
+        # generator (waiting for v+1) is never left hanging; the weights are simply unchanged.
+        self.version += 1
+        self.step += 1
+        t1 = time.perf_counter()
+        self.sender.push(self.version)
+        if self.is_owner:
+            for leader in self.leaders:
+                self.link.send(leader, Msg.WEIGHTS_READY, self.version)
+        t_sync = time.perf_counter() - t1
+        stats = self._reduce(res.stats)
+        if self.is_owner and self.logger is not None:
+            self.logger.log(self._metrics(groups, stats, res, lr, time.perf_counter() - t0, t_sync))
+
+    # ----- the buffer (owner only) ----------------------------------------------------------
+    def _take_batch(self) -> list[Group]:
+        groups = None
+        if self.is_owner:
+            groups = [g.to_dict() for g in self._collect()]
+        tgroup = self.meshes.trainer_group
+        return [Group.from_dict(d) for d in broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], tgroup)]
+
+    def _collect(self) -> list[Group]:
+        B, timeout = self.cfg.trainer.prompts_per_step, self.cfg.parallel.timeout_s
+        if self.step == 0:
+            timeout = max(timeout, self.cfg.parallel.warmup_timeout_s)  # compile, first prefill
+        deadline = time.monotonic() + timeout
+        while True:
+            for m in self.link.poll():
+                self._on_message(m)
+            got = self.buffer.try_take(B, self.version)
+            if got is not None:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"trainer rank 0 waited {timeout:.0f}s for {B} prompt groups at version "
+                    f"{self.version} from generator ranks {self.leaders}; buffer holds "
+                    f"{len(self.buffer)} groups, stats {self.buffer.stats()}")
+            self._on_message(self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK}, f"{B} prompt groups "
+                                                f"for step {self.step}", timeout_s=left))
+
+    def _on_message(self, m) -> None:
+        if m.type == Msg.TRAJECTORIES:
+            group = Group.from_dict(m.payload)
+            if not self.buffer.try_put(group):
+                self.buffer.put(group, timeout=self.cfg.parallel.timeout_s)
+        elif m.type == Msg.ACK:
+            self.acks[m.version] = (m.payload or {}).get("seconds", 0.0)
+        elif m.type == Msg.SHUTDOWN:
+            raise PeerError(f"generator rank {m.src} shut down: {(m.payload or {}).get('error')}")
+
+    def _shutdown_generators(self) -> None:
+        if self.is_owner:
+            for leader in self.leaders:
+                self.link.send(leader, Msg.SHUTDOWN, self.version)
+            self.link.flush()
+        self.sender.close()
+
+    # ----- bookkeeping ----------------------------------------------------------------------
+    def _check_finite(self, res) -> None:
+        if not res.skipped:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        k = self.cfg.trainer.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= k:
+            raise FloatingPointError(
+                f"{k} trainer steps in a row had a non-finite loss or gradient norm (last grad norm "
+                f"{res.grad_norm}); lower trainer.lr, check the data, or raise trainer.max_nonfinite_steps")
+
+    def _reduce(self, stats: dict) -> dict:
+        keys = sorted(stats)
+        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        mx = torch.tensor([stats["is_ratio_max"]], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(t, group=self.dp_group)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.dp_group)
+        out = dict(zip(keys, t.tolist()))
+        out["is_ratio_max"] = float(mx)
+        return out
+
+    def _metrics(self, groups, s, res, lr, dt, t_sync) -> dict:
+        trajs = [t for g in groups for t in g.trajectories]
+        stale = [self.version - 1 - t.version for t in trajs]
+        tok = max(s["tokens"], 1.0)
+        comp_tokens = sum(len(t.completion_ids) for t in trajs)
+        return {
+            "step": self.step, "policy_version": self.version,
+            "reward_mean": sum(t.reward for t in trajs) / len(trajs), "samples": len(trajs),
+            "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+            "is_ratio_mean": s["is_ratio_sum"] / tok, "is_ratio_max": s["is_ratio_max"],
+            "truncated_frac": s["truncated"] / tok, "clipped_frac": s["clipped"] / tok,
+            "loss": s["loss_sum"] / tok, "entropy": s["entropy_sum"] / tok,
+            "mismatch_kl": s["mismatch_kl_sum"] / max(s["onpolicy_tokens"], 1.0),
+            "kl": s["kl_sum"] / tok, "grad_norm": res.grad_norm, "lr": lr,
+            "skipped_nonfinite": self.nonfinite_total, "completion_tokens": comp_tokens,
+            "time_step_s": dt, "time_weights_sync_s": t_sync,
+            "generator_sync_s": self.acks.get(self.version - 1, 0.0),
+            "tokens_per_s": comp_tokens / dt,
+            "buffer_groups": len(self.buffer), "dropped_stale": self.buffer.stats()["dropped_stale"],
+        }
