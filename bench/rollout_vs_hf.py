@@ -1,0 +1,179 @@
+"""Rollout throughput: tandem's Engine vs Hugging Face `generate`, same weights, same run.
+
+CPU section (always): a ~3.4M-parameter random Llama (hidden 256, 4 layers, 8 heads / 4 kv,
+vocab 4096), 64 prompts of 16-48 tokens (seeded), +64 sampled tokens each (temperature 1, no
+top-k/top-p, EOS ignored). Ours: Engine(num_slots=64). HF: one left-padded batch of all 64
+prompts with an attention mask, `generate(do_sample=True, use_cache=True)`. Both are warmed up
+once, then timed `--repeats` times alternately; the median is reported.
+
+GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shared/REFERENCES.md
+(hidden 2048, 16 layers, GQA 32/8, intermediate 5632, vocab 32000) in bf16, B=64, prompt 128,
++256 tokens. Ours (eager decode and CUDA-graph decode) vs HF generate with the default dynamic
+cache and with `cache_implementation="static"`.
+
+    .venv/bin/python bench/rollout_vs_hf.py [--gpu] [--repeats 3]
+
+Prints human-readable lines, then one JSON line (`{"bench": "rollout_vs_hf", ...}`) last.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from common import print_json  # also puts the repository root on sys.path
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from model import load_pretrained  # noqa: E402
+from model.args import ModelArgs  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
+from rollout.engine import Engine, Request, SamplingParams  # noqa: E402
+
+
+def hf_llama(device: str, dtype: torch.dtype, **shape):
+    cfg = transformers.LlamaConfig(eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                                   max_position_embeddings=2048, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def left_padded(prompts: list[list[int]], device: str):
+    T = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):], mask[i, T - len(p):] = torch.tensor(p), 1
+    return ids.to(device), mask.to(device)
+
+
+def timed(fn, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def run_ours(engine: Engine, prompts, new_tokens: int) -> int:
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    done = engine.generate([Request(i, p, sp) for i, p in enumerate(prompts)])
+    return sum(len(c.completion_ids) for c in done)
+
+
+def run_hf(model, ids, mask, new_tokens: int, **kw) -> int:
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, use_cache=True, pad_token_id=0, **kw)
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+
+def measure(fns: dict, device: str, repeats: int, results: dict) -> None:
+    """Warm each up once, then time them alternately `repeats` times, so that a busy machine
+    hits all alike. Reports the median and the best (least disturbed) run."""
+    for f in fns.values():
+        f()  # warm-up (and compile / capture)
+    times: dict = {k: [] for k in fns}
+    tokens: dict = {}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            holder: dict = {}
+            times[k].append(timed(lambda: holder.setdefault("n", f()), device))
+            tokens[k] = holder["n"]
+    for k in fns:
+        med, best = statistics.median(times[k]), min(times[k])
+        results[k] = {"tok_per_s": round(tokens[k] / med, 1),
+                      "tok_per_s_best": round(tokens[k] / best, 1),
+                      "seconds": round(med, 4), "new_tokens": tokens[k],
+                      "all_seconds": [round(t, 4) for t in times[k]]}
+        print(f"  {k:<18} {tokens[k] / med:9.1f} new tok/s median, {tokens[k] / best:9.1f} best "
+              f"({med:.3f} s median of {repeats})")
+
+
+def cpu_section(repeats: int) -> dict:
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
+    hf = hf_llama("cpu", torch.float32, **shape)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_pretrained(d, dtype="float32").eval()
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(16, 49, (64,), generator=gen).tolist()
+    prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in lens]
+    new = 64
+    engine = Engine(ours, num_slots=64, max_len=max(lens) + new)
+    ids, mask = left_padded(prompts, "cpu")
+    params = sum(p.numel() for p in ours.parameters())
+    print(f"CPU: {params / 1e6:.2f}M-param Llama, 64 prompts of {min(lens)}-{max(lens)} tokens, "
+          f"+{new} sampled tokens, {torch.get_num_threads()} threads")
+    res: dict = {"params": params, "threads": torch.get_num_threads()}
+    measure({"ours": lambda: run_ours(engine, prompts, new),
+             "hf_dynamic_cache": lambda: run_hf(hf, ids, mask, new)}, "cpu", repeats, res)
+    for name, stat in (("speedup", "tok_per_s"), ("speedup_best", "tok_per_s_best")):
+        res[name] = round(res["ours"][stat] / res["hf_dynamic_cache"][stat], 2)
+    print(f"  speedup ours / HF: {res['speedup']:.2f}x median, {res['speedup_best']:.2f}x best")
+    print(f"  engine stats (all runs): {engine.stats}")
+    return res
+
+
+GPU_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8)
+
+
+def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: int = 64,
+                P: int = 128, new: int = 256) -> dict:
+    """(device/shape/sizes are parameters only so that the code path can be dry-run on CPU.)"""
+    hf = hf_llama(device, torch.bfloat16, **shape)
+    args = ModelArgs.from_hf_config(hf.config.to_dict())
+    with torch.device("meta"):
+        ours = Transformer(args).to(torch.bfloat16)
+    ours.to_empty(device=device)
+    ours.load_state_dict(hf.state_dict())
+    ours.tie_weights()
+    ours.eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, shape["vocab_size"], (P,), generator=gen).tolist() for _ in range(B)]
+    ids, mask = left_padded(prompts, device)
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"GPU ({name}): {args.num_params() / 1e9:.2f}B Llama shape bf16, B={B}, prompt {P}, +{new}")
+    res: dict = {"device": name}
+    fns = {}
+    for mode in (False, "cudagraph") if device == "cuda" else (False,):
+        engine = Engine(ours, num_slots=B, max_len=P + new, compile_decode=mode)
+        fns["ours_cudagraph" if mode else "ours_eager"] = (
+            lambda e=engine: run_ours(e, prompts, new))
+    fns["hf_dynamic_cache"] = lambda: run_hf(hf, ids, mask, new)
+    fns["hf_static_cache"] = lambda: run_hf(hf, ids, mask, new, cache_implementation="static")
+    measure(fns, device, repeats, res)
+    best_hf = max(res["hf_dynamic_cache"]["tok_per_s"], res["hf_static_cache"]["tok_per_s"])
+    ours_best = max(v["tok_per_s"] for k, v in res.items() if k.startswith("ours"))
+    res["speedup_vs_best_hf"] = round(ours_best / best_hf, 2)
+    print(f"  speedup best ours / best HF: {res['speedup_vs_best_hf']:.2f}x")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="also run the 1.1B GPU section")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    out = {"bench": "rollout_vs_hf", "cpu": cpu_section(a.repeats)}
+    if a.gpu:
+        if torch.cuda.is_available():
+            with torch.no_grad():
+                out["gpu"] = gpu_section(a.repeats)
+        else:
+            print("GPU section skipped: CUDA is not available")
+            out["gpu"] = "skipped: no CUDA"
+    print_json(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,612 @@
+"""The generation engine: static KV cache, continuous batching, host-sync-free decode, mu per token.
+
+    engine = Engine(model, num_slots=64, max_len=2048)
+    done = engine.generate([Request(i, ids, SamplingParams(n=4, max_new_tokens=256)) for ...])
+    # or incrementally (the generator loop): add_requests(...); while has_work(): step();
+    # poll_finished(); and between two steps: load_weights(apply_fn, version)
+
+**Slots.** The KV cache (model/kv_cache.py) has `num_slots` rows of `max_len` positions; one slot
+holds one sample. Per-slot state (tokens, mu, versions, length, live flag, sampling parameters,
+stop ids) lives in device tensors (`_SlotState`), so a decode step is a fixed sequence of kernels
+over all slots: `model(last_token[S, 1], positions=[S, 1], kv_cache)` with `slots=None` (no cache
+gather), sampling, and the state update. Slots that are free or finished compute garbage at
+position 0 that nobody reads. Decode attends only to the first `Lb` cache positions: a host-side
+upper bound on every live length (no sync needed), rounded up to `kv_bucket`.
+
+**One engine iteration (`step`).**
+1. Harvest, at most every `sync_every` steps (1 on CPU, where a sync is free; 8 on CUDA) or when
+   queued work could use free slots: one device->host read of the live flags, then the finished
+   rows. A slot that finishes between two harvests idles until the next: that is the tradeoff.
+2. Admit queued requests into free slots at once (continuous batching). The n samples of a request
+   share ONE prompt prefill: the prompt is prefilled into one slot (several new prompts are batched
+   right-padded, sorted by length, `slots=` their slots), its cache prefix [0, P) is copied to the
+   other samples' slots, and every sample draws its first token from the same last-position
+   logits. When fewer than n slots are free, the rest of the group waits; its samples later copy
+   the prefix from a still-running sibling (or the prompt is prefilled again if none is left).
+3. One decode step over all slots (eager, or a replayed CUDA graph; `compile_decode`).
+
+**Weights (`load_weights(apply_fn, version)`, between two steps).** `apply_fn()` overwrites the
+model's parameters in place (addresses must not change: CUDA graphs hold them; if they do change
+the graphs are dropped and re-captured), then `engine.version = version`. Tokens sampled afterwards
+carry the new version. What happens to the keys/values already cached is the `kv_policy`:
+- "keep" (default): in-flight sequences continue on their old cached keys/values; new tokens are
+  computed by the new weights attending to old-weight KV. Cheapest; each token carries the version
+  that sampled it, and the trajectory's staleness is its oldest token's version. Samples of a
+  group still queued at the swap start from the group's old-weight prompt logits (their first
+  token carries the old version).
+- "recompute": every in-flight sequence's prompt + generated tokens are prefilled again with the
+  new weights (batched, no logits), so tokens sampled after the swap are exactly what a fresh run
+  of the new weights would give for that prefix. Costs one prefill of all in-flight tokens;
+  queued samples get their prompt prefilled again.
+Sampling and mu conventions: rollout/sampling.py.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from model.kv_cache import KVCache
+from rollout.sampling import hashed_exponential_noise, mix32, process_logits, sample, stream_key
+
+KV_POLICIES = ("keep", "recompute")
+COMPILE_MODES = (False, True, "compile", "cudagraph")
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled. `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    greedy: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # on top of the model's eos ids
+    ignore_eos: bool = False  # when True only stop_token_ids stop a completion
+    n: int = 1  # samples of this prompt (a GRPO group); they share one prefill
+    seed: int | None = None  # None: derived from the engine seed and the request's arrival order
+
+    def __post_init__(self) -> None:
+        bad = []
+        if self.max_new_tokens < 1:
+            bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if self.temperature < 0:
+            bad.append(f"temperature={self.temperature} (must be >= 0)")
+        if not 0 < self.top_p <= 1:
+            bad.append(f"top_p={self.top_p} (must be in (0, 1])")
+        if self.top_k < 0:
+            bad.append(f"top_k={self.top_k} (must be >= 0; 0 = off)")
+        if self.n < 1:
+            bad.append(f"n={self.n} (must be >= 1)")
+        if bad:
+            raise ValueError("invalid SamplingParams: " + ", ".join(bad))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+@dataclass
+class Request:
+    request_id: Any
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    """One sample of one request. `logp[k]` (mu) and `token_versions[k]` belong to
+    `completion_ids[k]`. `timing`: perf_counter stamps submitted/admitted/first_token/finished
+    (host enqueue times on CUDA; `finished` is when the harvest saw it) and derived seconds."""
+
+    request_id: Any
+    sample_idx: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logp: list[float]
+    token_versions: list[int]
+    finish_reason: str  # "stop" | "length"
+    timing: dict[str, float]
+    num_prompt_tokens: int
+
+    @property
+    def min_version(self) -> int:
+        return min(self.token_versions)
+
+
+@dataclass
+class EngineStats:
+    """Counters since construction (tests assert on them; benchmarks report them)."""
+
+    prefill_calls: int = 0  # model forwards that prefilled prompts
+    prefill_prompts: int = 0  # prompts prefilled (one per request, not per sample)
+    prefill_tokens: int = 0  # real prompt tokens prefilled
+    prefill_padded_tokens: int = 0  # tokens through the model, padding included
+    kv_copies: int = 0  # samples whose prompt KV was copied from a sibling slot
+    decode_steps: int = 0
+    harvests: int = 0  # device->host syncs of the live flags
+    generated_tokens: int = 0  # completion tokens of harvested samples
+    recompute_tokens: int = 0  # tokens re-prefilled by kv_policy="recompute"
+
+
+@dataclass
+class _Group:
+    """Host bookkeeping of one request while any of its samples is queued."""
+
+    request: Request
+    key_seed: int
+    pending: deque  # sample indices not yet admitted
+    submitted_at: float
+    logits_V: Tensor | None = None  # last-prompt-position logits, kept while samples wait
+    logits_version: int = 0
+    live_slots: set = field(default_factory=set)  # running samples: their cache holds the prompt
+
+
+class _SlotState:
+    """Per-slot device tensors. tokens/logp/version have one scratch column (index max_len) that
+    rows which are not live write their garbage to."""
+
+    def __init__(self, S: int, L: int, device: torch.device, max_stop: int = 4):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(S, L + 1, **i64)
+        self.logp = torch.zeros(S, L + 1, dtype=torch.float32, device=device)
+        self.version = torch.zeros(S, L + 1, **i64)
+        self.seq_len = torch.ones(S, **i64)  # prompt + generated tokens
+        self.gen = torch.zeros(S, **i64)  # generated tokens
+        self.max_new = torch.ones(S, **i64)
+        self.key = torch.zeros(S, **i64)  # noise key (rollout/sampling.py)
+        self.top_k = torch.zeros(S, **i64)
+        self.temp = torch.ones(S, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(S, dtype=torch.float32, device=device)
+        self.greedy = torch.zeros(S, dtype=torch.bool, device=device)
+        self.live = torch.zeros(S, dtype=torch.bool, device=device)  # assigned and not finished
+        self.owned = torch.zeros(S, dtype=torch.bool, device=device)  # assigned, not harvested
+        self.stopped = torch.zeros(S, dtype=torch.bool, device=device)  # finished on a stop id
+        self.stop_ids = torch.full((S, max_stop), -1, **i64)
+        self.version_now = torch.zeros(1, **i64)
+
+    def _tensors(self) -> dict[str, Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
+
+    def snapshot(self) -> dict[str, Tensor]:
+        return {k: v.clone() for k, v in self._tensors().items()}
+
+    def restore(self, snap: dict[str, Tensor]) -> None:
+        for k, v in self._tensors().items():
+            v.copy_(snap[k])
+
+    def grow_stop_ids(self, k: int) -> None:
+        old = self.stop_ids
+        self.stop_ids = torch.full((old.shape[0], k), -1, dtype=old.dtype, device=old.device)
+        self.stop_ids[:, : old.shape[1]] = old
+
+
+class _CacheView(KVCache):
+    """The first `Lb` positions of a KVCache, as views: writes land in the full cache."""
+
+    def __init__(self, cache: KVCache, Lb: int):  # no super().__init__: nothing is allocated
+        self.k, self.v = cache.k[:, :, :, :Lb], cache.v[:, :, :, :Lb]
+
+
+def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, key_R, counter_R,
+                 truncate: bool, mode: str):
+    """Sampled token [R] and its mu [R]. Host flags pick the kernels: `truncate` (any row uses
+    top-k/top-p) and `mode` ("greedy": every row, "sample": no row, "mixed")."""
+    if truncate:
+        logp_RV = process_logits(logits_RV, temp_R, top_k_R, top_p_R)
+    else:
+        logp_RV = process_logits(logits_RV, temp_R)
+    noise = None if mode == "greedy" else hashed_exponential_noise(key_R, counter_R, logp_RV.shape[-1])
+    tok_R = sample(logp_RV, noise, {"greedy": True, "sample": False}.get(mode, greedy_R))
+    return tok_R, logp_RV.gather(1, tok_R[:, None])[:, 0]
+
+
+def _mode(n_sampling: int, n_rows: int) -> str:
+    return "greedy" if n_sampling == 0 else "sample" if n_sampling == n_rows else "mixed"
+
+
+class Engine:
+    """Generation over one (possibly tensor-parallel) model; one engine per DP replica.
+
+    num_slots / max_len: KV-cache rows and positions (prompt + completion <= max_len).
+    device / dtype: where the cache lives (the model's device) and its dtype (the model's).
+    seed: noise seed of requests without their own `SamplingParams.seed`.
+    kv_policy: "keep" | "recompute", what `load_weights` does to cached keys/values.
+    sync_every: decode steps between device->host reads of the finished flags (1 on CPU, 8 on
+        CUDA). compile_decode: False (eager), "cudagraph" (CUDA graph of the eager step), True or
+        "compile" (torch.compile, plus a CUDA graph on CUDA).
+    max_prefill_tokens: padded tokens per prefill forward. kv_bucket: decode reads the cache up to
+        a multiple of this (each value is one CUDA graph); default 32, or max_len when compiled.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
+                 dtype: torch.dtype | None = None, *, seed: int = 0, kv_policy: str = "keep",
+                 sync_every: int | None = None, compile_decode: bool | str = False,
+                 max_prefill_tokens: int = 4096, kv_bucket: int | None = None):
+        param = next(model.parameters())
+        device = torch.device(device) if device is not None else param.device
+        if param.device != device:
+            raise ValueError(f"the model is on {param.device} but the engine was asked for "
+                             f"{device}; move the model first")
+        if num_slots < 1 or max_len < 2:
+            raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy={kv_policy!r}; choose one of {KV_POLICIES}")
+        if compile_decode not in COMPILE_MODES:
+            raise ValueError(f"compile_decode={compile_decode!r}; choose one of {COMPILE_MODES}")
+        if compile_decode == "cudagraph" and device.type != "cuda":
+            raise ValueError("compile_decode='cudagraph' needs a CUDA device")
+        self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
+        # decode reads the cache up to a length bucket; each bucket is one graph (and, compiled,
+        # one compilation), so a compiled engine reads the whole cache by default
+        use_compile = compile_decode in (True, "compile")
+        self.kv_bucket = kv_bucket or (max_len if use_compile else 32)
+        self.seed, self.kv_policy = seed, kv_policy
+        self.max_prefill_tokens = max_prefill_tokens
+        self.sync_every = sync_every or (8 if device.type == "cuda" else 1)
+        self.cache = KVCache.for_model(model, num_slots, max_len, dtype=dtype, device=device)
+        self.st = _SlotState(num_slots, max_len, device)
+        self.stats = EngineStats()
+        self._version = 0
+        self._queue: deque[_Group] = deque()
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
+        self._slot: list[dict | None] = [None] * num_slots  # host info of the sample in a slot
+        self._finished: list[Completion] = []
+        self._n_requests = self._steps = self._since_sync = 0
+        self._bound_base = 0  # max over owned slots of (length at admission - admission step)
+        self._n_truncating = self._n_sampling = 0  # owned slots needing sort / noise kernels
+        self._decode_fn = self._decode_body
+        if use_compile:
+            self._decode_fn = torch.compile(self._decode_body, dynamic=False)
+        self._use_graphs = device.type == "cuda" and compile_decode is not False
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._param_ptrs = self._param_pointers()
+
+    # ----- public API ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self._version = int(v)
+        self.st.version_now.fill_(int(v))
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
+        now = time.perf_counter()
+        for r in requests:
+            n_prompt = len(r.prompt_ids)
+            if not 1 <= n_prompt <= self.max_len - 1:
+                raise ValueError(
+                    f"request {r.request_id!r}: prompt has {n_prompt} tokens; the engine's "
+                    f"max_len={self.max_len} allows 1..{self.max_len - 1} (room for >= 1 new token); "
+                    "filter long prompts in the data layer or raise max_len")
+            seed = r.params.seed
+            if seed is None:
+                seed = mix32(self.seed) << 32 | mix32(self._n_requests + 0x5BD1E995)
+            self._n_requests += 1
+            self._queue.append(_Group(r, seed, deque(range(r.params.n)), now))
+
+    def has_work(self) -> bool:
+        return bool(self._queue) or len(self._free) < self.num_slots
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One engine iteration: harvest (when due), admit + prefill, one decode step."""
+        self._since_sync += 1
+        if self._since_sync >= self.sync_every or (self._queue and self._free):
+            self._harvest()
+        if self._queue and self._free:
+            self._admit()
+        if len(self._free) < self.num_slots:
+            self._decode()
+
+    def poll_finished(self) -> list[Completion]:
+        out, self._finished = self._finished, []
+        return out
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Run until every request is done; completions in request order, then sample order.
+        Completions of other requests finished meanwhile stay for `poll_finished`."""
+        self.add_requests(requests)
+        rank = {r.request_id: i for i, r in enumerate(requests)}  # request ids must be unique
+        mine, others = [], []
+        while self.has_work():
+            self.step()
+        for c in self.poll_finished():
+            (mine if c.request_id in rank else others).append(c)
+        self._finished = others + self._finished
+        return sorted(mine, key=lambda c: (rank[c.request_id], c.sample_idx))
+
+    @torch.no_grad()
+    def load_weights(self, apply_fn: Callable[[], None], version: int,
+                     kv_policy: str | None = None) -> None:
+        """Swap weights at a safe point (between steps); see the module docstring for policies."""
+        policy = kv_policy or self.kv_policy
+        if policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy={policy!r}; choose one of {KV_POLICIES}")
+        apply_fn()
+        self.version = version
+        if self._param_pointers() != self._param_ptrs:  # parameters replaced, not copied into
+            self._graphs.clear()
+            self._param_ptrs = self._param_pointers()
+        if policy == "recompute":
+            self._recompute()
+
+    # ----- harvest ------------------------------------------------------------------------------
+    def _harvest(self) -> None:
+        self._since_sync = 0
+        if len(self._free) == self.num_slots:
+            return
+        self.stats.harvests += 1
+        done = (self.st.owned & ~self.st.live).nonzero()[:, 0].tolist()  # the one sync
+        if not done:
+            return
+        idx = torch.tensor(done, device=self.device)
+        seq_len = self.st.seq_len[idx].tolist()
+        width = max(seq_len)
+        tokens = self.st.tokens[idx, :width].tolist()
+        logp = self.st.logp[idx, :width].tolist()
+        versions = self.st.version[idx, :width].tolist()
+        stopped = self.st.stopped[idx].tolist()
+        self.st.owned[idx] = False
+        now = time.perf_counter()
+        for j, s in enumerate(done):
+            info, self._slot[s] = self._slot[s], None
+            group, P, n = info["group"], info["P"], seq_len[j]
+            group.live_slots.discard(s)
+            self._free.append(s)
+            self._n_truncating -= info["truncating"]
+            self._n_sampling -= info["sampling"]
+            self.stats.generated_tokens += n - P
+            t = dict(submitted=group.submitted_at, admitted=info["admitted"],
+                     first_token=info["first_token"], finished=now)
+            t.update(prefill_s=t["first_token"] - t["admitted"], decode_s=now - t["first_token"])
+            self._finished.append(Completion(
+                group.request.request_id, info["sample_idx"], list(group.request.prompt_ids),
+                tokens[j][P:n], logp[j][P:n], versions[j][P:n],
+                "stop" if stopped[j] else "length", t, P))
+        self._bound_base = max((i["bound"] for i in self._slot if i is not None), default=0)
+
+    # ----- admission: prefill, prefix copies, first tokens --------------------------------------
+    def _admit(self) -> None:
+        plan: list[tuple[int, _Group, int]] = []  # (slot, group, sample_idx)
+        to_prefill: list[tuple[_Group, int]] = []  # (group, slot it is prefilled into)
+        while self._free and self._queue:
+            g = self._queue[0]
+            if g.logits_V is not None and not g.live_slots:
+                g.logits_V = None  # no running sibling holds the prompt any more: prefill again
+            take = min(len(self._free), len(g.pending))
+            slots = [self._free.pop() for _ in range(take)]
+            plan += [(s, g, g.pending.popleft()) for s in slots]
+            if g.logits_V is None:
+                to_prefill.append((g, slots[0]))
+            if not g.pending:
+                self._queue.popleft()
+        t0 = time.perf_counter()
+        prefilled = self._prefill([(g.request.prompt_ids, s) for g, s in to_prefill])
+        for (g, s), logits_V in zip(to_prefill, prefilled):
+            g.logits_V, g.logits_version = logits_V, self.version
+            g.live_slots.add(s)  # the copy source below, even before it is registered
+        self._copy_prefixes(plan, {s for _, s in to_prefill})
+        self._start_samples(plan, t0)
+        for g in {id(g): g for _, g, _ in plan}.values():
+            if not g.pending:
+                g.logits_V = None  # every sample admitted: the logits are no longer needed
+
+    def _copy_prefixes(self, plan, prefilled_slots: set[int]) -> None:
+        """Copy each group's prompt KV [0, P) from a slot holding it to its new samples' slots."""
+        dsts: dict[int, list[int]] = {}
+        src_of: dict[int, int] = {}
+        for s, g, _ in plan:
+            if s in prefilled_slots:
+                continue
+            src_of.setdefault(id(g), next(iter(g.live_slots)))
+            dsts.setdefault(id(g), []).append(s)
+        groups = {id(g): g for _, g, _ in plan}
+        for gid, dst in dsts.items():
+            P, src = len(groups[gid].request.prompt_ids), src_of[gid]
+            d = torch.tensor(dst, device=self.device)
+            self.cache.k[:, d, :, :P] = self.cache.k[:, src : src + 1, :, :P]
+            self.cache.v[:, d, :, :P] = self.cache.v[:, src : src + 1, :, :P]
+            self.stats.kv_copies += len(dst)
+
+    def _start_samples(self, plan, t_admit: float) -> None:
+        """Write prompts and per-slot parameters of the admitted samples, draw their first token."""
+        R, dev, L = len(plan), self.device, self.max_len
+        P_max = max(len(g.request.prompt_ids) for _, g, _ in plan)
+        stop_sets = [self._stop_ids(g.request.params) for _, g, _ in plan]
+        if max(map(len, stop_sets)) > self.st.stop_ids.shape[1]:
+            self.st.grow_stop_ids(max(map(len, stop_sets)))
+            self._graphs.clear()
+        K = self.st.stop_ids.shape[1]
+        prompts = torch.zeros(R, P_max, dtype=torch.int64)
+        ints = torch.zeros(R, 7, dtype=torch.int64)  # slot, P, max_new, key, top_k, greedy, version
+        floats = torch.zeros(R, 2, dtype=torch.float32)  # temperature, top_p
+        stops = torch.full((R, K), -1, dtype=torch.int64)
+        group_row: dict[int, int] = {}
+        for r, ((s, g, i), stop) in enumerate(zip(plan, stop_sets)):
+            p, P = g.request.params, len(g.request.prompt_ids)
+            prompts[r, :P] = torch.tensor(g.request.prompt_ids)
+            greedy = p.is_greedy
+            ints[r] = torch.tensor([s, P, min(p.max_new_tokens, L - P), stream_key(g.key_seed, i),
+                                    0 if greedy else p.top_k, greedy, g.logits_version])
+            floats[r, 0] = p.temperature if p.temperature > 0 else 1.0
+            floats[r, 1] = 1.0 if greedy else p.top_p
+            stops[r, : len(stop)] = torch.tensor(stop, dtype=torch.int64)
+            group_row.setdefault(id(g), len(group_row))
+            truncating = not greedy and (p.top_k > 0 or p.top_p < 1)
+            self._n_truncating += truncating
+            self._n_sampling += not greedy
+            self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit,
+                                 bound=P + 1 - self._steps, truncating=truncating,
+                                 sampling=not greedy)
+            g.live_slots.add(s)
+        ints, floats, stops, prompts = (t.to(dev, non_blocking=True)
+                                        for t in (ints, floats, stops, prompts))
+        slot, P, max_new, key, top_k, greedy, ver = ints.unbind(1)
+        greedy = greedy.bool()
+        st = self.st
+        st.tokens[slot, :P_max] = prompts
+        st.max_new[slot], st.key[slot], st.top_k[slot], st.greedy[slot] = max_new, key, top_k, greedy
+        st.temp[slot], st.top_p[slot], st.stop_ids[slot] = floats[:, 0], floats[:, 1], stops
+        # first tokens: every sample of a group draws from the group's one set of logits
+        groups = {id(g): g for _, g, _ in plan}
+        logits_GV = torch.stack([groups[gid].logits_V for gid in group_row])
+        rows = torch.tensor([group_row[id(g)] for _, g, _ in plan], device=dev)
+        infos = [self._slot[s] for s, _, _ in plan]
+        tok, mu = _sample_rows(logits_GV[rows], floats[:, 0], top_k, floats[:, 1], greedy, key,
+                               torch.zeros_like(key), truncate=any(i["truncating"] for i in infos),
+                               mode=_mode(sum(i["sampling"] for i in infos), R))
+        st.tokens[slot, P], st.logp[slot, P], st.version[slot, P] = tok, mu, ver
+        st.seq_len[slot], st.gen[slot] = P + 1, 1
+        stop = (tok[:, None] == stops).any(-1)
+        st.stopped[slot] = stop
+        st.live[slot] = ~(stop | (max_new <= 1) | (P + 1 >= L))
+        st.owned[slot] = True
+        now = time.perf_counter()
+        for s, _, _ in plan:
+            self._slot[s]["first_token"] = now
+        self._bound_base = max(self._bound_base, max(self._slot[s]["bound"] for s, _, _ in plan))
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        eos = [] if p.ignore_eos else self.model.args.eos_ids
+        return sorted(set(p.stop_token_ids) | set(eos))
+
+    def _prefill(self, items: list[tuple[Sequence[int], int]], logits: bool = True) -> list[Tensor]:
+        """Prefill token lists into slots (batched, right-padded, sorted by length, chunked to
+        `max_prefill_tokens`); returns each item's last-position logits [V] when `logits`."""
+        out: list[Tensor | None] = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
+        for chunk in _chunks([len(items[i][0]) for i in order], self.max_prefill_tokens):
+            idx = [order[c] for c in chunk]
+            T = len(items[idx[-1]][0])
+            ids = torch.zeros(len(idx), T, dtype=torch.int64)
+            for r, i in enumerate(idx):
+                ids[r, : len(items[i][0])] = torch.as_tensor(items[i][0])
+            last = torch.tensor([len(items[i][0]) - 1 for i in idx], device=self.device)
+            h = self._prefill_forward(ids.to(self.device, non_blocking=True),
+                                      torch.tensor([items[i][1] for i in idx], device=self.device))
+            if logits:
+                rows_V = self.model.lm_head(h[torch.arange(len(idx), device=self.device), last])
+                for r, i in enumerate(idx):
+                    out[i] = rows_V[r]
+            self.stats.prefill_tokens += sum(len(items[i][0]) for i in idx)
+            if logits:
+                self.stats.prefill_prompts += len(idx)
+        return out
+
+    def _prefill_forward(self, ids_BT: Tensor, slots_B: Tensor) -> Tensor:
+        B, T = ids_BT.shape
+        pos = torch.arange(T, device=self.device).expand(B, T)
+        self.stats.prefill_calls += 1
+        self.stats.prefill_padded_tokens += B * T
+        return self.model.hidden_states(ids_BT, positions=pos, kv_cache=_CacheView(self.cache, T),
+                                        slots=slots_B)
+
+    # ----- decode -------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        key = self._decode_key()
+        if self._use_graphs:
+            graph = self._graphs.get(key) or self._capture(key)
+            graph.replay()
+        else:
+            self._decode_fn(*key)
+        self._steps += 1
+        self.stats.decode_steps += 1
+
+    def _decode_key(self) -> tuple[bool, str, int]:
+        """Host-side choice of the decode kernels: (truncate, sampling mode, cache length read)."""
+        bound = min(self.max_len, self._bound_base + self._steps)
+        Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
+        owned = self.num_slots - len(self._free)  # free slots' draws are never read
+        return self._n_truncating > 0, _mode(self._n_sampling, owned), Lb
+
+    def _decode_body(self, truncate: bool, mode: str, Lb: int) -> None:
+        """One token for every live slot; pure device code (CUDA-graph capturable)."""
+        st, L = self.st, self.max_len
+        live = st.live
+        pos_S = torch.where(live, st.seq_len - 1, 0)  # not live: harmless garbage at position 0
+        ids_S1 = st.tokens.gather(1, pos_S[:, None])
+        cache = _CacheView(self.cache, Lb)
+        logits_SV = self.model(ids_S1, positions=pos_S[:, None], kv_cache=cache)[:, 0]
+        tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, st.key, st.gen,
+                               truncate, mode)
+        col = torch.where(live, st.seq_len, L)[:, None]  # not live: the scratch column
+        st.tokens.scatter_(1, col, tok[:, None])
+        st.logp.scatter_(1, col, mu[:, None])
+        st.version.scatter_(1, col, st.version_now.expand(col.shape[0], 1))
+        st.seq_len += live
+        st.gen += live
+        stop = (tok[:, None] == st.stop_ids).any(-1)
+        done = live & (stop | (st.gen >= st.max_new) | (st.seq_len >= L))
+        st.stopped |= done & stop
+        st.live &= ~done
+
+    def _capture(self, key: tuple) -> "torch.cuda.CUDAGraph":
+        """Warm up (and compile) on a side stream, restore the state, capture one decode step.
+        Warm-up steps rewrite the KV entries the real step writes, with the same values."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._warm_up(key, runs=3)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):  # records, runs nothing
+            self._decode_fn(*key)
+        self._graphs[key] = graph
+        return graph
+
+    def _warm_up(self, key: tuple, runs: int) -> None:
+        """Run decode steps (compiling on the first) and undo their effect on the slot state.
+        Their KV writes need no undo: a live slot rewrites the entry of its last token with the
+        values the real step writes, other slots write garbage at position 0."""
+        snap = self.st.snapshot()
+        for _ in range(runs):
+            self._decode_fn(*key)
+            self.st.restore(snap)
+
+    # ----- weights ------------------------------------------------------------------------------
+    def _recompute(self) -> None:
+        """kv_policy="recompute": prefill every running sequence again under the new weights."""
+        self._harvest()
+        for g in self._queue:  # queued samples must not start from old-weight logits
+            g.logits_V = None
+        slots = [s for s, i in enumerate(self._slot) if i is not None]
+        if not slots:
+            return
+        lengths = (self.st.seq_len[slots] - 1).tolist()  # tokens whose KV is cached
+        order = sorted(range(len(slots)), key=lambda i: lengths[i])
+        for chunk in _chunks([lengths[i] for i in order], self.max_prefill_tokens):
+            rows = torch.tensor([slots[order[c]] for c in chunk], device=self.device)
+            T = lengths[order[chunk[-1]]]
+            self._prefill_forward(self.st.tokens[rows, :T], rows)
+            self.stats.recompute_tokens += sum(lengths[order[c]] for c in chunk)
+
+    def _param_pointers(self) -> list[int]:
+        return [p.data_ptr() for p in self.model.parameters()]
+
+
+def _chunks(sorted_lengths: list[int], max_tokens: int, max_waste: float = 0.1) -> list[list[int]]:
+    """Split ascending lengths into consecutive batches whose padded size (count x longest) stays
+    under `max_tokens` and within `max_waste` of the real tokens (one item may exceed the budget)."""
+    chunks, cur, real = [], [], 0
+    for i, n in enumerate(sorted_lengths):
+        padded = (len(cur) + 1) * n
+        if cur and (padded > max_tokens or padded > (1 + max_waste) * (real + n)):
+            chunks.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += n
+    if cur:
+        chunks.append(cur)
+    return chunks

@@ -1,0 +1,339 @@
+"""The rollout engine against transformers and against the trainer-side forward.
+
+Greedy tokens equal HF `generate`; behaviour log-probs equal `log_softmax(logits / T)` of a full
+forward; slot count, batching and arrival order change nothing; stop/length rules, shared
+prefills, seeds and weight swaps; the pure sampling functions against hand-computed values.
+"""
+import math
+
+import pytest
+import torch
+
+from model import load_pretrained
+from rollout.engine import Engine, Request, SamplingParams
+from rollout.sampling import (exponential_noise, hashed_exponential_noise, mix32, process_logits,
+                              sample, stream_key)
+from tests import tiny
+
+PROMPT_LENS = [3, 9, 5, 14, 1, 7]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a busy
+    neighbour makes every multi-threaded small op wait for both cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Saved tiny HF models: family -> folder; ("llama3", 1) is a second set of weights."""
+    out = {}
+    for key in ("llama3", "qwen2", ("llama3", 1)):
+        family, seed = key if isinstance(key, tuple) else (key, 0)
+        path = tmp_path_factory.mktemp(f"{family}_{seed}")
+        tiny.save_hf(family, path, seed=seed)
+        out[key] = path
+    return out
+
+
+def load(folders, key="llama3"):
+    return load_pretrained(folders[key], dtype="float32").eval()
+
+
+def prompts(lens=PROMPT_LENS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, tiny.VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def requests(ps, params):
+    return [Request(i, p, params) for i, p in enumerate(ps)]
+
+
+def trainer_logp(model, c, temperature):
+    """What the trainer computes: log_softmax(logits / T) of a full forward, gathered."""
+    full = torch.tensor(c.prompt_ids + c.completion_ids)[None]
+    with torch.no_grad():
+        logits = model(full)[0, c.num_prompt_tokens - 1 : -1]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(1, torch.tensor(c.completion_ids)[:, None])[:, 0]
+
+
+# ----- parity -------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_greedy_matches_transformers(folders, family):
+    hf = tiny.hf_model(family)  # the same weights that were saved
+    ps = prompts()
+    engine = Engine(load(folders, family), num_slots=4, max_len=32)  # fewer slots than prompts
+    done = engine.generate(requests(ps, SamplingParams(max_new_tokens=10, greedy=True)))
+    for p, c in zip(ps, done):
+        with torch.no_grad():  # one prompt at a time: no padding; eos handled by both alike
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):]
+        assert c.completion_ids == ref.tolist()
+        eos = hf.config.eos_token_id
+        eos_hit = ref[-1].item() in (eos if isinstance(eos, list) else [eos])
+        assert c.finish_reason == ("stop" if eos_hit else "length")
+
+
+def test_logp_equals_trainer_forward(folders):
+    """mu == log_softmax(logits / 0.7) of the trainer's forward, fp32, <= 1e-5. 3 prompts x n=3
+    on 4 slots: groups are split, so later samples copy the prompt KV from a running sibling."""
+    model = load(folders)
+    engine = Engine(model, num_slots=4, max_len=40)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.7, n=3, ignore_eos=True)
+    done = engine.generate(requests(prompts([4, 11, 7]), sp))
+    assert len(done) == 9 and engine.stats.kv_copies > 0
+    for c in done:
+        assert len(c.logp) == len(c.completion_ids) == 12
+        diff = (torch.tensor(c.logp) - trainer_logp(model, c, 0.7)).abs().max().item()
+        assert diff <= 1e-5, (c.request_id, c.sample_idx, diff)
+
+
+def test_greedy_logp_is_untruncated_tempered(folders):
+    model = load(folders)
+    engine = Engine(model, num_slots=3, max_len=32)
+    sp = SamplingParams(max_new_tokens=6, greedy=True, temperature=0.5, top_k=3, ignore_eos=True)
+    for c in engine.generate(requests(prompts([5, 8]), sp)):
+        assert torch.allclose(torch.tensor(c.logp), trainer_logp(model, c, 0.5), atol=1e-5)
+
+
+def test_truncated_logp_is_renormalised(folders):
+    """With top-k, mu is the truncated distribution: log p_T(tok) - log(mass of the top k)."""
+    model = load(folders)
+    engine = Engine(model, num_slots=4, max_len=32)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=5, ignore_eos=True, n=2)
+    for c in engine.generate(requests(prompts([6, 3]), sp)):
+        full = torch.tensor(c.prompt_ids + c.completion_ids)[None]
+        with torch.no_grad():
+            logp_TV = torch.log_softmax(model(full)[0, c.num_prompt_tokens - 1 : -1] / 0.9, -1)
+        top_T5, _ = logp_TV.topk(5, dim=-1)
+        tok = torch.tensor(c.completion_ids)
+        assert (logp_TV.gather(1, tok[:, None]) >= top_T5[:, -1:] - 1e-6).all()  # only top-5 drawn
+        want = logp_TV.gather(1, tok[:, None])[:, 0] - top_T5.logsumexp(-1)
+        assert torch.allclose(torch.tensor(c.logp), want, atol=1e-5)
+
+
+# ----- invariance ---------------------------------------------------------------------------
+def run(model, num_slots, sp, ps, incremental=False, **kw):
+    engine = Engine(model, num_slots=num_slots, max_len=48, **kw)
+    if not incremental:
+        return engine.generate(requests(ps, sp)), engine
+    out, pending = [], requests(ps, sp)
+    while pending or engine.has_work():
+        if pending:  # one new request every other step: admissions interleave with decoding
+            engine.add_requests([pending.pop(0)])
+        engine.step()
+        engine.step()
+        out += engine.poll_finished()
+    return sorted(out, key=lambda c: (c.request_id, c.sample_idx)), engine
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(max_new_tokens=9, greedy=True, ignore_eos=True),
+                                SamplingParams(max_new_tokens=9, temperature=1.0, n=2, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_slots_batching_and_arrival_do_not_change_outputs(folders, sp):
+    model = load(folders)
+    ps = prompts([3, 9, 5, 14, 1, 7, 12, 2])
+    ref, _ = run(model, 16, sp, ps)
+    for num_slots, incremental in [(2, False), (5, False), (5, True), (3, True)]:
+        got, _ = run(model, num_slots, sp, ps, incremental)
+        assert [c.completion_ids for c in got] == [c.completion_ids for c in ref], \
+            (num_slots, incremental)
+        for a, b in zip(got, ref):
+            assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+
+
+def test_sync_every_only_delays_harvest(folders):
+    model = load(folders)
+    sp = SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True)
+    ps = prompts()
+    ref, _ = run(model, 3, sp, ps)
+    got, engine = run(model, 3, sp, ps, sync_every=4)
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    assert engine.stats.harvests < engine.stats.decode_steps
+
+
+def test_decode_warm_up_leaves_no_trace(folders):
+    """CUDA-graph capture runs warm-up decode steps and restores the slot state (the KV writes
+    are left as they are); checked here on CPU through the same code path."""
+    model = load(folders)
+    sp = SamplingParams(max_new_tokens=9, temperature=1.0, n=2, ignore_eos=True)
+    ps = prompts([3, 9, 5])
+    ref, _ = run(model, 4, sp, ps)
+    engine = Engine(model, num_slots=4, max_len=48)
+    engine.add_requests(requests(ps, sp))
+    while engine.has_work():
+        engine.step()
+        engine._warm_up(engine._decode_key(), runs=2)
+    got = sorted(engine.poll_finished(), key=lambda c: (c.request_id, c.sample_idx))
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert a.logp == pytest.approx(b.logp, abs=1e-5)
+
+
+# ----- stop rules, groups, seeds --------------------------------------------------------------
+def test_stop_tokens_max_new_tokens_and_max_len(folders):
+    model = load(folders)
+    p = prompts([6])[0]
+    free = run(model, 2, SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True), [p])[0][0]
+    assert free.finish_reason == "length" and len(free.completion_ids) == 12
+    stop = free.completion_ids[4]
+    first = free.completion_ids.index(stop)
+    c = run(model, 2, SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True,
+                                     stop_token_ids=[stop]), [p])[0][0]
+    assert c.completion_ids == free.completion_ids[: first + 1] and c.finish_reason == "stop"
+    # the model's eos ids stop too, unless ignore_eos
+    model.args.eos_token_id = stop
+    c = run(model, 2, SamplingParams(max_new_tokens=12, greedy=True), [p])[0][0]
+    assert c.completion_ids == free.completion_ids[: first + 1] and c.finish_reason == "stop"
+    # max_len caps prompt + completion
+    engine = Engine(model, num_slots=2, max_len=10)
+    sp = SamplingParams(max_new_tokens=12, greedy=True, ignore_eos=True)
+    c = engine.generate([Request("x", p, sp)])[0]
+    assert len(c.completion_ids) == 4 and c.finish_reason == "length"
+    assert c.completion_ids == free.completion_ids[:4]
+    with pytest.raises(ValueError, match="prompt has 10 tokens.*max_len=10 allows 1..9"):
+        engine.add_requests([Request("long", list(range(10)))])
+
+
+def test_n_samples_share_one_prefill_and_differ(folders):
+    model = load(folders)
+    ps = prompts([5, 9])
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, ignore_eos=True, seed=3)
+    done, engine = run(model, 8, sp, ps)
+    assert engine.stats.prefill_prompts == 2 and engine.stats.prefill_tokens == 14
+    assert engine.stats.kv_copies == 6
+    for rid in (0, 1):
+        group = [tuple(c.completion_ids) for c in done if c.request_id == rid]
+        assert len(group) == 4 and len(set(group)) == 4
+        assert len({g[0] for g in group}) > 1  # even the first token is drawn per sample
+    again, _ = run(model, 3, sp, ps)  # same seed, other slot count: same samples
+    assert [c.completion_ids for c in again] == [c.completion_ids for c in done]
+    other, _ = run(model, 8, SamplingParams(max_new_tokens=8, n=4, ignore_eos=True, seed=4), ps)
+    assert [c.completion_ids for c in other] != [c.completion_ids for c in done]
+
+
+def test_group_without_running_sibling_is_prefilled_again(folders):
+    model = load(folders)
+    sp = SamplingParams(max_new_tokens=5, temperature=0.7, n=3, ignore_eos=True)
+    done, engine = run(model, 2, sp, prompts([6]))
+    assert engine.stats.prefill_prompts == 2 and engine.stats.kv_copies == 1
+    for c in done:
+        assert torch.allclose(torch.tensor(c.logp), trainer_logp(model, c, 0.7), atol=1e-5)
+
+
+# ----- weight swap ----------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_weight_swap_versions_and_kv_policy(folders, policy):
+    model, old, new = load(folders), load(folders), load(folders, ("llama3", 1))
+    engine = Engine(model, num_slots=3, max_len=40, kv_policy=policy)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.8, ignore_eos=True)
+    engine.add_requests(requests(prompts([4, 9, 6, 3, 8]), sp))  # 5 prompts on 3 slots
+    for _ in range(4):
+        engine.step()
+
+    def apply():
+        for p, q in zip(model.parameters(), new.parameters()):
+            p.copy_(q)
+
+    engine.load_weights(apply, version=1)
+    assert engine.version == 1
+    while engine.has_work():
+        engine.step()
+    done = engine.poll_finished()
+    assert len(done) == 5
+    swapped = [c for c in done if set(c.token_versions) == {0, 1}]
+    assert swapped and any(c.token_versions == [1] * 10 for c in done)  # queued ones: all new
+    for c in done:
+        k = c.token_versions.count(0)
+        assert c.token_versions == [0] * k + [1] * (10 - k) and c.min_version == min(c.token_versions)
+        mu = torch.tensor(c.logp)
+        assert torch.allclose(mu[:k], trainer_logp(old, c, 0.8)[:k], atol=1e-5)
+        diff_new = (mu[k:] - trainer_logp(new, c, 0.8)[k:]).abs().max().item()
+        if policy == "recompute" or k == 0:  # recomputed KV: exactly a fresh run of the new weights
+            assert diff_new <= 1e-5
+    if policy == "keep":  # old KV kept: post-swap mu differs from a fresh run of the new weights
+        assert max((torch.tensor(c.logp)[c.token_versions.count(0):]
+                    - trainer_logp(new, c, 0.8)[c.token_versions.count(0):]).abs().max().item()
+                   for c in swapped) > 1e-3
+    else:
+        assert engine.stats.recompute_tokens > 0
+
+
+# ----- sampling functions ---------------------------------------------------------------------
+P4 = torch.tensor([[0.5, 0.25, 0.15, 0.1]])
+
+
+def probs(**kw):
+    return process_logits(P4.log(), **kw).exp()[0]
+
+
+def test_process_logits_hand_computed():
+    assert torch.allclose(probs(), P4[0])
+    assert torch.allclose(probs(top_k=2), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(probs(top_p=0.7), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(probs(top_p=0.8), torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9)
+    assert torch.allclose(probs(top_k=3, top_p=0.5), torch.tensor([1.0, 0, 0, 0]))
+    sq = P4[0] ** 2
+    assert torch.allclose(probs(temperature=0.5), sq / sq.sum())
+    # per-row tensors; top_p = 1 and top_k = 0 are exactly "off"
+    logp = process_logits(P4.log().expand(3, 4), torch.tensor([1.0, 1.0, 0.5]),
+                          torch.tensor([0, 2, 0]), torch.tensor([1.0, 1.0, 0.8]))
+    assert torch.allclose(logp[0], P4[0].log())
+    assert torch.allclose(logp[1].exp(), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(logp[2].exp(), torch.tensor([sq[0], sq[1], 0, 0]) / (sq[0] + sq[1]))
+    assert logp[1, 2:].isneginf().all()
+
+
+def test_sampling_frequencies_match_probs():
+    N = 20000
+    logp = process_logits(P4.log().expand(N, 4), top_k=3)
+    want = torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9
+    key = torch.full((N,), stream_key(1234, 0))
+    for noise in (hashed_exponential_noise(key, torch.arange(N), 4),
+                  exponential_noise((N, 4), torch.Generator().manual_seed(0))):
+        tok = sample(logp, noise)
+        freq = torch.bincount(tok, minlength=4).float() / N
+        assert (freq - want).abs().max() < 0.015 and freq[3] == 0
+        assert noise.min() > 0 and torch.isfinite(noise).all()
+    assert abs(hashed_exponential_noise(key, torch.arange(N), 4).mean().item() - 1) < 0.02
+    greedy = torch.tensor([True, False] * 4)
+    tok = sample(logp[:8], hashed_exponential_noise(key[:8], torch.arange(8), 4), greedy)
+    assert (tok[greedy] == 0).all()
+    assert (sample(logp[:8], None) == 0).all()
+
+
+def test_hashed_noise_is_a_pure_function():
+    key = torch.tensor([stream_key(5, 0), stream_key(5, 1), stream_key(6, 0)])
+    a = hashed_exponential_noise(key, torch.tensor([0, 0, 0]), 50)
+    assert torch.equal(a, hashed_exponential_noise(key, torch.tensor([0, 0, 0]), 50))
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    b = hashed_exponential_noise(key, torch.tensor([1, 1, 1]), 50)
+    assert not torch.equal(a[0], b[0])
+    # the [B, V] hash runs in wrapping int32 arithmetic: same bits as the plain 32-bit definition
+    key, counter = torch.tensor([stream_key(3, 1), 2**32 - 1]), torch.tensor([0, 9])
+    q = hashed_exponential_noise(key, counter, 40)
+    for b in range(2):
+        row = mix32(key[b].item() ^ mix32(counter[b].item() * 2 + 1))
+        for v in range(40):
+            bits = mix32(row ^ mix32(v * 0x9E3779B9)) >> 9
+            assert math.isclose(q[b, v].item(), -math.log((bits + 0.5) * 2**-23), rel_tol=1e-6)
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match=r"top_p=1.5.*n=0"):
+        SamplingParams(top_p=1.5, n=0)
+    with pytest.raises(ValueError, match="kv_policy='drop'"):
+        Engine(tiny_model(), num_slots=2, max_len=8, kv_policy="drop")
+
+
+def tiny_model():
+    from model import ModelArgs, Transformer
+    m = Transformer(ModelArgs(vocab_size=31, hidden_size=16, intermediate_size=24, num_layers=1,
+                              num_heads=2, num_kv_heads=1))
+    m.init_weights(seed=0)
+    return m
