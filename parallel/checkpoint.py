@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
-from model.hf_io import INDEX_FILE, SINGLE_FILE, _split_shards, expected_tensors, save_file
+from model.hf_io import (INDEX_FILE, SINGLE_FILE, _split_shards, expected_tensors, save_file,
+                         to_dtype)
 
 EXTRA_FILE = "extra.json"
 _STEP_DIR = re.compile(r"step_(\d+)")  # full match only: "step_000123.tmp" is never a checkpoint
@@ -153,11 +154,10 @@ def save_sharded(path: str | os.PathLike, model: torch.nn.Module,
     tmp = _fresh_tmp(final, group)
     with _quiet_single_process():
         dcp.save(_app_state(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+    _barrier(group)  # every rank's shards (and DCP's metadata) are on disk before the rename
     if _rank(group) == 0:
         if text is not None:
             (tmp / EXTRA_FILE).write_text(text + "\n")
-    _barrier(group)  # every rank's shards (and DCP's metadata) are on disk before the rename
-    if _rank(group) == 0:
         _replace_dir(tmp, final)
     _barrier(group)  # nobody returns (and e.g. prunes or resumes) before the rename
     return final
@@ -167,7 +167,8 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None,
                  group: dist.ProcessGroup | None = None) -> dict:
     """Load a `save_sharded` directory into a model (+ optimizer) built with the same parameter
-    names; the parallel layout may differ (DCP reshards). Returns the `extra` dict ({} if none).
+    names; the parallel layout may differ (DCP reshards: a checkpoint saved by fsdp=2 loads into
+    one process). Returns the `extra` dict ({} if none).
     Collective over `group`; every rank reads `extra.json` itself."""
     folder = Path(path)
     if not (folder / ".metadata").is_file():
@@ -194,7 +195,7 @@ def _full_tensor(param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
-              group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+              group: dist.ProcessGroup | None = None, dtype: str | torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write a Hugging Face model folder (config.json + safetensors, an index when sharded) from a
     sharded `model.Transformer`, loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
@@ -210,7 +211,7 @@ def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
     tmp = _fresh_tmp(final, group)
     params = dict(model.named_parameters(remove_duplicate=False))
     names = list(expected_tensors(model))  # same order on every rank: the gathers must line up
-    out_dtype = dtype or params[names[0]].dtype
+    out_dtype = to_dtype(dtype) if dtype is not None else params[names[0]].dtype
     # Plan the files on meta tensors (shapes and dtype only), then fill them one file at a time.
     plan = _split_shards({n: torch.empty(params[n].shape, dtype=out_dtype, device="meta")
                           for n in names}, max_shard_bytes)

@@ -1,0 +1,112 @@
+"""Small helpers shared by the benchmarks: timing, peak FLOP/s, MFU, spawning gloo ranks, and the
+single JSON line every bench prints last (DESIGN.md: tools parse only that line)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # benches run as scripts from anywhere; the repo is not installed
+    sys.path.insert(0, str(REPO))
+
+
+def print_json(record: dict) -> None:
+    """The machine-readable result: one line, printed last."""
+    print(json.dumps(record, sort_keys=True), flush=True)
+
+
+def _sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, iters: int, warmup: int, device=None, before=None) -> list[float]:
+    """Wall time of each of `iters` calls of `step()` after `warmup` untimed ones (CUDA synced).
+    `before()` runs untimed ahead of every call (e.g. a barrier so that ranks start together)."""
+    times = []
+    for i in range(warmup + iters):
+        if before is not None:
+            before()
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def train_flops(num_params: int, tokens: int) -> float:
+    """The usual 6 * N * D estimate of one training step (forward 2ND + backward 4ND), attention
+    score FLOPs not included; the same convention as the HF reference figure in REFERENCES.md."""
+    return 6.0 * num_params * tokens
+
+
+def mfu(flops: float, seconds: float, peak_flops: float) -> float:
+    return flops / seconds / peak_flops
+
+
+def matmul_peak_flops(device="cpu", dtype=torch.float32, n: int = 2048, iters: int = 10) -> float:
+    """Best achieved FLOP/s of an n x n x n matmul on this device, with the current thread count:
+    the denominator of MFU where no datasheet peak applies (CPU) or to check one (GPU)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = min(time_steps(lambda: a @ b, iters, warmup=0, device=device))
+    return 2.0 * n ** 3 / best
+
+
+# ----- N ranks on one machine (gloo, spawn), each returning a picklable dict -------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, outdir, threads, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(fn(rank, world, *args)))
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, threads: int = 1, timeout: float = 600.0) -> list[dict]:
+    """Run `fn(rank, world, *args) -> JSON-able dict` on `world` spawned gloo ranks."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), outdir, threads, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"ranks did not finish in {timeout:.0f}s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [json.loads((Path(outdir) / f"rank{r}.json").read_text()) for r in range(world)]

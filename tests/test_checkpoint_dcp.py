@@ -1,0 +1,193 @@
+"""Sharded checkpoints: resume is bitwise exact on real gloo ranks (fsdp=2), the HF export loads in
+transformers with the sharded model's logits, and the latest/prune/RNG helpers (no process group)."""
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.checkpoint import (checkpoint_dir, latest_checkpoint, prune_checkpoints, rng_state,
+                                 set_rng_state)
+from tests import tiny
+from tests.dist import run_ranks
+
+BATCH, SEQ = 4, 12
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+# ----- latest / prune / RNG: pure, no process group ------------------------------------------
+def _make(root, *names):
+    for n in names:
+        (root / n).mkdir(parents=True)
+
+
+def test_latest_picks_highest_finished_step_never_tmp(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    _make(tmp_path, "step_000009", "step_000010", "step_000100.tmp", "step_000200.old", "other")
+    (tmp_path / "step_000300").write_text("a file, not a checkpoint")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000010"
+    _make(tmp_path, "step_1234567")  # past the padding width: ordered by number, not by name
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1234567"
+    assert checkpoint_dir(tmp_path, 123) == tmp_path / "step_000123"
+
+
+def test_prune_keeps_newest_and_leaves_tmp_alone(tmp_path):
+    _make(tmp_path, "step_000002", "step_000010", "step_000003", "step_000011.tmp")
+    removed = prune_checkpoints(tmp_path, keep_last=2)
+    assert removed == [tmp_path / "step_000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000010",
+                                                         "step_000011.tmp"]
+    assert prune_checkpoints(tmp_path, keep_last=5) == []
+    with pytest.raises(ValueError, match="keep_last must be an integer >= 1"):
+        prune_checkpoints(tmp_path, keep_last=0)
+
+
+def test_rng_state_survives_json():
+    torch.manual_seed(3)
+    random.seed(4)
+    state = json.loads(json.dumps(rng_state()))
+    expected = (torch.rand(5), random.random())
+    torch.manual_seed(99)
+    random.seed(99)
+    set_rng_state(state)
+    got = (torch.rand(5), random.random())
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
+
+
+def test_single_process_save_replaces_same_step_and_loads(tmp_path):
+    """No process group at all: one rank, plain tensors; saving a step twice replaces it."""
+    from model import ModelArgs, Transformer
+    from parallel.checkpoint import load_sharded, save_sharded
+    model = Transformer(ModelArgs())
+    path = checkpoint_dir(tmp_path, 5)
+    save_sharded(path, model, extra={"v": 1})
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_sharded(path, model)  # same step again: replaces the folder, extra.json included
+    fresh = Transformer(ModelArgs())
+    assert load_sharded(path, fresh) == {}
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005"]
+    with pytest.raises(ValueError, match="not a finished checkpoint"):
+        load_sharded(tmp_path / "step_000006", fresh)
+
+
+# ----- resume and export on 2 gloo ranks (fsdp=2) ---------------------------------------------
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, tiny.VOCAB, (BATCH, SEQ), generator=g) for _ in range(2)]
+
+
+def _full_params(model):
+    from torch.distributed.tensor import DTensor
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _worker(rank, world, hf_dir, root, export_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from model.hf_io import load_model_args
+    from parallel.checkpoint import export_hf, load_sharded, save_sharded
+    from parallel.sharding import build_model, parallelize_trainer
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
+    group = mesh["fsdp"].get_group()  # spans every trainer rank here (tp=1)
+    args = load_model_args(hf_dir)
+
+    def build(path, seed=0):
+        model = build_model(args, torch.device("cpu"), torch.float32, path=path, seed=seed,
+                            parallelize=lambda m: parallelize_trainer(m, mesh))
+        return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(model, opt, ids_BT):
+        rows = ids_BT.chunk(world)[rank]  # data parallel over fsdp
+        logits = model(rows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
+        (loss / ids_BT[:, 1:].numel()).backward()  # global token count: FSDP sums gradients
+        opt.step()
+        opt.zero_grad()
+
+    batch1, batch2 = _batches()
+    model, opt = build(hf_dir)
+    step(model, opt, batch1)
+    extra = {"version": 1, "cursor": [3, 4], "buffer": [{"tokens": [1, 2], "reward": 0.5}]}
+    save_sharded(checkpoint_dir(root, 1), model, opt, extra=extra, group=group)
+    after_save = _full_params(model)
+    step(model, opt, batch2)
+    continued = _full_params(model)
+
+    # A fresh model with *different* weights (random init) and an optimizer without state.
+    model2, opt2 = build(None, seed=7)
+    loaded_extra = load_sharded(latest_checkpoint(root), model2, opt2, group=group)
+    loaded = _full_params(model2)
+    step(model2, opt2, batch2)
+    resumed = _full_params(model2)
+    with torch.no_grad():
+        logits = model2(batch1)
+    export_hf(model2, export_dir, group=group)
+    export_hf(model2, export_dir + "_sharded", group=group, max_shard_bytes=20_000)  # + index
+    saved = {"saved." + n: t for n, t in after_save.items()} if rank == 0 else {}
+    return {
+        **saved,
+        "extra_ok": torch.tensor(loaded_extra == extra),
+        "load_exact": torch.tensor(all(torch.equal(loaded[n], t) for n, t in after_save.items())),
+        "resume_exact": torch.tensor(all(torch.equal(resumed[n], t) for n, t in continued.items())),
+        "moved": torch.tensor(any(not torch.equal(continued[n], t) for n, t in after_save.items())),
+        "logits": logits,
+    }
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dcp")
+    tiny.save_hf("llama3", base / "hf")
+    results = run_ranks(_worker, 2, str(base / "hf"), str(base / "ckpt"), str(base / "export"))
+    return base, results
+
+
+@pytest.mark.slow
+def test_resume_after_reload_is_bitwise_identical(sharded_run):
+    base, results = sharded_run
+    for res in results:
+        assert res["extra_ok"], "extra.json did not round-trip"
+        assert res["load_exact"], "loaded parameters differ from the saved ones"
+        assert res["moved"], "the second step changed nothing: the test would prove nothing"
+        assert res["resume_exact"], "the step after reload differs from continuing without it"
+    names = sorted(p.name for p in (base / "ckpt").iterdir())
+    assert names == ["step_000001"]  # the .tmp directory was renamed, not left behind
+    assert json.loads((base / "ckpt" / "step_000001" / "extra.json").read_text())["version"] == 1
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_loads_into_one_process(sharded_run):
+    """DCP reshards: the fsdp=2 checkpoint loads into a plain model + optimizer, no process group."""
+    from model import Transformer, load_model_args
+    from parallel.checkpoint import load_sharded
+    base, results = sharded_run
+    model = Transformer(load_model_args(base / "hf"))
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    assert load_sharded(base / "ckpt" / "step_000001", model, opt)["cursor"] == [3, 4]
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), results[0]["saved." + name]), name
+        state = opt.state[p]
+        assert float(state["step"]) == 1.0 and state["exp_avg"].shape == p.shape
+        assert state["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_export_hf_loads_in_transformers_with_same_logits(sharded_run):
+    import transformers
+    base, results = sharded_run
+    assert sorted(p.name for p in base.iterdir() if p.name.startswith("export")) == [
+        "export", "export_sharded"]  # no .tmp left behind
+    assert (base / "export_sharded" / "model.safetensors.index.json").is_file()
+    for export in (base / "export", base / "export_sharded"):
+        assert json.loads((export / "config.json").read_text())["torch_dtype"] == "float32"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+        with torch.no_grad():
+            ref = hf.eval()(_batches()[0]).logits
+        for res in results:
+            torch.testing.assert_close(res["logits"], ref, rtol=1e-5,
+                                       atol=1e-6 * float(ref.abs().max()))
