@@ -77,6 +77,7 @@ class GeneratorConfig:
     stop_token_ids: list[int] = _f([], "Token ids that end a completion, in addition to the tokenizer's EOS.")
     seed: int = _f(0, "Sampling seed (offset by generator replica).")
     kv_policy: Literal["recompute", "keep"] = _f("keep", "On a weights update: 'keep' in-flight KV caches, or 'recompute' them with the new weights.")
+    ignore_eos: bool = _f(False, "Generate exactly max_new_tokens (EOS does not stop); for benchmarks with fixed lengths.")
 
 
 @dataclass

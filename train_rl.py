@@ -40,6 +40,7 @@ def run(cfg) -> None:
     global _STARTED
     _STARTED = True
     meshes = build_meshes(dims, device)
+    _write_pid(cfg.run.dir, meshes.rank)
     if meshes.rank == 0:
         cfg.save(os.path.join(cfg.run.dir, "config.toml"))
         print(dims.rank_map(), flush=True)
@@ -53,6 +54,14 @@ def run(cfg) -> None:
         run_generator(cfg, meshes, tokenizer)
     dist.barrier()  # the shutdown barrier: both meshes are done
     dist.destroy_process_group()
+
+
+def _write_pid(run_dir: str, rank: int) -> None:
+    """<run_dir>/pids/rank<N>.pid: lets operators (and the fault tests) find a given rank."""
+    folder = os.path.join(run_dir, "pids")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(f"{os.getpid()}\n")
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ from rollout.data import PromptSource, filter_by_length, load_prompts, render_pr
 from rollout.engine import Engine
 from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
+from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link
 from weights_sync.plan import plan_cached
 from weights_sync.sync import WeightReceiver, exchange_layouts, transfer_specs
@@ -49,6 +50,12 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
     worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver, trainer0,
                              replica, tp_group, encode)
+    path = resume_path(cfg)  # the same checkpoint the trainer resumes from
+    if path is not None:
+        extra = read_extra(path)
+        state = generator_state(extra, replica)
+        if state is not None:
+            worker.resume(state, extra["version"])
     try:
         worker.run()
     except BaseException as e:

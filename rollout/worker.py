@@ -17,6 +17,7 @@ against: synchronous on-policy RL.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.engine import Completion, Engine, Request, SamplingParams
+from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import staleness_gate_allows
 from trainer.link import Link, Msg
@@ -38,6 +40,7 @@ def replica_share(batch_groups: int, dp: int, replica: int) -> int:
 class _Pending:
     """One prompt group on its way: completions, then reward futures."""
     item: object
+    index: int  # this replica's start index of the group: its sampling seed derives from it
     completions: list[Completion] = field(default_factory=list)
     futures: list = field(default_factory=list)
 
@@ -57,8 +60,21 @@ class GeneratorWorker:
         g = cfg.generator
         self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                      top_p=g.top_p, top_k=g.top_k, greedy=g.greedy,
-                                     stop_token_ids=list(g.stop_token_ids), n=g.n_samples)
+                                     stop_token_ids=list(g.stop_token_ids), n=g.n_samples,
+                                     ignore_eos=g.ignore_eos)
         self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
+        self.replica = replica
+        self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
+        self.awaiting = 0  # generate nothing until weights of this version are applied
+
+    def resume(self, state: dict, version: int) -> None:
+        """Restore the cut of a checkpoint (trainer/checkpointing.py): the cursor, then regenerate
+        the in-flight prompts first, with their original seeds, once version `version` arrives."""
+        self.prompts.load_state_dict(state["cursor"])
+        inflight = state["inflight"]
+        self.started = state["started"] - len(inflight)
+        self._redo = [(self.prompts.lookup([pid])[0], idx) for pid, idx in inflight]
+        self.awaiting = version
 
     # ----- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -90,6 +106,14 @@ class GeneratorWorker:
                 self._swap(version)
             elif mtype == Msg.SHUTDOWN:
                 self.stop = True
+            elif mtype == Msg.CHECKPOINT and self.link is not None:
+                self.link.send(self.trainer0, Msg.CHECKPOINT, version, self._cut())
+
+    def _cut(self) -> dict:
+        """This replica's half of a consistent checkpoint: everything it shipped is already on its
+        way (sent before this reply), the rest is the cursor and the prompts in flight."""
+        return {"cursor": self.prompts.state_dict(), "started": self.started,
+                "inflight": [[pid, p.index] for pid, p in self.pending.items()]}
 
     def _swap(self, version: int) -> None:
         t0 = time.perf_counter()
@@ -105,18 +129,22 @@ class GeneratorWorker:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""
         t0 = time.perf_counter()
         if self.link is not None:
-            self.link.wait_for({Msg.WEIGHTS_READY, Msg.SHUTDOWN},
+            self.link.wait_for({Msg.WEIGHTS_READY, Msg.SHUTDOWN, Msg.CHECKPOINT},
                                f"a new weight version after v{self.version} (generation is "
                                f"paused by the staleness gate)", consume=False)
         self.stats["paused_s"] += time.perf_counter() - t0
 
     def _admit(self) -> None:
+        if self.version < self.awaiting:
+            return  # resuming: the checkpoint's weights have not arrived yet
         eta = self.cfg.algo.max_staleness
         while staleness_gate_allows(self.started + 1, self.version, self.share, eta):
-            item = self.prompts.next_batch(1)[0]
-            ids = self.encode(item)
-            self.engine.add_requests([Request(item.id, ids, self.params)])
-            self.pending[item.id] = _Pending(item)
+            item, index = self._redo.pop(0) if self._redo else (self.prompts.next_batch(1)[0], self.started)
+            # Seed by (replica, start index): a resumed run regenerates exactly the same samples.
+            seed = mix32(self.cfg.generator.seed * 1_000_003 + self.replica) << 32 | mix32(index)
+            params = dataclasses.replace(self.params, seed=seed)
+            self.engine.add_requests([Request(item.id, self.encode(item), params)])
+            self.pending[item.id] = _Pending(item, index)
             self.started += 1
 
     def _collect(self) -> None:

@@ -54,20 +54,24 @@ def _sync_worker(rank, world, folder, n_trainer, gen_tp):
 
     model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp)
     out = {}
+    # one sender/receiver for both versions: they must follow in-place updates of the shards
+    if rank < n_trainer:
+        sender = WeightSender(model, p, rank, GEN_DTYPE, wgroup, timeout_s=30, bucket_bytes=4096)
+    else:
+        recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30, bucket_bytes=4096)
     for version in (1, 2):
         if rank < n_trainer:
-            with torch.no_grad():  # a new version: every shard changes
-                for prm in model.parameters():
-                    prm.add_(0.01 * version)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01 * version)
+            for prm in model.parameters():  # a new version: an optimizer changes every shard
+                prm.grad = torch.ones_like(prm)
+            opt.step()
             full = _full_params(model, tgroup)
-            sender = WeightSender(model, p, rank, GEN_DTYPE, wgroup, timeout_s=30, bucket_bytes=4096)
             sender.push(version)
             sender.wait_sent()
             if rank == 0:
                 for n, t in full.items():
                     out[f"v{version}.{n}"] = t
         else:
-            recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30, bucket_bytes=4096)
             before = {n: _loc(prm).clone() for n, prm in model.named_parameters()}
             apply = recv.receive(version)
             # received but not applied: the model still holds the old version (no torn state)

@@ -37,6 +37,20 @@ def tiny_args(vocab: int, bos: int, eos: int, pad: int) -> ModelArgs:
                      bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
 
+def make_random_model(folder, task: str = "addition", hidden: int = 32, layers: int = 2,
+                      seed: int = 0) -> str:
+    """A random (untrained) policy with the task's character tokenizer: for tests and benchmarks
+    of the machinery, where learning does not matter."""
+    tok = build_char_tokenizer(make_task(task).alphabet)
+    args = ModelArgs(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_layers=layers, num_heads=4, num_kv_heads=2, bos_token_id=tok.bos_id,
+                     eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    model = Transformer(args)
+    model.init_weights(seed=seed)
+    save_pretrained(model, folder, tokenizer=tok)
+    return str(folder)
+
+
 def batch_tensors(pairs, tok, device):
     """Right-padded [B, T] ids and a mask of the answer+eos targets (loss only on those)."""
     seqs, masks = [], []

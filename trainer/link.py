@@ -21,6 +21,7 @@ awaited. Messages that arrive while waiting for something else are queued, not l
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -63,7 +64,10 @@ class Link:
         self.rank, self.peers, self.timeout_s = rank, list(peers), timeout_s
         self.max_in_flight = max_in_flight
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore("tandem/link/", base)
+        # torchrun may keep its store across restarts: a fresh prefix per attempt keeps a restarted
+        # job from reading tickets that the crashed attempt left behind.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(f"tandem/link/{attempt}/", base)
         self._next_ticket = 1  # next of my tickets to read
         self._queue: deque[Message] = deque()
         self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()

@@ -15,14 +15,15 @@ CONTRACT_KEYS = ("step", "policy_version", "reward_mean", "samples", "staleness_
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console_every: int = 1,
-                 stream=None):
+                 stream=None, purge_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            # purge_step: after a resume, TensorBoard drops the events of the steps being redone
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge_step)
         self.console_every, self.stream = console_every, stream or sys.stdout
 
     def log(self, metrics: dict) -> None:
@@ -34,7 +35,7 @@ class MetricsLogger:
         step = int(metrics["step"])
         if self._tb is not None:
             for k, v in clean.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
         if self.console_every and step % self.console_every == 0:

@@ -8,6 +8,7 @@ import torch
 from model.hf_io import load_model_args, to_dtype
 from parallel.layout import Layout
 from parallel.sharding import build_model, parallelize_trainer
+from trainer.checkpointing import read_extra, resume_path
 from trainer.link import Link
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
@@ -37,10 +38,17 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
                           to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s)
     leaders = [row[0] for row in dims.generator_mesh_ranks()]
     link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
-    logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every) if owner else None
+    path = resume_path(cfg)  # the same on every rank: they all read the run directory
+    logger = None
+    if owner:
+        purge = read_extra(path)["step"] + 1 if path is not None else None
+        logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every,
+                               purge_step=purge)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
-                           logger, ref)
+                           logger, ref, tokenizer=tokenizer)
+    if path is not None:
+        worker.resume(path)
     try:
         worker.run()
     finally:

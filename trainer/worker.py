@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
 from trainer.link import Link, Msg, PeerError
@@ -38,10 +39,10 @@ def broadcast_json(obj, src: int, group) -> object:
 
 class TrainerWorker:
     def __init__(self, cfg, meshes, model, optimizer, scheduler, sender, link: Link | None,
-                 logger=None, ref_model=None, start_step: int = 0):
+                 logger=None, ref_model=None, start_step: int = 0, tokenizer=None):
         self.cfg, self.meshes, self.model = cfg, meshes, model
         self.opt, self.sched, self.sender, self.link = optimizer, scheduler, sender, link
-        self.logger, self.ref_model = logger, ref_model
+        self.logger, self.ref_model, self.tokenizer = logger, ref_model, tokenizer
         self.step, self.version = start_step, start_step
         self.dp_group = meshes.trainer["fsdp"].get_group()
         self.dp_rank, self.dp = meshes.trainer.get_coordinate()[0], meshes.dims.trainer_fsdp
@@ -53,6 +54,15 @@ class TrainerWorker:
             self.buffer = OffPolicyBuffer(a.buffer_capacity, a.max_staleness, t.prompts_per_step, g.n_samples)
         self.acks: dict[int, float] = {}
         self.nonfinite_in_a_row = self.nonfinite_total = 0
+
+    def resume(self, path) -> None:
+        """Restore from a checkpoint (collective over the trainer mesh), then hand the generators
+        the restored weights: they wait for this version before generating again."""
+        checkpointing.load(self, path)
+        if self.is_owner:
+            checkpointing.truncate_metrics(self.cfg.run.dir, self.step)
+            print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
+        self._push_weights()
 
     def run(self) -> None:
         try:
@@ -69,25 +79,56 @@ class TrainerWorker:
     def _one_step(self) -> None:
         t0 = time.perf_counter()
         groups = self._take_batch()
+        t_wait = time.perf_counter() - t0
         mine = groups[self.dp_rank::self.dp]
         res = train_step(self.model, self.opt, self.sched, mine, self.cfg, self.dp_group,
                          self.meshes.device, self.version, self.ref_model,
                          before_update=self.sender.wait_sent)
         self._check_finite(res)
+        t_train = time.perf_counter() - t0 - t_wait
         lr = self.sched.get_last_lr()[0]
         # The version advances even when a non-finite step was skipped, so a synchronous
         # generator (waiting for v+1) is never left hanging; the weights are simply unchanged.
         self.version += 1
         self.step += 1
+        # Checkpoint before announcing version v: in synchronous mode the generators then hold no
+        # prompt in flight at the cut, so a resumed run regenerates nothing and stays bitwise equal.
+        self._maybe_save()
         t1 = time.perf_counter()
+        self._push_weights()
+        t_sync = time.perf_counter() - t1
+        stats = self._reduce(res.stats)
+        if self.is_owner and self.logger is not None:
+            m = self._metrics(groups, stats, res, lr, time.perf_counter() - t0, t_sync)
+            self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
+
+    def _push_weights(self) -> None:
         self.sender.push(self.version)
         if self.is_owner:
             for leader in self.leaders:
                 self.link.send(leader, Msg.WEIGHTS_READY, self.version)
-        t_sync = time.perf_counter() - t1
-        stats = self._reduce(res.stats)
-        if self.is_owner and self.logger is not None:
-            self.logger.log(self._metrics(groups, stats, res, lr, time.perf_counter() - t0, t_sync))
+
+    def _maybe_save(self) -> None:
+        c = self.cfg.checkpoint
+        if c.every_steps and self.step % c.every_steps == 0 and self.step < self.cfg.trainer.max_steps:
+            checkpointing.save(self, self.step)
+        if c.hf_export_every and self.step % c.hf_export_every == 0:
+            from parallel.checkpoint import export_hf
+            export_hf(self.model, f"{self.cfg.run.dir}/hf/step_{self.step:06d}",
+                      tokenizer=self.tokenizer if self.is_owner else None,
+                      group=self.meshes.trainer_group)
+
+    def collect_generator_states(self, step: int) -> dict:
+        """The generator half of a consistent cut (owner only; see trainer/checkpointing.py)."""
+        for leader in self.leaders:
+            self.link.send(leader, Msg.CHECKPOINT, step)
+        states = {}
+        for i, leader in enumerate(self.leaders):
+            m = self.link.wait_for(Msg.CHECKPOINT, f"generator state for checkpoint {step}", peer=leader)
+            states[str(i)] = m.payload
+        for m in self.link.poll():  # groups shipped before each reply: into the buffer
+            self._on_message(m)
+        return states
 
     # ----- the buffer (owner only) ----------------------------------------------------------
     def _take_batch(self) -> list[Group]:
@@ -95,7 +136,9 @@ class TrainerWorker:
         if self.is_owner:
             groups = [g.to_dict() for g in self._collect()]
         tgroup = self.meshes.trainer_group
-        return [Group.from_dict(d) for d in broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], tgroup)]
+        groups = [Group.from_dict(d) for d in broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], tgroup)]
+        # Arrival order depends on reward threads and timing; training order must not.
+        return sorted(groups, key=lambda g: (g.min_version, g.prompt_id))
 
     def _collect(self) -> list[Group]:
         B, timeout = self.cfg.trainer.prompts_per_step, self.cfg.parallel.timeout_s
@@ -175,6 +218,8 @@ class TrainerWorker:
             "skipped_nonfinite": self.nonfinite_total, "completion_tokens": comp_tokens,
             "time_step_s": dt, "time_weights_sync_s": t_sync,
             "generator_sync_s": self.acks.get(self.version - 1, 0.0),
+            "generator_version": max(self.acks, default=0),
             "tokens_per_s": comp_tokens / dt,
             "buffer_groups": len(self.buffer), "dropped_stale": self.buffer.stats()["dropped_stale"],
+            "prompt_ids": [g.prompt_id for g in groups],
         }

@@ -1,0 +1,94 @@
+"""Bad input: each case exits non-zero within 60 s with one clear message (no traceback)."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.rl_model import make_rl_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def good_model(tmp_path_factory):
+    return make_rl_model(tmp_path_factory.mktemp("m") / "model")
+
+
+def _corrupt(good_model, tmp_path, what):
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(good_model, folder)
+    if what == "truncated":
+        f = folder / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:100])
+    elif what == "vocab":  # another model's tokenizer: 100 printable characters vs 17 embeddings
+        import string
+        from model.tokenizer import build_char_tokenizer
+        build_char_tokenizer(string.printable).save(folder)
+    elif what == "arch":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["architectures"] = ["GPTNeoXForCausalLM"]
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+def _case(name, tmp_path, good_model):
+    """-> (extra argv, config text or None, expected words)."""
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[trainer]\nlr = 1e-4\nmax_steps = = 3\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    not_dir = tmp_path / "a_file"
+    not_dir.write_text("x")
+    m = f"--model.path={good_model}"
+    return {
+        "malformed_toml": (["--config", str(bad_toml)], ["bad.toml:3", "invalid TOML"]),
+        "missing_config": (["--config", str(tmp_path / "nope.toml")], ["config file not found"]),
+        "unknown_key": ([m, "--trainer.lrr=1"], ["trainer.lrr", "lr"]),
+        "wrong_type": ([m, "--trainer.max_steps=ten"], ["max_steps", "int"]),
+        "unknown_flag": ([m, "--fast"], ["unknown flag", "--fast"]),
+        "impossible_layout": ([m, "--parallel.generator_ranks=3"], ["generator_ranks", "world_size=3"]),
+        # world 5 (set below): 4 trainer ranks as tp=4, but the model has 2 kv heads
+        "tp_vs_heads": ([m, "--parallel.trainer_tp=4"], ["trainer_tp=4", "num_kv_heads=2"]),
+        "missing_model": (["--model.path=" + str(tmp_path / "nomodel")], ["does not exist"]),
+        "corrupt_model": (["--model.path=" + _corrupt(good_model, tmp_path / "c1", "truncated")],
+                          ["truncated or corrupt"]),
+        "unsupported_arch": (["--model.path=" + _corrupt(good_model, tmp_path / "c2", "arch")],
+                             ["unsupported architecture", "LlamaForCausalLM"]),
+        "vocab_mismatch": (["--model.path=" + _corrupt(good_model, tmp_path / "c3", "vocab")],
+                           ["tokenizer", "vocab_size is 17"]),
+        "empty_dataset": ([m, f"--data.source={empty}"], ["empty.jsonl"]),
+        "all_prompts_too_long": ([m, "--data.max_prompt_len=2"], ["max_prompt_len"]),
+        "bad_reward_path": ([m, "--reward.fn=nowhere_pkg.mod:score"], ["nowhere_pkg"]),
+        "run_dir_not_writable": ([m, f"--run.dir={not_dir}/run"], ["not writable", "run.dir"]),
+    }[name]
+
+
+CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unknown_flag",
+         "impossible_layout", "tp_vs_heads", "missing_model", "corrupt_model", "unsupported_arch",
+         "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
+         "run_dir_not_writable"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model):
+    argv, words = _case(name, tmp_path, good_model)
+    if "--config" not in argv:
+        argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
+    # As rank 0 of a job: every check here runs before any process group exists.
+    world = "5" if name == "tp_vs_heads" else "3"
+    env = {**os.environ, "WORLD_SIZE": world, "RANK": "0", "LOCAL_RANK": "0"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "train_rl.py", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "Traceback" not in err, err
+    assert err.count("error") >= 1 and len(err.strip().splitlines()) <= 3, err
+    for w in words:
+        assert w in err, (w, err)

@@ -1,0 +1,95 @@
+"""Consistent checkpoints of the whole RL job at a trainer step boundary, and resume.
+
+The cut, at the end of trainer step k (weights of version k already pushed):
+  1. trainer rank 0 sends CHECKPOINT(k) to every generator replica leader;
+  2. each leader replies with its data cursor, its started-group count and the prompts it has in
+     flight (started, not yet shipped). Groups it shipped before replying reach trainer rank 0
+     before the reply (one ordered ticket queue per receiver), so they are in the buffer;
+  3. trainer rank 0 drains them into the buffer, then every trainer rank writes its model and
+     optimizer shards with DCP; `extra.json` holds step, version, LR schedule, RNG, the buffer's
+     groups and the generators' states. Written to a temporary folder, then renamed; last K kept.
+On resume (torchrun --max-restarts, or `checkpoint.resume`), every rank reads the same finished
+checkpoint from the run directory (a shared filesystem, as for metrics): the trainer reloads its
+shards and the buffer, the generators restore their cursors and *regenerate* the in-flight prompts
+first, with the same per-group seeds. Groups generated after the cut died with the crash and are
+regenerated from the restored cursor. So every prompt is trained exactly once, none is dropped.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parallel.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
+
+EXTRA_FILE = "extra.json"
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.run.dir) / "checkpoints"
+
+
+def resume_path(cfg) -> Path | None:
+    """The checkpoint to resume from, the same on every rank: 'auto' (latest, if any), 'never', or
+    an explicit path (which must exist)."""
+    mode = cfg.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return latest_checkpoint(checkpoint_root(cfg))
+    path = Path(mode)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"checkpoint.resume={mode!r} is not a finished checkpoint folder (no .metadata); "
+                         f"latest under {checkpoint_root(cfg)}: {latest_checkpoint(checkpoint_root(cfg))}")
+    return path
+
+
+def read_extra(path: Path) -> dict:
+    return json.loads((path / EXTRA_FILE).read_text())
+
+
+def generator_state(extra: dict, replica: int) -> dict | None:
+    """What generator replica `replica` reported at the cut (None for a checkpoint without it)."""
+    return (extra.get("generators") or {}).get(str(replica))
+
+
+def save(worker, step: int) -> Path:
+    """Collective over the trainer mesh: called by every trainer rank after step `step`."""
+    from parallel.checkpoint import save_sharded, rng_state
+    from trainer.worker import broadcast_json
+
+    extra = None
+    if worker.is_owner:
+        extra = {"step": step, "version": worker.version, "scheduler": worker.sched.state_dict(),
+                 "generators": worker.collect_generator_states(step), "rng": rng_state(),
+                 "buffer": worker.buffer.state_dict(), "nonfinite_total": worker.nonfinite_total}
+    extra = broadcast_json(extra, worker.meshes.dims.trainer_rank_list[0], worker.meshes.trainer_group)
+    root = checkpoint_root(worker.cfg)
+    path = save_sharded(checkpoint_dir(root, step), worker.model, worker.opt, extra,
+                        group=worker.meshes.trainer_group)
+    if worker.is_owner:
+        prune_checkpoints(root, worker.cfg.checkpoint.keep_last)
+    return path
+
+
+def load(worker, path: Path) -> dict:
+    """Collective over the trainer mesh: restore shards, schedule, buffer and counters."""
+    from parallel.checkpoint import load_sharded, set_rng_state
+
+    extra = load_sharded(path, worker.model, worker.opt, group=worker.meshes.trainer_group)
+    worker.sched.load_state_dict(extra["scheduler"])
+    worker.step, worker.version = extra["step"], extra["version"]
+    worker.nonfinite_total = extra.get("nonfinite_total", 0)
+    set_rng_state(extra["rng"])
+    if worker.is_owner:
+        worker.buffer.load_state_dict(extra["buffer"])
+    return extra
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Drop metric lines of steps after the checkpoint: they are redone, so the file's steps stay
+    contiguous."""
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return
+    keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    f.write_text("".join(line + "\n" for line in keep))
