@@ -36,7 +36,23 @@ def init_process_group(device: torch.device, backend: str, timeout_s: float) -> 
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend_for(device, backend), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend_for(device, backend), timeout=timeout,
+                            **_attempt_store(timeout))
+
+
+def _attempt_store(timeout: timedelta) -> dict:
+    """Under torchrun the workers share the agent's TCPStore, which outlives a restart: with the
+    default env:// rendezvous a restarted job reads the dead attempt's gloo addresses and fails
+    ("Gloo connectFullMesh failed ... Connection refused", seen with torch 2.13). A prefix per
+    attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt clean keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # plain env:// (tests, mp.spawn, other launchers)
+    env = os.environ
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
+                           is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"tandem/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
+    return {"store": store, "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
 
 
 @dataclass

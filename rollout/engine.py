@@ -374,6 +374,11 @@ class Engine:
                 tokens[j][P:n], logp[j][P:n], versions[j][P:n],
                 "stop" if stopped[j] else "length", t, P))
         self._bound_base = max((i["bound"] for i in self._slot if i is not None), default=0)
+        if len(self._free) == self.num_slots:
+            # Idle: back to the initial slot order and step count, so what an engine computes
+            # never depends on its history (a resumed job regenerates bit for bit).
+            self._free = list(range(self.num_slots - 1, -1, -1))
+            self._steps = self._bound_base = 0
 
     # ----- admission: prefill, prefix copies, first tokens --------------------------------------
     def _admit(self) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.engine import Completion, Engine, Request, SamplingParams
+from launch.faults import maybe_kill
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import staleness_gate_allows
@@ -116,6 +117,7 @@ class GeneratorWorker:
                 "inflight": [[pid, p.index] for pid, p in self.pending.items()]}
 
     def _swap(self, version: int) -> None:
+        maybe_kill(dist.get_rank() if dist.is_initialized() else 0, version)
         t0 = time.perf_counter()
         apply = self.receiver.receive(version)  # blocking (with timeout) into staging
         self.engine.load_weights(apply, version)  # atomic: between two engine steps

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--trainer.prompts_per_step=4", "--generator.n_samples=4", "--generator.num_slots=16",
          "--generator.max_new_tokens=6", "--checkpoint.every_steps=0", "--parallel.timeout_s=60",
-         "--parallel.warmup_timeout_s=120", "--logging.console_every=1"]
+         "--parallel.warmup_timeout_s=120", "--logging.console_every=1",
+         "--reward.fn=tests.rl_model:length_reward", "--trainer.warmup_steps=0"]
 
 
 def torchrun(args, nproc=3, timeout=240, extra_env=None, torchrun_args=("--standalone",)):

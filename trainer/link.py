@@ -148,9 +148,11 @@ class Link:
     def _wait(self, work, what: str) -> None:
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:  # gloo reports its timeout as a RuntimeError
-            raise TimeoutError(f"rank {self.rank} timed out after {self.timeout_s:.0f}s waiting for "
-                               f"{what} ({e})") from None
+        except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
+            if "imed out" in str(e):
+                raise TimeoutError(f"rank {self.rank} timed out after {self.timeout_s:.0f}s waiting "
+                                   f"for {what} ({e})") from None
+            raise ConnectionError(f"rank {self.rank} lost its peer while waiting for {what} ({e})") from None
 
     def broadcast_shutdown(self, error: str | None = None) -> None:
         """Best effort: tell every peer to stop (with the cause), without waiting long."""

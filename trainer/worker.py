@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from launch.faults import maybe_kill
 from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
@@ -77,6 +78,7 @@ class TrainerWorker:
         self._shutdown_generators()
 
     def _one_step(self) -> None:
+        maybe_kill(self.meshes.rank, self.step + 1)
         t0 = time.perf_counter()
         groups = self._take_batch()
         t_wait = time.perf_counter() - t0

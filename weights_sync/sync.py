@@ -14,12 +14,14 @@ Generator side, `WeightReceiver.receive(v)`:
 
 Transports: gloo (CPU tensors) and NCCL (CUDA tensors, different GPUs) share this code through
 `torch.distributed` isend/irecv on a dedicated process group; processes on the *same* GPU use
-CUDA IPC (weights_sync/ipc.py).
+CUDA IPC (weights_sync/ipc.py). `make_sender` / `make_receiver` pick the transport per peer from
+the placement (`Meshes.gpu_of`) and combine both kinds when a rank has peers of each.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 
 import torch
@@ -29,6 +31,13 @@ from parallel.layout import local_box  # noqa: F401  (re-exported for executors)
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
+
+
+def small_numel(bucket_numel: int) -> int:
+    """Pieces below this travel packed into buckets; larger ones alone, without a copy where
+    possible (stream.messages). A 64 MiB bucket gives 256 KiB: only norms and biases get packed,
+    and a message costs tens of microseconds, so their count stays negligible."""
+    return max(1, bucket_numel // 256)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -43,22 +52,41 @@ def local_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TimeoutError(f"weight sync timed out after {timeout_s:.0f}s waiting for {what} ({e})") from None
+    except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
+        if "Timed out" in str(e) or "timed out" in str(e):
+            raise TimeoutError(f"weight sync timed out after {timeout_s:.0f}s waiting for {what} ({e})") from None
+        raise ConnectionError(f"weight sync lost its peer while waiting for {what} ({e})") from None
 
 
 class WeightSender:
+    """`peers` restricts the plan's destinations to those this transport serves (None: all)."""
+
     def __init__(self, model, plan, rank: int, dtype: torch.dtype, group, timeout_s: float,
-                 bucket_bytes: int = 64 << 20, device: torch.device | None = None):
+                 bucket_bytes: int = 64 << 20, device: torch.device | None = None,
+                 peers: Collection[int] | None = None):
         self.rank, self.dtype, self.group, self.timeout_s = rank, dtype, group, timeout_s
         self.tensors = local_tensors(model)
         self.device = device or next(iter(self.tensors.values())).device
         self.bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
-        self.peers = {d: stream.segments(ts, "src") for d, ts in plan.sends_from(rank).items()}
+        self.peers = {d: stream.segments(ts, "src") for d, ts in plan.sends_from(rank).items()
+                      if peers is None or d in peers}
+        # Per peer, its messages: a flat view of the live shard where the piece is contiguous
+        # and already in the wire dtype (sent without a copy), else None (filled into a bucket).
+        self.messages = {d: self._messages(segs) for d, segs in self.peers.items()}
+        # Two buckets, allocated once and shared by the peers (served one after the other): a
+        # fresh 64 MiB buffer per version would page-fault its way in (~1 GB/s on a CPU).
+        longest = max((hi - lo for ms in self.messages.values() for lo, hi, view in ms
+                       if view is None), default=0)
+        self.pool = [torch.empty(longest, dtype=dtype, device=self.device)
+                     for _ in range(2 if longest else 0)]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._version = -1
         self.history: list[dict] = []  # bytes, seconds, GB/s per version
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.pool)
 
     def push(self, version: int) -> None:
         self.wait_sent()
@@ -93,62 +121,93 @@ class WeightSender:
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
 
+    def _messages(self, segs) -> list[tuple[int, int, torch.Tensor | None]]:
+        out = []
+        for lo, hi in stream.messages(segs, self.bucket_numel, small_numel(self.bucket_numel)):
+            seg = next(s for s in segs if s.start <= lo < s.start + s.numel)
+            view = None
+            if hi <= seg.start + seg.numel:  # one piece of one param
+                src = self.tensors[seg.param][seg.box.slices()]
+                if src.dtype == self.dtype and src.is_contiguous():
+                    view = src.reshape(-1)[lo - seg.start:hi - seg.start]
+            out.append((lo, hi, view))
+        return out
+
     def _stream(self, dst: int, segs, version: int) -> int:
         # A one-element header carries the version, so a receiver can never apply bytes of a
         # version other than the one it was told about (NCCL has no message tags to tell them apart).
         header = torch.tensor([version], dtype=torch.int64, device=self.device)
-        head_work = dist.isend(header, dst, group=self.group, tag=TAG_WEIGHTS)
-        total = stream.stream_numel(segs)
-        pool = [torch.empty(min(self.bucket_numel, total), dtype=self.dtype, device=self.device)
-                for _ in range(2)]
-        pending: list = [None, None]
-        for i, (lo, hi) in enumerate(stream.buckets(total, self.bucket_numel)):
-            k = i % 2
+        works = [dist.isend(header, dst, group=self.group, tag=TAG_WEIGHTS)]
+        pool, what = self.pool, f"generator rank {dst} to receive version {version}"
+        pending: list = [None, None]  # the send using each bucket of the pool
+        filled = 0
+        for lo, hi, view in self.messages[dst]:
+            if view is not None:  # zero copy: the shard stays untouched until wait_sent()
+                works.append(dist.isend(view, dst, group=self.group, tag=TAG_WEIGHTS))
+                continue
+            k = filled % 2
+            filled += 1
             if pending[k] is not None:
-                _wait(pending[k], self.timeout_s, f"generator rank {dst} to receive version {version}")
+                _wait(pending[k], self.timeout_s, what)
             stream.fill(pool[k], lo, hi, segs, self.tensors)
             pending[k] = dist.isend(pool[k][:hi - lo], dst, group=self.group, tag=TAG_WEIGHTS)
-        for w in (head_work, *pending):
+        for w in (*works, *pending):
             if w is not None:
-                _wait(w, self.timeout_s, f"generator rank {dst} to receive version {version}")
-        return total * pool[0].element_size() if total else 0
+                _wait(w, self.timeout_s, what)
+        return stream.stream_numel(segs) * torch.empty((), dtype=self.dtype).element_size()
 
     def close(self) -> None:
         self.wait_sent()
 
 
 class WeightReceiver:
+    """`peers` restricts the plan's sources to those this transport serves (None: all)."""
+
     def __init__(self, model, plan, rank: int, group, timeout_s: float,
-                 bucket_bytes: int = 64 << 20):
+                 bucket_bytes: int = 64 << 20, peers: Collection[int] | None = None):
         self.rank, self.group, self.timeout_s = rank, group, timeout_s
         self.tensors = local_tensors(model)
         some = next(iter(self.tensors.values()))
         self.dtype, self.device = some.dtype, some.device
         self.bucket_numel = max(1, bucket_bytes // some.element_size())
-        self.peers = {s: stream.segments(ts, "dst") for s, ts in plan.recvs_to(rank).items()}
+        self.peers = {s: stream.segments(ts, "dst") for s, ts in plan.recvs_to(rank).items()
+                      if peers is None or s in peers}
         # One flat staging buffer per source: the generator holds its shard plus one staged copy.
         self.staging = {s: torch.empty(stream.stream_numel(segs), dtype=self.dtype, device=self.device)
                         for s, segs in self.peers.items()}
         self.history: list[dict] = []
 
+    @property
+    def staging_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.staging.values())
+
     def receive(self, version: int):
         """Receive all of `version` into staging; return `apply()` for the engine's safe point."""
+        return self.finish(self.post(version))
+
+    def post(self, version: int):
+        """Post every receive of `version` (headers, then all buckets) before waiting on any: a
+        receiver that waited on one sender before posting for the others could close a cycle of
+        waits. Returns the ticket `finish` waits on."""
         t0 = time.perf_counter()
-        # Post every receive (headers, then all buckets) before waiting on any: a receiver that
-        # waited on one sender before posting for the others could close a cycle of waits.
         heads = {s: torch.empty(1, dtype=torch.int64, device=self.device) for s in self.staging}
         works = []
         for src, flat in self.staging.items():
             works.append((src, dist.irecv(heads[src], src, group=self.group, tag=TAG_WEIGHTS)))
-            for lo, hi in stream.buckets(flat.numel(), self.bucket_numel):
+            for lo, hi in stream.messages(self.peers[src], self.bucket_numel,
+                                          small_numel(self.bucket_numel)):
                 works.append((src, dist.irecv(flat[lo:hi], src, group=self.group, tag=TAG_WEIGHTS)))
+        return version, t0, heads, works
+
+    def finish(self, ticket):
+        version, t0, heads, works = ticket
         for src, w in works:
             _wait(w, self.timeout_s, f"weights version {version} from trainer rank {src}")
         for src, h in heads.items():
             if int(h) != version:
                 raise RuntimeError(f"generator rank {self.rank} expected weights version {version} "
                                    f"but trainer rank {src} sent version {int(h)}")
-        nbytes = sum(f.numel() * f.element_size() for f in self.staging.values())
+        nbytes = self.staging_bytes
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
@@ -158,6 +217,107 @@ class WeightReceiver:
     def _apply(self) -> None:
         for src, segs in self.peers.items():
             stream.scatter(self.staging[src], segs, self.tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transport per peer: CUDA IPC on a shared GPU, NCCL across GPUs, gloo on CPU.
+
+def transport_for(src: int, dst: int, gpu_of: Mapping[int, tuple[str, int]] | None) -> str:
+    """"ipc" when both ranks sit on the same GPU (NCCL refuses that pair), "nccl" when both are
+    on GPUs, else "gloo". `gpu_of`: rank -> (host, GPU index, -1 on CPU), as `Meshes.gpu_of`."""
+    a, b = (gpu_of or {}).get(src), (gpu_of or {}).get(dst)
+    if a is None or b is None or a[1] < 0 or b[1] < 0:
+        return "gloo"
+    return "ipc" if a == b else "nccl"
+
+
+def _split(rank: int, peers, gpu_of, is_src: bool) -> tuple[set[int], set[int]]:
+    """(IPC peers, point-to-point peers) of this rank."""
+    kinds = {p: transport_for(*((rank, p) if is_src else (p, rank)), gpu_of) for p in peers}
+    ipc = {p for p, k in kinds.items() if k == "ipc"}
+    return ipc, set(kinds) - ipc
+
+
+class MultiSender:
+    """One sender per transport, driven together (a trainer rank whose generator peers are on
+    its own GPU and on others). Each part streams in its own background thread."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def push(self, version: int) -> None:
+        for p in self.parts:
+            p.push(version)
+
+    def wait_sent(self) -> None:
+        for p in self.parts:
+            p.wait_sent()
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(p.staging_bytes for p in self.parts)
+
+
+class MultiReceiver:
+    """Point-to-point receives are posted first, the IPC copies run while those bytes arrive."""
+
+    def __init__(self, p2p: WeightReceiver, ipc):
+        self.p2p, self.ipc = p2p, ipc
+        self.parts = [p2p, ipc]
+
+    def receive(self, version: int):
+        ticket = self.p2p.post(version)
+        apply_ipc = self.ipc.receive(version)
+        apply_p2p = self.p2p.finish(ticket)
+
+        def apply() -> None:
+            apply_ipc()
+            apply_p2p()
+        return apply
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.p2p.staging_bytes + self.ipc.staging_bytes
+
+
+def make_sender(model, plan, rank: int, dtype: torch.dtype, group, timeout_s: float,
+                gpu_of: Mapping[int, tuple[str, int]] | None = None, *,
+                bucket_bytes: int = 64 << 20, ipc_buffers: int = 1, store=None,
+                channel: str = "weights"):
+    """The trainer-side sender for this rank: `WeightSender` (NCCL/gloo on `group`) for peers
+    on other GPUs or CPUs, `IpcSender` for peers on this rank's GPU, a `MultiSender` of both
+    when it has both kinds. `WeightSender`'s arguments plus the placement `gpu_of`."""
+    from weights_sync.ipc import IpcSender
+    ipc, p2p = _split(rank, plan.sends_from(rank), gpu_of, is_src=True)
+    parts = []
+    if ipc:
+        parts.append(IpcSender(model, plan, rank, dtype, timeout_s, peers=ipc,
+                               buffers=ipc_buffers, store=store, channel=channel))
+    if p2p or not ipc:
+        parts.append(WeightSender(model, plan, rank, dtype, group, timeout_s,
+                                  bucket_bytes=bucket_bytes, peers=p2p))
+    return parts[0] if len(parts) == 1 else MultiSender(parts)
+
+
+def make_receiver(model, plan, rank: int, group, timeout_s: float,
+                  gpu_of: Mapping[int, tuple[str, int]] | None = None, *,
+                  bucket_bytes: int = 64 << 20, store=None, channel: str = "weights",
+                  ipc_direct: bool = False):
+    """The generator-side counterpart of `make_sender` (same transport choice per peer).
+    `ipc_direct`: apply straight from the trainer's IPC staging (`IpcReceiver(direct=True)`)."""
+    from weights_sync.ipc import IpcReceiver
+    ipc, p2p = _split(rank, plan.recvs_to(rank), gpu_of, is_src=False)
+    ipc_part = IpcReceiver(model, plan, rank, timeout_s, peers=ipc, store=store,
+                           channel=channel, direct=ipc_direct) if ipc else None
+    p2p_part = WeightReceiver(model, plan, rank, group, timeout_s, bucket_bytes=bucket_bytes,
+                              peers=p2p) if p2p or not ipc else None
+    if ipc_part is not None and p2p_part is not None:
+        return MultiReceiver(p2p_part, ipc_part)
+    return ipc_part or p2p_part
 
 
 def exchange_layouts(layout, is_src_leader: bool, is_dst_leader: bool):

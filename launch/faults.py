@@ -1,0 +1,19 @@
+"""Fault injection for resilience tests (and game days): with
+    TANDEM_FAULT_KILL="rank=R,step=S"
+rank R SIGKILLs itself when it reaches trainer step S (a trainer rank, at the start of the step) or
+weights version S (a generator rank, when the version arrives), on the first attempt only, so the
+restarted job runs through. Unset, it costs one dict lookup per step."""
+from __future__ import annotations
+
+import os
+import signal
+
+
+def maybe_kill(rank: int, step: int) -> None:
+    spec = os.environ.get("TANDEM_FAULT_KILL")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    fields = dict(kv.split("=", 1) for kv in spec.split(","))
+    if int(fields["rank"]) == rank and int(fields["step"]) == step:
+        print(f"[rank {rank}] fault injection: SIGKILL at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
