@@ -529,7 +529,7 @@ class Engine:
 
     def _decode_key(self) -> tuple[bool, str, int]:
         """Host-side choice of the decode kernels: (truncate, sampling mode, cache length read)."""
-        bound = min(self.max_len, self._bound_base + self._steps)
+        bound = max(1, min(self.max_len, self._bound_base + self._steps))  # idle: a 1-long read
         Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
         return self._n_truncating > 0, _mode(self._n_sampling, owned), Lb

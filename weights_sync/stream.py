@@ -58,3 +58,30 @@ def scatter(flat: torch.Tensor, segs: list[Segment], tensors: dict) -> None:
     for seg in segs:
         part = flat[seg.start:seg.start + seg.numel]
         tensors[seg.param][seg.box.slices()].copy_(part.view(seg.box.sizes))
+
+
+def messages(segs: list[Segment], bucket_numel: int, small_numel: int) -> list[tuple[int, int]]:
+    """[start, end) element ranges of the point-to-point messages of a pair's stream.
+
+    A segment of at least `small_numel` elements travels alone (cut every `bucket_numel`), so a
+    sender whose box is contiguous in its shard and already in the wire dtype can hand the
+    shard's memory to the transport without a copy; runs of smaller segments are packed into
+    messages of at most `bucket_numel`. Both ends derive the same ranges from the plan."""
+    bucket_numel = max(1, bucket_numel)
+    out: list[tuple[int, int]] = []
+    run = None  # start of the current run of small segments
+    for seg in segs:
+        lo, hi = seg.start, seg.start + seg.numel
+        if seg.numel >= small_numel:
+            if run is not None and run < lo:
+                out.append((run, lo))
+            run = None
+            out.extend((a, min(a + bucket_numel, hi)) for a in range(lo, hi, bucket_numel))
+            continue
+        run = lo if run is None else run
+        while hi - run > bucket_numel:
+            out.append((run, run + bucket_numel))
+            run += bucket_numel
+    if run is not None and segs and run < stream_numel(segs):
+        out.append((run, stream_numel(segs)))
+    return out
