@@ -57,11 +57,11 @@ def test_tiny_cpu_preset_loads_and_resolves_on_3_ranks():
     cfg = load_config(TINY)
     assert cfg.model.path == "runs/_models/tiny_addition"
     assert (cfg.data.source, cfg.reward.fn, cfg.algo.loss) == ("synthetic:addition", "exact_match", "aipo")
-    assert (cfg.generator.n_samples, cfg.trainer.prompts_per_step, cfg.generator.max_new_tokens) == (8, 8, 8)
-    assert cfg.trainer.lr == 2e-4 and cfg.algo.max_staleness == 1 and cfg.trainer.max_steps == 30
+    assert (cfg.generator.n_samples, cfg.trainer.prompts_per_step, cfg.generator.max_new_tokens) == (8, 32, 8)
+    assert cfg.trainer.lr == 2e-4 and cfg.algo.max_staleness == 1 and cfg.trainer.max_steps == 800
     r = cfg.resolve(3)
     assert (r.parallel.generator_ranks, r.parallel.gen_dp, r.parallel.trainer_fsdp) == (1, 1, 2)
-    assert r.algo.buffer_capacity == 8 * 8 * 2
+    assert r.algo.buffer_capacity == 32 * 8 * 2  # prompts_per_step * n_samples * (eta + 1)
     assert r.run.dir == os.path.join("runs", "tiny_cpu")
 
 
@@ -104,7 +104,7 @@ def test_overrides_of_every_field_type():
 
 def test_overrides_beat_the_toml_file_and_later_overrides_win():
     cfg = load_config(TINY, ["--trainer.lr=1e-3", "--trainer.lr=5e-4", "--run.name=x"])
-    assert cfg.trainer.lr == 5e-4 and cfg.run.name == "x" and cfg.trainer.max_steps == 30
+    assert cfg.trainer.lr == 5e-4 and cfg.run.name == "x" and cfg.trainer.max_steps == 800
 
 
 def test_coerce_list_str_optional_and_literal():
