@@ -78,7 +78,7 @@ def load(worker, path: Path) -> dict:
     extra = load_sharded(path, worker.model, worker.opt, group=worker.meshes.trainer_group)
     worker.sched.load_state_dict(extra["scheduler"])
     worker.step, worker.version = extra["step"], extra["version"]
-    worker.nonfinite_total = extra.get("nonfinite_total", 0)
+    worker.nonfinite_total = worker.nonfinite.total = extra.get("nonfinite_total", 0)
     set_rng_state(extra["rng"])
     if worker.is_owner:
         worker.buffer.load_state_dict(extra["buffer"])

@@ -47,6 +47,44 @@ class MetricsLogger:
             self._tb.close()
 
 
+def reduce_stats(stats: dict, dp_group) -> dict:
+    """Sum a rank's token-summed step stats over the data-parallel ranks (max for the IS max)."""
+    import torch
+    import torch.distributed as dist
+
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+    mx = torch.tensor([stats["is_ratio_max"]], dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(t, group=dp_group)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=dp_group)
+    out = dict(zip(keys, t.tolist()))
+    out["is_ratio_max"] = float(mx)
+    return out
+
+
+def step_metrics(step, version, groups, s, res, lr, dt, t_sync, nonfinite_total) -> dict:
+    """One metrics.jsonl row from the step's groups and the dp-reduced stats `s`. `version` is
+    the policy version after the step; staleness counts against the version trained (v - 1)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    stale = [version - 1 - t.version for t in trajs]
+    tok = max(s["tokens"], 1.0)
+    comp_tokens = sum(len(t.completion_ids) for t in trajs)
+    return {
+        "step": step, "policy_version": version,
+        "reward_mean": sum(t.reward for t in trajs) / len(trajs), "samples": len(trajs),
+        "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+        "is_ratio_mean": s["is_ratio_sum"] / tok, "is_ratio_max": s["is_ratio_max"],
+        "truncated_frac": s["truncated"] / tok, "clipped_frac": s["clipped"] / tok,
+        "loss": s["loss_sum"] / tok, "entropy": s["entropy_sum"] / tok,
+        "mismatch_kl": s["mismatch_kl_sum"] / max(s["onpolicy_tokens"], 1.0),
+        "kl": s["kl_sum"] / tok, "grad_norm": res.grad_norm, "lr": lr,
+        "skipped_nonfinite": nonfinite_total, "completion_tokens": comp_tokens,
+        "time_step_s": dt, "time_weights_sync_s": t_sync, "tokens_per_s": comp_tokens / dt,
+        "prompt_ids": [g.prompt_id for g in groups],
+    }
+
+
 def console_line(m: dict) -> str:
     return (f"step {m['step']:>4} | v{m['policy_version']} | reward {m['reward_mean']:.3f} | "
             f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | IS {m['is_ratio_mean']:.3f} | "

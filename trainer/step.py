@@ -26,6 +26,25 @@ class StepResult:
     skipped: bool  # non-finite loss or gradient norm: the update was not applied
 
 
+class NonFiniteGuard:
+    """Counts skipped (non-finite) steps; K in a row abort the run with a clear message."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row, self.in_a_row, self.total = max_in_a_row, 0, 0
+
+    def check(self, res: StepResult) -> None:
+        if not res.skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.in_a_row >= self.max_in_a_row:
+            raise FloatingPointError(
+                f"{self.in_a_row} trainer steps in a row had a non-finite loss or gradient norm "
+                f"(last grad norm {res.grad_norm}); lower trainer.lr, check the data, or raise "
+                f"trainer.max_nonfinite_steps")
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)

@@ -19,7 +19,8 @@ from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
 from trainer.link import Link, Msg, PeerError
-from trainer.step import train_step
+from trainer.metrics import reduce_stats, step_metrics
+from trainer.step import NonFiniteGuard, train_step
 
 
 def broadcast_json(obj, src: int, group) -> object:
@@ -54,7 +55,8 @@ class TrainerWorker:
             a, t, g = cfg.algo, cfg.trainer, cfg.generator
             self.buffer = OffPolicyBuffer(a.buffer_capacity, a.max_staleness, t.prompts_per_step, g.n_samples)
         self.acks: dict[int, float] = {}
-        self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+        self.nonfinite_total = 0
 
     def resume(self, path) -> None:
         """Restore from a checkpoint (collective over the trainer mesh), then hand the generators
@@ -99,7 +101,7 @@ class TrainerWorker:
         t1 = time.perf_counter()
         self._push_weights()
         t_sync = time.perf_counter() - t1
-        stats = self._reduce(res.stats)
+        stats = reduce_stats(res.stats, self.dp_group)
         if self.is_owner and self.logger is not None:
             m = self._metrics(groups, stats, res, lr, time.perf_counter() - t0, t_sync)
             self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
@@ -181,47 +183,13 @@ class TrainerWorker:
 
     # ----- bookkeeping ----------------------------------------------------------------------
     def _check_finite(self, res) -> None:
-        if not res.skipped:
-            self.nonfinite_in_a_row = 0
-            return
-        self.nonfinite_in_a_row += 1
-        self.nonfinite_total += 1
-        k = self.cfg.trainer.max_nonfinite_steps
-        if self.nonfinite_in_a_row >= k:
-            raise FloatingPointError(
-                f"{k} trainer steps in a row had a non-finite loss or gradient norm (last grad norm "
-                f"{res.grad_norm}); lower trainer.lr, check the data, or raise trainer.max_nonfinite_steps")
-
-    def _reduce(self, stats: dict) -> dict:
-        keys = sorted(stats)
-        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-        mx = torch.tensor([stats["is_ratio_max"]], dtype=torch.float64)
-        if self.dp > 1:
-            dist.all_reduce(t, group=self.dp_group)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.dp_group)
-        out = dict(zip(keys, t.tolist()))
-        out["is_ratio_max"] = float(mx)
-        return out
+        self.nonfinite.check(res)
+        self.nonfinite_total = self.nonfinite.total
 
     def _metrics(self, groups, s, res, lr, dt, t_sync) -> dict:
-        trajs = [t for g in groups for t in g.trajectories]
-        stale = [self.version - 1 - t.version for t in trajs]
-        tok = max(s["tokens"], 1.0)
-        comp_tokens = sum(len(t.completion_ids) for t in trajs)
-        return {
-            "step": self.step, "policy_version": self.version,
-            "reward_mean": sum(t.reward for t in trajs) / len(trajs), "samples": len(trajs),
-            "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
-            "is_ratio_mean": s["is_ratio_sum"] / tok, "is_ratio_max": s["is_ratio_max"],
-            "truncated_frac": s["truncated"] / tok, "clipped_frac": s["clipped"] / tok,
-            "loss": s["loss_sum"] / tok, "entropy": s["entropy_sum"] / tok,
-            "mismatch_kl": s["mismatch_kl_sum"] / max(s["onpolicy_tokens"], 1.0),
-            "kl": s["kl_sum"] / tok, "grad_norm": res.grad_norm, "lr": lr,
-            "skipped_nonfinite": self.nonfinite_total, "completion_tokens": comp_tokens,
-            "time_step_s": dt, "time_weights_sync_s": t_sync,
-            "generator_sync_s": self.acks.get(self.version - 1, 0.0),
-            "generator_version": max(self.acks, default=0),
-            "tokens_per_s": comp_tokens / dt,
-            "buffer_groups": len(self.buffer), "dropped_stale": self.buffer.stats()["dropped_stale"],
-            "prompt_ids": [g.prompt_id for g in groups],
-        }
+        m = step_metrics(self.step, self.version, groups, s, res, lr, dt, t_sync, self.nonfinite_total)
+        m.update({"generator_sync_s": self.acks.get(self.version - 1, 0.0),
+                  "generator_version": max(self.acks, default=0),
+                  "buffer_groups": len(self.buffer),
+                  "dropped_stale": self.buffer.stats()["dropped_stale"]})
+        return m

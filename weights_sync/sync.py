@@ -2,11 +2,14 @@
 
 Trainer side, `WeightSender.push(v)`:
   1. waits only if version v-1 is still streaming (with a timeout naming the peers and version);
-  2. starts a background stream: for every destination peer in plan order, fill a bucket from the
-     live shard (cast to the generator dtype), send it, and reuse the bucket once it is received
-     (two buckets per stream: staging never exceeds 2 x bucket_bytes per peer being served);
+  2. starts a background stream: for every destination peer in plan order, send the pair's
+     messages (`stream.messages`, derived from the plan by both ends alike). A piece that is
+     contiguous in the live shard and already in the generator dtype goes straight from the shard
+     (no copy: fp32 -> fp32 FSDP row shards); the rest (casts, column blocks, runs of small
+     norms/biases) is filled into one of two persistent buckets, reused once received;
   3. returns at once. The trainer calls `wait_sent()` before its next `optimizer.step()`, so the
-     streamed weights are exactly version v: the transfer overlaps the next forward/backward.
+     streamed weights are exactly version v (and the shard memory handed to the transport stays
+     unchanged until it is sent): the transfer overlaps the next forward/backward.
 Generator side, `WeightReceiver.receive(v)`:
   posts every receive of version v at once into one flat staging buffer per source peer (so a
   receiver never blocks a sender), waits with a timeout, and returns `apply()`, which copies the
@@ -19,6 +22,7 @@ the placement (`Meshes.gpu_of`) and combine both kinds when a rank has peers of 
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Collection, Mapping
@@ -49,13 +53,19 @@ def local_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: _local(p.data) for n, p in model.named_parameters()}
 
 
+class PeerLost(ConnectionError, TimeoutError):
+    """The peer's connection closed while this rank waited on it (it crashed or exited). A
+    ConnectionError (what happened) that is also a TimeoutError (what the waiter gets: the awaited
+    weights will never come), so callers that handle a missing peer by its timeout still do."""
+
+
 def _wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
         if "Timed out" in str(e) or "timed out" in str(e):
             raise TimeoutError(f"weight sync timed out after {timeout_s:.0f}s waiting for {what} ({e})") from None
-        raise ConnectionError(f"weight sync lost its peer while waiting for {what} ({e})") from None
+        raise PeerLost(f"weight sync lost its peer while waiting for {what} ({e})") from None
 
 
 class WeightSender:
@@ -122,9 +132,9 @@ class WeightSender:
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
 
     def _messages(self, segs) -> list[tuple[int, int, torch.Tensor | None]]:
-        out = []
+        out, starts = [], [s.start for s in segs]
         for lo, hi in stream.messages(segs, self.bucket_numel, small_numel(self.bucket_numel)):
-            seg = next(s for s in segs if s.start <= lo < s.start + s.numel)
+            seg = segs[bisect.bisect_right(starts, lo) - 1]  # the segment where the message starts
             view = None
             if hi <= seg.start + seg.numel:  # one piece of one param
                 src = self.tensors[seg.param][seg.box.slices()]
