@@ -45,8 +45,9 @@ def run(cfg) -> None:
         cfg.save(os.path.join(cfg.run.dir, "config.toml"))
         print(dims.rank_map(), flush=True)
     if dims.mode == "colocated":
-        raise ConfigError("parallel.mode='colocated' is not implemented yet; use mode='split'")
-    if meshes.role == "trainer":
+        from trainer.colocated import run_colocated
+        run_colocated(cfg, meshes, tokenizer)
+    elif meshes.role == "trainer":
         from trainer.role import run_trainer
         run_trainer(cfg, meshes, tokenizer)
     else:

@@ -33,6 +33,9 @@ def preflight(cfg, dims):
     if B < dims.gen_dp or B < dims.trainer_fsdp:
         raise ConfigError(f"trainer.prompts_per_step={B} must be >= gen_dp={dims.gen_dp} and "
                           f"trainer_fsdp={dims.trainer_fsdp} (every replica and rank needs a group)")
+    if dims.mode == "colocated" and cfg.checkpoint.every_steps:
+        raise ConfigError("checkpoints are implemented for split mode only; with "
+                          "parallel.mode='colocated' set checkpoint.every_steps=0")
     load_items(cfg, tok)  # raises on a missing/empty dataset or when every prompt is too long
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     _check_writable(Path(cfg.run.dir))

@@ -32,7 +32,7 @@ import functools
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 Placement = tuple  # ("replicate",) | ("shard", dim) | ("strided_shard", dim, split_factor)

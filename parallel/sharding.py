@@ -14,7 +14,6 @@ global token count itself, so gradient accumulation and data parallelism equal o
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate

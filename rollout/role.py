@@ -25,13 +25,17 @@ def load_items(cfg, tokenizer):
     return kept, skipped, encode
 
 
+def build_generator_model(cfg, meshes):
+    """The generator's copy: TP over its replica, gen dtype, no gradients."""
+    return build_model(load_model_args(cfg.model.path), meshes.device, to_dtype(cfg.model.gen_dtype),
+                       parallelize=lambda m: parallelize_generator(m, meshes.generator),
+                       path=cfg.model.path)
+
+
 def run_generator(cfg, meshes, tokenizer) -> None:
     dims, rank = meshes.dims, meshes.rank
     replica, tp_rank = dims.generator_coord(rank)
-    args = load_model_args(cfg.model.path)
-    model = build_model(args, meshes.device, to_dtype(cfg.model.gen_dtype),
-                        parallelize=lambda m: parallelize_generator(m, meshes.generator),
-                        path=cfg.model.path)
+    model = build_generator_model(cfg, meshes)
     layout = Layout.from_module(model, group=meshes.generator_group)
     src, dst = exchange_layouts(layout, is_src_leader=False,
                                 is_dst_leader=rank == dims.generator_rank_list[0])

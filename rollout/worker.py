@@ -21,7 +21,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from rollout.engine import Completion, Engine, Request, SamplingParams

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from model.hf_io import load_model_args, to_dtype
 from parallel.layout import Layout
@@ -54,9 +53,15 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     finally:
         if logger is not None:
             logger.close()
-    if cfg.checkpoint.hf_export_final:
-        from parallel.checkpoint import export_hf
-        out = Path(cfg.run.dir) / "hf_final"
-        export_hf(model, out, tokenizer=tokenizer if owner else None, group=meshes.trainer_group)
-        if owner:
-            print(f"exported the final policy (version {worker.version}) to {out}", flush=True)
+    export_final(cfg, meshes, model, tokenizer, worker.version, owner)
+
+
+def export_final(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None:
+    """Collective over the trainer mesh: the final policy as a Hugging Face folder."""
+    if not cfg.checkpoint.hf_export_final:
+        return
+    from parallel.checkpoint import export_hf
+    out = Path(cfg.run.dir) / "hf_final"
+    export_hf(model, out, tokenizer=tokenizer if owner else None, group=meshes.trainer_group)
+    if owner:
+        print(f"exported the final policy (version {version}) to {out}", flush=True)

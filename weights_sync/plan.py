@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence

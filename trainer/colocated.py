@@ -1,0 +1,174 @@
+"""Colocated mode: every rank is both generator and trainer, time-shared and synchronous.
+
+The fallback when two meshes do not fit (or for small jobs on few devices). Per step:
+  1. generate: each generator replica (gen_dp x gen_tp over all ranks) produces its share of the
+     B prompt groups with the current weights (on-policy: staleness 0, no buffer);
+  2. gather: the replica leaders' groups are all-gathered as JSON over the world (one mesh set,
+     so world collectives are allowed here);
+  3. train: each trainer data-parallel rank trains on groups[dp_rank::fsdp] (same step code as
+     split mode);
+  4. reshard: the trainer layout (FSDP x TP) is copied into the generator layout (TP x DP) with the
+     same weight-sync plan as split mode; pieces a rank sends to itself are plain local copies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from rollout.engine import Engine, Request, SamplingParams
+from rollout.worker import replica_share
+from trainer.batch import Group, Trajectory
+from trainer.metrics import reduce_stats, step_metrics
+from trainer.step import NonFiniteGuard, train_step
+
+
+class _PlanWithoutSelf:
+    """The weight-sync plan minus the pieces a rank would send to itself (copied locally)."""
+
+    def __init__(self, plan, rank: int):
+        self._plan, self._rank = plan, rank
+
+    def sends_from(self, rank):
+        return {d: t for d, t in self._plan.sends_from(rank).items() if d != self._rank}
+
+    def recvs_to(self, rank):
+        return {s: t for s, t in self._plan.recvs_to(rank).items() if s != self._rank}
+
+    def local(self):
+        return self._plan.sends_from(self._rank).get(self._rank, [])
+
+
+def all_gather_json(obj, group=None) -> list:
+    """Every rank's JSON-able object, in rank order (no pickle): lengths first, then bytes."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
+    n = int(max(sizes))
+    padded = torch.zeros(n, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, padded, group=group)
+    return [json.loads(bytes(b[:int(k)].numpy()).decode()) for b, k in zip(bufs, sizes)]
+
+
+class ColocatedWorker:
+    def __init__(self, cfg, meshes, t_model, g_model, opt, sched, sender, receiver, local,
+                 prompts, encode, tokenizer, rewards, logger=None):
+        self.cfg, self.meshes, self.t_model, self.g_model = cfg, meshes, t_model, g_model
+        self.opt, self.sched, self.sender, self.receiver = opt, sched, sender, receiver
+        self.local, self.prompts, self.encode, self.tok = local, prompts, encode, tokenizer
+        self.rewards, self.logger = rewards, logger
+        dims = meshes.dims
+        self.replica, self.tp_rank = dims.generator_coord(meshes.rank)
+        self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
+        g = cfg.generator
+        self.engine = Engine(g_model, num_slots=g.num_slots,
+                             max_len=cfg.data.max_prompt_len + g.max_new_tokens, seed=g.seed + self.replica)
+        self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                     top_p=g.top_p, top_k=g.top_k, greedy=g.greedy, n=g.n_samples,
+                                     stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos)
+        self.dp_group = meshes.trainer["fsdp"].get_group()
+        self.dp_rank = meshes.trainer.get_coordinate()[0]
+        self.step = self.version = self.started = 0
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+
+    def run(self) -> None:
+        while self.step < self.cfg.trainer.max_steps:
+            t0 = time.perf_counter()
+            groups = self._gather(self._generate())
+            mine = groups[self.dp_rank::self.meshes.dims.trainer_fsdp]
+            res = train_step(self.t_model, self.opt, self.sched, mine, self.cfg, self.dp_group,
+                             self.meshes.device, self.version)
+            self.nonfinite.check(res)
+            lr = self.sched.get_last_lr()[0]
+            self.version += 1
+            self.step += 1
+            t1 = time.perf_counter()
+            self._reshard()
+            stats = reduce_stats(res.stats, self.dp_group)
+            if self.logger is not None:
+                self.logger.log(step_metrics(self.step, self.version, groups, stats, res, lr,
+                                             time.perf_counter() - t0, time.perf_counter() - t1,
+                                             self.nonfinite.total))
+
+    def _generate(self) -> list[dict]:
+        """This replica's share of the step's groups, all sampled with the current weights."""
+        from rollout.sampling import mix32
+        reqs, items = [], {}
+        for item in self.prompts.next_batch(self.share):
+            seed = mix32(self.cfg.generator.seed * 1_000_003 + self.replica) << 32 | mix32(self.started)
+            reqs.append(Request(item.id, self.encode(item), dataclasses.replace(self.params, seed=seed)))
+            items[item.id] = item
+            self.started += 1
+        by_prompt: dict[int, list[Trajectory]] = {}
+        done = self.engine.generate(reqs)
+        scores = self.rewards.score_batch([items[c.request_id] for c in done],
+                                          [self.tok.decode(c.completion_ids) for c in done],
+                                          [c.completion_ids for c in done])
+        for c, r in zip(done, scores):
+            by_prompt.setdefault(c.request_id, []).append(Trajectory(
+                c.request_id, c.sample_idx, list(c.prompt_ids), list(c.completion_ids), list(c.logp),
+                list(c.token_versions), float(r), c.finish_reason))
+        groups = [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
+        return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
+
+    def _gather(self, mine: list[dict]) -> list[Group]:
+        groups = [Group.from_dict(d) for part in all_gather_json(mine) for d in part]
+        return sorted(groups, key=lambda g: g.prompt_id)
+
+    @torch.no_grad()
+    def _reshard(self) -> None:
+        """Trainer layout -> generator layout; local pieces copied, the rest over the network."""
+        self.sender.push(self.version)
+        apply = self.receiver.receive(self.version)
+        self.sender.wait_sent()
+        apply()
+        src, dst = self.sender.tensors, self.receiver.tensors
+        for t in self.local:
+            dst[t.param][t.dst_box.slices()].copy_(src[t.param][t.src_box.slices()])
+        self.engine.version = self.version
+
+
+def run_colocated(cfg, meshes, tokenizer) -> None:
+    from model.hf_io import to_dtype
+    from parallel.layout import Layout
+    from rollout.data import PromptSource
+    from rollout.rewards import RewardRunner, resolve_reward
+    from rollout.role import build_generator_model, load_items
+    from trainer.metrics import MetricsLogger
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.role import build_trainer_model, export_final
+    from weights_sync.plan import plan_cached
+    from weights_sync.sync import WeightReceiver, WeightSender, transfer_specs
+
+    dims, rank, timeout = meshes.dims, meshes.rank, cfg.parallel.timeout_s
+    t_model = build_trainer_model(cfg, meshes, cfg.model.path)
+    g_model = build_generator_model(cfg, meshes)
+    src = Layout.from_module(t_model, group=meshes.trainer_group)
+    dst = Layout.from_module(g_model, group=meshes.generator_group)
+    plan = _PlanWithoutSelf(plan_cached(src, dst, transfer_specs(src, dst)), rank)
+    sender = WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout)
+    receiver = WeightReceiver(g_model, plan, rank, meshes.weights_group, timeout)
+    items, _, encode = load_items(cfg, tokenizer)
+    replica = dims.generator_coord(rank)[0]
+    prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
+                           world=dims.gen_dp)
+    rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
+    opt = build_optimizer(t_model, cfg.trainer)
+    logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every) \
+        if rank == 0 else None
+    worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
+                             sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger)
+    try:
+        worker.run()
+    finally:
+        rewards.close()
+        sender.close()
+        if logger is not None:
+            logger.close()
+    export_final(cfg, meshes, t_model, tokenizer, worker.version, rank == 0)
