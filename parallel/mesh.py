@@ -69,6 +69,17 @@ class Meshes:
     generator_group: object = None
     weights_group: object = None  # point-to-point weight sync (gloo on CPU, NCCL across GPUs)
 
+    def shorten_timeouts(self, seconds: float) -> None:
+        """After warm-up (model load, compile, first step), collectives of this rank's groups wait
+        at most `seconds` (parallel.timeout_s) instead of the start-up timeout."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # no public API yet
+        groups = [None, self.trainer_group, self.generator_group, self.weights_group]
+        for mesh in (self.trainer, self.generator):
+            if mesh is not None:
+                groups += [mesh.get_group(name) for name in mesh.mesh_dim_names]
+        for g in groups:  # None is the default group
+            _set_pg_timeout(timedelta(seconds=seconds), g)
+
     @property
     def role(self) -> str:
         return self.dims.role(self.rank)

@@ -64,6 +64,7 @@ class GeneratorWorker:
                                      ignore_eos=g.ignore_eos)
         self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
         self.replica = replica
+        self.on_first_swap = None
         self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
         self.awaiting = 0  # generate nothing until weights of this version are applied
 
@@ -120,6 +121,9 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         apply = self.receiver.receive(version)  # blocking (with timeout) into staging
         self.engine.load_weights(apply, version)  # atomic: between two engine steps
+        if self.on_first_swap is not None:
+            self.on_first_swap()  # warm-up is over: e.g. shorten collective timeouts
+            self.on_first_swap = None
         self.version = version
         dt = time.perf_counter() - t0
         self.stats["sync_s"] += dt

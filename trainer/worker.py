@@ -89,6 +89,8 @@ class TrainerWorker:
                          self.meshes.device, self.version, self.ref_model,
                          before_update=self.sender.wait_sent)
         self._check_finite(res)
+        if self.step == 0:
+            self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
         t_train = time.perf_counter() - t0 - t_wait
         lr = self.sched.get_last_lr()[0]
         # The version advances even when a non-finite step was skipped, so a synchronous
