@@ -121,6 +121,8 @@ def build_model(args, device: torch.device, dtype: torch.dtype,
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
+    if model.args.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.tie_weights()  # to_empty re-creates parameters one by one: a plain tie is lost
     if path:
         load_sharded(model, path)
     else:

@@ -140,7 +140,8 @@ def _close(a, b, rtol=1e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp,tp,family", [(2, 1, "llama3"), (1, 2, "qwen2"), (2, 2, "qwen2")])
+@pytest.mark.parametrize("fsdp,tp,family", [(2, 1, "llama3"), (1, 2, "qwen2"), (2, 2, "qwen2"),
+                                            (2, 1, "tied")])
 def test_sharded_training_matches_single_process(tmp_path, fsdp, tp, family):
     tiny.save_hf(family, tmp_path)
     ref_loss, ref_grads, ref_logits = _reference(tmp_path)
@@ -175,3 +176,14 @@ def test_generator_tp2_logits_equal_single_device(tmp_path):
         ref = load_pretrained(tmp_path, dtype="float32")(_batch())
     for res in run_ranks(_generator_worker, 2, str(tmp_path)):
         _close(res["logits"], ref)
+
+
+def test_build_model_keeps_tied_embeddings_without_a_process_group(tmp_path):
+    from model import load_pretrained
+    from model.hf_io import load_model_args
+    from parallel.sharding import build_model
+    tiny.save_hf("tied", tmp_path)
+    model = build_model(load_model_args(tmp_path), torch.device("cpu"), torch.float32, path=tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        _close(model(_batch()), load_pretrained(tmp_path, dtype="float32")(_batch()))
