@@ -24,6 +24,8 @@ def resolve_config(argv):
     if flags.get("dry_run"):
         overrides.append("run.dry_run=true")
     cfg = load_config(path, overrides)
+    if cfg.run.dry_run and "WORLD_SIZE" not in os.environ:
+        return cfg  # launch.dry_run derives the world size from the config's degrees, then resolves
     return cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
 
 

@@ -35,7 +35,7 @@ def run_mode(model: str, run_dir: Path, eta: int, a) -> list[dict]:
             f"--generator.max_new_tokens={a.new_tokens}", "--generator.ignore_eos=true",
             "--parallel.generator_ranks=1", "--checkpoint.every_steps=0",
             "--checkpoint.hf_export_final=false", "--logging.tensorboard=false",
-            "--logging.console_every=0", "--trainer.micro_batch_tokens=100000"]
+            "--logging.console_every=1000", "--trainer.micro_batch_tokens=100000"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(a.world), "train_rl.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

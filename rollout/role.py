@@ -11,7 +11,7 @@ from rollout.worker import GeneratorWorker
 from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link
 from weights_sync.plan import plan_cached
-from weights_sync.sync import WeightReceiver, exchange_layouts, transfer_specs
+from weights_sync.sync import exchange_layouts, make_receiver, transfer_specs
 
 
 def load_items(cfg, tokenizer):
@@ -39,8 +39,8 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     layout = Layout.from_module(model, group=meshes.generator_group)
     src, dst = exchange_layouts(layout, is_src_leader=False,
                                 is_dst_leader=rank == dims.generator_rank_list[0])
-    receiver = WeightReceiver(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
-                              meshes.weights_group, cfg.parallel.timeout_s)
+    receiver = make_receiver(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
+                             meshes.weights_group, cfg.parallel.timeout_s, meshes.gpu_of)
     items, skipped, encode = load_items(cfg, tokenizer)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)

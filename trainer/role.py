@@ -13,7 +13,7 @@ from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.worker import TrainerWorker
 from weights_sync.plan import plan_cached
-from weights_sync.sync import WeightSender, exchange_layouts, transfer_specs
+from weights_sync.sync import exchange_layouts, make_sender, transfer_specs
 
 
 def build_trainer_model(cfg, meshes, path: str):
@@ -33,8 +33,9 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
         if cfg.model.ref_path else None
     layout = Layout.from_module(model, group=meshes.trainer_group)
     src, dst = exchange_layouts(layout, is_src_leader=owner, is_dst_leader=False)
-    sender = WeightSender(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
-                          to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s)
+    sender = make_sender(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
+                         to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s,
+                         meshes.gpu_of)  # CUDA IPC to a generator on this GPU, else NCCL/gloo
     leaders = [row[0] for row in dims.generator_mesh_ranks()]
     link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
     path = resume_path(cfg)  # the same on every rank: they all read the run directory

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU checks that CI cannot run, as one short script for a session that has a GPU (H200,
+# torch 2.11, no flash-attn). Run from the repository root:
+#
+#     bash bench/gpu_check.sh            # BUDGET_S=400 by default: all sections within 6 min 40 s
+#
+# Sections (each prints its JSON line; a failing or timed-out section is reported, the next one
+# runs anyway):
+#   a   CUDA IPC weight sync, 2 processes on one GPU, 1.1B Llama shape in bf16: bitwise exact,
+#       push -> applied time (goal <= 10 ms) and fraction of a plain device copy's bandwidth
+#       (goal >= 50%), for the staged, direct and double-buffered variants
+#   a2  the CUDA tests of tests/test_ipc.py (skipped on CPU, so they only run here)
+#   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC):
+#       async (eta=1) vs sync (eta=0), step time and tokens/s
+#   b   bench/rollout_vs_hf.py --gpu
+#   c   bench/train_step.py --no-cpu --gpu --compile
+# With $OUT set, everything is also written to $OUT/gpu_check.log. The last line is a JSON
+# summary of every section's exit status and time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -n "${OUT:-}" ]]; then
+    mkdir -p "$OUT"
+    exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+fi
+
+PY=${PY:-$(command -v python3 || command -v python)}
+BUDGET_S=${BUDGET_S:-400}
+START=$(date +%s)
+SUMMARY=""
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export PYTHONUNBUFFERED=1
+
+# run NAME CAP_S CMD...: at most CAP_S seconds, never past the budget; records rc and seconds.
+run() {
+    local name=$1 cap=$2
+    shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    if (( left < 20 )); then
+        echo "== [$name] skipped: ${left}s left of the ${BUDGET_S}s budget"
+        SUMMARY+="\"$name\": {\"rc\": null, \"skipped\": true}, "
+        return
+    fi
+    (( cap > left )) && cap=$left
+    echo "== [$name] $* (limit ${cap}s)"
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$cap" "$@"
+    local rc=$?
+    local dt=$(( $(date +%s) - t0 ))
+    (( rc == 124 || rc == 137 )) && echo "== [$name] TIMED OUT after ${cap}s"
+    echo "{\"section\": \"$name\", \"rc\": $rc, \"seconds\": $dt}"
+    SUMMARY+="\"$name\": {\"rc\": $rc, \"seconds\": $dt}, "
+}
+
+echo "== gpu_check $(date -u +%FT%TZ) on $(hostname), budget ${BUDGET_S}s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.version.cuda)"
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device: nothing to check here"
+    echo "{\"bench\": \"gpu_check\", \"cuda\": false}"
+    exit 0
+fi
+
+run a  90  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
+run a2 60  "$PY" -m pytest -q -x tests/test_ipc.py -k cuda
+run d  120 "$PY" bench/weights_sync.py --rl --rl-hidden 1024 --rl-layers 8 --rl-steps 12 \
+    --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 55
+run b  110 "$PY" bench/rollout_vs_hf.py --gpu --repeats 2
+run c  110 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
+
+echo "{\"bench\": \"gpu_check\", \"cuda\": true, \"seconds\": $(( $(date +%s) - START )), \"sections\": {${SUMMARY%, }}}"

@@ -1,0 +1,157 @@
+"""The planner's cost model against real runs: predicted vs measured step time per layout.
+
+    python bench/plan_vs_measured.py [--layouts all|quick] [--steps 7] [--warmup 3]
+
+1. Make a random tiny Llama (tools/make_tiny_model.make_random_model), profile it on this machine
+   (launch/profile.py: per-layer fwd/bwd, decode steps, trainer overhead, gloo links).
+2. For every layout in the list (world 3 and 4, split mode; colocated is not runnable yet),
+   predict T_gen, T_train, T_sync and the step time with launch/cost_model.py, from the profile
+   and the CPU cluster model (ranks share `os.cpu_count()` cores: time dilation).
+3. Run each layout for real: `torchrun train_rl.py` with fixed-length completions
+   (--generator.ignore_eos=true), async eta=1, and take the median `time_step_s` of
+   metrics.jsonl after `--warmup` steps.
+4. Print predicted vs measured, the error per layout, and whether the layout the model picks
+   per world size is within 10% of the measured best. Then the cluster-scale model table
+   (8B/70B/405B async vs sync, vs LlamaRL's 2.52x/3.98x/10.7x; see launch/plan.py's docstring).
+Goals: |error| <= 30%, chosen layout within 10% of the measured best. The machine is shared:
+the load average is printed with each run, because other jobs stretch both the profile and the
+runs, and not always by the same factor. The last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, print_json  # noqa: F401  (puts the repo on sys.path)
+
+from launch import cost_model as cm
+from launch.plan import cluster_table
+from launch.profile import measure
+from model.hf_io import load_model_args
+from tools.make_tiny_model import make_random_model
+
+# (world, generator ranks, gen_tp, trainer_tp): trainer_fsdp and gen_dp are derived
+LAYOUTS = {
+    "quick": [(3, 1, 1, 1), (3, 2, 1, 1), (4, 1, 1, 1), (4, 2, 1, 1)],
+    "all": [(3, 1, 1, 1), (3, 1, 1, 2), (3, 2, 1, 1), (3, 2, 2, 1),
+            (4, 1, 1, 1), (4, 2, 1, 1), (4, 2, 2, 1), (4, 2, 1, 2)],
+}
+
+
+def prompt_len(model: str) -> int:
+    """Mean encoded prompt length of the run's dataset (the runs use configs/tiny_cpu.toml)."""
+    from config import load_config
+    from model.tokenizer import load_tokenizer
+    from rollout.role import load_items
+    cfg = load_config("configs/tiny_cpu.toml", [f"--model.path={model}"])
+    items, _, encode = load_items(cfg, load_tokenizer(model))
+    lens = [len(encode(it)) for it in items[:500]]
+    return round(sum(lens) / len(lens))
+
+
+def run_layout(model: str, run_dir: Path, lay, a) -> dict:
+    world, g, gtp, ttp = lay
+    args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
+            f"--algo.max_staleness={a.eta}", f"--trainer.max_steps={a.steps}",
+            f"--trainer.prompts_per_step={a.prompts}", f"--generator.n_samples={a.group}",
+            f"--generator.num_slots={a.prompts * a.group}",
+            f"--generator.max_new_tokens={a.response_len}", "--generator.ignore_eos=true",
+            f"--parallel.generator_ranks={g}", f"--parallel.gen_tp={gtp}",
+            f"--parallel.trainer_tp={ttp}", f"--trainer.micro_batch_tokens={a.micro_batch_tokens}",
+            "--checkpoint.every_steps=0", "--checkpoint.hf_export_final=false",
+            "--logging.tensorboard=false", "--logging.console_every=1000", "--logging.progress=false"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(world), "train_rl.py", *args]
+    t0, load = time.perf_counter(), os.getloadavg()[0]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][a.warmup:]
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731  (robust to load spikes)
+    return {"step_s": med("time_step_s"), "wait_s": med("time_wait_batch_s"),
+            "train_s": med("time_train_s"), "sync_s": med("time_weights_sync_s"),
+            "wall_s": time.perf_counter() - t0, "loadavg": load}
+
+
+def predict(args, prof, wl, lay, a) -> cm.Estimate:
+    world, g, gtp, ttp = lay
+    cl = cm.with_profile(cm.cpu_cluster(world, os.cpu_count() or 1), prof)
+    p = cm.Placement(world, "split", g, gtp, ttp)
+    return cm.estimate(args, cl, wl, p, prof, slots=a.prompts * a.group,
+                       micro_batch_tokens=a.micro_batch_tokens)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", choices=sorted(LAYOUTS), default="all")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--eta", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--response-len", type=int, default=24)
+    ap.add_argument("--micro-batch-tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--no-cluster-table", action="store_true")
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_random_model(Path(tmp) / "model", hidden=a.hidden, layers=2)
+        args = load_model_args(model)
+        wl = cm.Workload(a.prompts, a.group, prompt_len(model), a.response_len, a.eta,
+                         "float32", "float32")
+        print(f"profiling ({wl.prompt_len}+{wl.response_len} tokens, {wl.seqs} samples/step, "
+              f"load {os.getloadavg()[0]:.1f}) ...", flush=True)
+        prof = measure(args, wl, "cpu", 1, a.micro_batch_tokens)
+        print(f"{'layout':<30} {'T_gen':>7} {'T_train':>7} {'T_sync':>7} {'pred':>7} {'meas':>7} "
+              f"{'err':>6}   measured wait/train   load", flush=True)
+        for lay in LAYOUTS[a.layouts]:
+            e = predict(args, prof, wl, lay, a)
+            m = run_layout(model, Path(tmp) / "run_{}_{}_{}_{}".format(*lay), lay, a)
+            row = {"layout": list(lay), "label": f"N={lay[0]} " + e.placement.label(),
+                   "pred_gen_s": e.times.gen, "pred_train_s": e.times.train,
+                   "pred_sync_s": e.times.sync, "pred_step_s": e.step, **m}
+            if "error" in m:
+                print(f"{row['label']:<30} run failed: {m['error'][-300:]}", flush=True)
+            else:
+                row["err"] = e.step / m["step_s"] - 1
+                print(f"{row['label']:<30} {e.times.gen:>7.3f} {e.times.train:>7.3f} "
+                      f"{e.times.sync:>7.4f} {e.step:>7.3f} {m['step_s']:>7.3f} {row['err']:>+6.0%}"
+                      f"   {m['wait_s']:>6.3f}/{m['train_s']:.3f}   {m['loadavg']:.1f}", flush=True)
+            rows.append(row)
+    ok = [r for r in rows if "err" in r]
+    errs = [abs(r["err"]) for r in ok]
+    choice = {}
+    for world in sorted({r["layout"][0] for r in ok}):
+        mine = [r for r in ok if r["layout"][0] == world]
+        pick = min(mine, key=lambda r: r["pred_step_s"])
+        best = min(mine, key=lambda r: r["step_s"])
+        regret = pick["step_s"] / best["step_s"] - 1
+        choice[world] = {"chosen": pick["label"], "measured_best": best["label"], "regret": regret}
+        print(f"world {world}: model picks {pick['label']} ({pick['step_s']:.3f}s measured); "
+              f"measured best {best['label']} ({best['step_s']:.3f}s): {regret:+.0%} "
+              f"{'(within 10%)' if regret <= 0.10 else '(MISS: > 10%)'}")
+    within = sum(e <= 0.30 for e in errs)
+    print(f"{within}/{len(ok)} layouts within +-30% (median |error| "
+          f"{statistics.median(errs) if errs else float('nan'):.0%}, max {max(errs, default=float('nan')):.0%}); "
+          f"{len(rows) - len(ok)} runs failed")
+    table = [] if a.no_cluster_table else cluster_table(cm.Workload(512, 16, 512, 2048, 4))
+    print_json({"bench": "plan_vs_measured", "layouts": len(rows), "ok": len(ok),
+                "within_30pct": within, "median_abs_err": statistics.median(errs) if errs else None,
+                "max_abs_err": max(errs, default=None), "choice": choice, "rows": rows,
+                "profile_notes": prof.notes, "cluster_table": table,
+                "seconds": time.perf_counter() - t_start})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,781 @@
+"""A hand-checkable cost model of one RL step: memory per rank and time per phase, for a given
+placement of the generator and trainer meshes. It is the estimator behind the planner
+(launch/plan.py), in the spirit of ReaL (arXiv 2406.14088): profiled (or datasheet) per-layer
+costs plus memory estimates, evaluated per candidate layout; an over-memory plan is infeasible.
+
+Units: bytes, seconds, FLOP. "GB" means 1e9 bytes. N = parameter count (ModelArgs.num_params),
+L = layers, h = hidden, i = intermediate, q = heads*head_dim, kv = kv_heads*head_dim, V = vocab.
+
+Memory per rank (feasible iff <= mem_headroom * gpu_mem)
+  trainer   states  = N/(fsdp*tp) * (master + grad + 2 AdamW states) bytes   (16 B/param in fp32)
+            gathered= (2 layers + root unit)/tp * compute bytes  (FSDP2 unshards a unit and
+                      prefetches the next; only when fsdp > 1)
+            acts    = micro_batch_tokens * (L * a + V * (cb + 8))    a = cb*(4h + (2q+2kv+4i)/tp)
+                      with activation checkpointing: micro_batch_tokens * (L*cb*h + a + V*(cb+8))
+  generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*gen_bytes*slots*max_len
+  colocated ranks hold both.
+Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
+  T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
+            prefill     = (2*N_mm*P + 2*L*q*P^2) * prompts / (gen_tp * flops * mfu_prefill)
+            decode_step = max(bytes/(hbm*hbm_eff), flops/(flops*mfu_decode)) + 2L TP all-reduces
+                          bytes = N_mm*gen_bytes/tp + slots*ctx*kv_bytes_per_token/tp (ctx = P + R/2)
+  T_train = compute + max(0, comm - overlap*compute) + optimizer
+            compute = ((6 + 2*ac)*N_mm*D + (3 + ac)*2*L*q*l^2*seqs) / (fsdp*tp * flops * mfu_train)
+            comm    = micro_batches * (FSDP: 2 all-gathers (cb) + 1 reduce-scatter (fp32) of N/tp
+                      over the fsdp link; TP: 4L + 4 (+2L with ac) all-reduces of tokens*h*cb)
+                      + one latency per collective, per-step ones included (`trainer_collectives`)
+  T_sync  = max(max bytes a trainer rank sends, max bytes a generator rank receives) / link,
+            from the REAL weights_sync.plan (`sync_bytes_from_plan`) or its even-shard closed form
+  step    eta = 0 (synchronous): T_gen + T_train + T_sync (+ 2 link hand-offs)
+          eta >= 1 (asynchronous, LlamaRL): max(T_gen, T_train + T_sync); colocated is always
+          synchronous (time-shared ranks). With fixed lengths eta = 1 already overlaps fully in
+          steady state; a larger eta only absorbs variance.
+CPU ranks that share cores (the validation machine) slow each other's computation down: with
+s(k) the slowdown of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time`
+uses (communication parts are measured under the same sharing and added as they are)
+  sync  : compute_gen*s(G) + compute_train*s(T) + comm + T_sync
+  async : a*s(G+T) + (b-a)*s(ranks of b) + comm,  a <= b the two sides' compute (processor sharing)
+which reduce to the formulas above when s = 1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from model.args import ModelArgs
+from parallel.layout import dtype_bytes
+
+GB = 1e9
+LINK_POLL_S = 0.005  # expected hand-off delay of trainer.link.wait_for (sleep backoff capped at 10 ms)
+
+
+# ----- inputs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware, per GPU unless said otherwise; the efficiency factors turn peaks into achieved."""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gb: float = 80.0
+    flops: float = 989e12          # dense bf16 peak FLOP/s (H100 SXM)
+    hbm_gbps: float = 3350.0       # HBM bandwidth, GB/s
+    intra_gbps: float = 450.0      # NVLink, per GPU and direction, GB/s
+    inter_gbps: float = 50.0       # one 400 Gb/s NIC per GPU, GB/s
+    link_latency_s: float = 10e-6  # per message / ring hop
+    mfu_train: float = 0.40
+    mfu_prefill: float = 0.50
+    mfu_decode: float = 0.50
+    hbm_eff: float = 0.70
+    link_eff: float = 0.80
+    overlap: float = 1.0           # fraction of training compute that can hide FSDP/TP traffic
+    mem_headroom: float = 0.90     # allocator fragmentation, CUDA context, workspaces
+    compute_bytes: int = 2         # bf16 compute (GPU); 4 on CPU
+    shared_cores: int = 0          # > 0: all ranks share this many CPU cores (time dilation)
+    name: str = "h100"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+GPUS = {  # datasheet numbers (dense bf16, SXM parts)
+    "h100": dict(gpu_mem_gb=80.0, flops=989e12, hbm_gbps=3350.0, intra_gbps=450.0, inter_gbps=50.0),
+    "h200": dict(gpu_mem_gb=141.0, flops=989e12, hbm_gbps=4800.0, intra_gbps=450.0, inter_gbps=50.0),
+    "a100": dict(gpu_mem_gb=80.0, flops=312e12, hbm_gbps=2039.0, intra_gbps=300.0, inter_gbps=25.0),
+}
+
+
+def gpu_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, **overrides) -> Cluster:
+    if gpu not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; choose one of {sorted(GPUS)} (or 'cpu')")
+    return Cluster(nodes=nodes, gpus_per_node=gpus_per_node, name=gpu, **{**GPUS[gpu], **overrides})
+
+
+def cpu_cluster(ranks: int, cores: int, mem_gb: float = 16.0) -> Cluster:
+    """One host running `ranks` single-threaded ranks on `cores` cores, fp32, no overlap."""
+    return Cluster(nodes=1, gpus_per_node=ranks, gpu_mem_gb=mem_gb / max(ranks, 1), flops=20e9,
+                   hbm_gbps=10.0, intra_gbps=2.0, inter_gbps=2.0, link_latency_s=200e-6,
+                   mfu_train=1.0, mfu_prefill=1.0, mfu_decode=1.0, hbm_eff=1.0, link_eff=1.0,
+                   overlap=0.0, compute_bytes=4, shared_cores=cores, name="cpu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: B prompt groups of n samples, fixed prompt and response lengths."""
+    prompts_per_step: int
+    group_size: int
+    prompt_len: int
+    response_len: int
+    eta: int = 1
+    master_dtype: str = "float32"
+    gen_dtype: str = "bfloat16"
+
+    @property
+    def seqs(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One candidate: the split of the world and each mesh's degrees."""
+    world: int
+    mode: str = "split"  # split | colocated
+    generator_ranks: int = 1
+    gen_tp: int = 1
+    trainer_tp: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.world if self.mode == "colocated" else self.world - self.generator_ranks
+
+    @property
+    def gen_dp(self) -> int:
+        return self.generator_ranks // self.gen_tp
+
+    @property
+    def trainer_fsdp(self) -> int:
+        return self.trainer_ranks // self.trainer_tp
+
+    def label(self) -> str:
+        ac = " ac" if self.activation_checkpointing else ""
+        if self.mode == "colocated":
+            return f"coloc N={self.world} gen {self.gen_dp}x{self.gen_tp} | train {self.trainer_fsdp}x{self.trainer_tp}{ac}"
+        return (f"G={self.generator_ranks} gen {self.gen_dp}x{self.gen_tp} | "
+                f"train {self.trainer_fsdp}x{self.trainer_tp}{ac}")
+
+
+# ----- model arithmetic ---------------------------------------------------------------------------
+def matmul_params(args: ModelArgs) -> int:
+    """Parameters that take part in matmuls: all but the input embedding (a lookup), unless tied."""
+    return args.num_params() - (0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size)
+
+
+def layer_params(args: ModelArgs) -> int:
+    return (args.num_params() - args.hidden_size
+            - args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)) // args.num_layers
+
+
+def kv_bytes_per_token(args: ModelArgs, nbytes: int, tp: int = 1) -> int:
+    """K and V of one token, all layers, one TP rank. Llama-3-8B bf16, tp 1: 2*32*8*128*2 = 131072."""
+    return 2 * args.num_layers * (args.num_kv_heads // tp) * args.head_dim * nbytes
+
+
+def act_bytes_per_token_layer(args: ModelArgs, cb: int, tp: int) -> int:
+    """Saved activations of one decoder layer per token (flash-style attention, no S^2 term):
+    norm inputs and outputs (4h, replicated under TP), q/k/v and attention output (2q + 2kv) and
+    the SwiGLU gate/up/act/product (4i), column-parallel parts divided by tp.
+    Llama-3-8B, bf16, tp 1: 2*(4*4096 + 2*4096 + 2*1024 + 4*14336) = 167936 B (164 KiB)."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    return cb * (4 * args.hidden_size + (2 * q + 2 * kv + 4 * args.intermediate_size) // tp)
+
+
+# ----- memory -----------------------------------------------------------------------------------
+def trainer_state_bytes(args: ModelArgs, fsdp: int, tp: int, master_bytes: int = 4, cb: int = 2) -> float:
+    """Sharded master weights, grads and two AdamW states (4 copies in the master dtype), plus the
+    FSDP2 working set of unsharded units in the compute dtype when fsdp > 1 (the unit in use, the
+    prefetched next layer, and the root unit: embeddings + head).
+    Worked example, Llama-3-8B (N = 8.03e9), fsdp 8, tp 1, fp32 master, bf16 compute:
+      states 8.03e9/8 * 16 = 16.06 GB; gathered (2*218.1e6 + 2*525.3e6)*2 = 2.97 GB -> 19.0 GB."""
+    n = args.num_params()
+    states = n / (fsdp * tp) * 4 * master_bytes
+    if fsdp == 1:
+        return states
+    root = n - args.num_layers * layer_params(args)
+    return states + (2 * layer_params(args) + root) / tp * cb
+
+
+def trainer_act_bytes_per_token(args: ModelArgs, tp: int, cb: int, ac: bool) -> float:
+    """Activation bytes per micro-batch token: L saved layers (or only L layer inputs plus one
+    recomputed layer with activation checkpointing) and the full-vocab logits, stored in the
+    compute dtype plus fp32 log-softmax and its gradient (V * (cb + 8))."""
+    a = act_bytes_per_token_layer(args, cb, tp)
+    layers = args.num_layers * cb * args.hidden_size + a if ac else args.num_layers * a
+    return layers + args.vocab_size * (cb + 8)
+
+
+def generator_weight_bytes(args: ModelArgs, tp: int, gen_bytes: int) -> float:
+    return args.num_params() * gen_bytes / tp
+
+
+def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:
+    """Static KV cache: 2 * L * (kv_heads/tp) * head_dim * bytes * slots * max_len.
+    Llama-3-8B bf16, tp 1, 256 slots x 2560 positions: 131072 * 256 * 2560 = 85.9 GB."""
+    return kv_bytes_per_token(args, gen_bytes, tp) * slots * max_len
+
+
+@dataclass
+class Memory:
+    trainer: float = 0.0    # bytes per trainer rank
+    generator: float = 0.0  # bytes per generator rank
+    per_rank: float = 0.0   # the larger of the two, or their sum on colocated ranks
+    slots: int = 0
+    micro_batch_tokens: int = 0
+    why: str = ""           # empty when feasible
+
+
+def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen_dp: int,
+                     reserved: float = 0.0, slots: int = 0) -> tuple[float, int, str]:
+    """(bytes per generator rank, KV slots, why-infeasible). slots=0 picks the most that fit,
+    capped at the replica's sequences per step; `reserved` is memory already taken (colocated)."""
+    cap = cl.mem_headroom * cl.gpu_mem_gb * GB
+    gb = dtype_bytes(wl.gen_dtype)
+    weights = generator_weight_bytes(args, gen_tp, gb)
+    per_slot = kv_bytes_per_token(args, gb, gen_tp) * wl.seq_len
+    seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
+    free = cap - reserved - weights
+    if not slots:
+        slots = min(seqs, int(free // per_slot)) if free > 0 else 0
+    used = weights + slots * per_slot
+    if slots < 1:
+        return used, 0, (f"generator: weights {weights / GB:.1f} GB (+{reserved / GB:.1f} GB reserved) "
+                         f"leave no room for one KV slot of {per_slot / GB:.2f} GB")
+    if used + reserved > cap:
+        return used, slots, f"generator: needs {(used + reserved) / GB:.1f} GB > {cap / GB:.1f} GB usable"
+    return used, slots, ""
+
+
+def trainer_memory(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, ac: bool,
+                   reserved: float = 0.0, micro_batch_tokens: int = 0) -> tuple[float, int, str]:
+    """(bytes per trainer rank, micro-batch tokens, why-infeasible). micro_batch_tokens=0 picks the
+    largest power of two that fits, capped at the rank's tokens per step; one sequence at least."""
+    cap = cl.mem_headroom * cl.gpu_mem_gb * GB
+    state = trainer_state_bytes(args, fsdp, tp, dtype_bytes(wl.master_dtype), cl.compute_bytes)
+    per_tok = trainer_act_bytes_per_token(args, tp, cl.compute_bytes, ac)
+    tokens = -(-wl.prompts_per_step // fsdp) * wl.group_size * wl.seq_len
+    free = cap - reserved - state
+    if not micro_batch_tokens:
+        fit = int(free // per_tok) if free > 0 else 0
+        micro_batch_tokens = min(_pow2_floor(fit), _pow2_ceil(tokens))
+        if fit >= wl.seq_len:
+            micro_batch_tokens = max(micro_batch_tokens, wl.seq_len)
+    used = state + micro_batch_tokens * per_tok
+    if micro_batch_tokens < wl.seq_len:
+        return used, micro_batch_tokens, (
+            f"trainer: states {state / GB:.1f} GB (+{reserved / GB:.1f} GB reserved) leave room for "
+            f"{max(free, 0) / per_tok:.0f} activation tokens < one sequence of {wl.seq_len}")
+    if used + reserved > cap:
+        return used, micro_batch_tokens, f"trainer: needs {(used + reserved) / GB:.1f} GB > {cap / GB:.1f} GB usable"
+    return used, micro_batch_tokens, ""
+
+
+def plan_memory(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement,
+                slots: int = 0, micro_batch_tokens: int = 0) -> Memory:
+    """Both meshes' per-rank memory. Colocated ranks hold both: the generator's KV slots are sized
+    after reserving the trainer states and one sequence of activations, then the micro-batch takes
+    what is left."""
+    if p.mode == "colocated":
+        ac = p.activation_checkpointing
+        state, _, why = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, 0.0, wl.seq_len)
+        gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, state, slots)
+        tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, gen,
+                                        micro_batch_tokens)
+        return Memory(tr, gen, tr + gen, slots, mbt, why_g or why_t or why)
+    gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, 0.0, slots)
+    tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp,
+                                    p.activation_checkpointing, 0.0, micro_batch_tokens)
+    return Memory(tr, gen, max(tr, gen), slots, mbt, why_g or why_t)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (int(x).bit_length() - 1) if x >= 1 else 0
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << (int(x) - 1).bit_length() if x > 1 else 1
+
+
+# ----- communication primitives --------------------------------------------------------------------
+def allreduce_s(k: int, nbytes: float, bw: float, lat: float) -> float:
+    """Ring all-reduce of `nbytes` over k ranks: 2(k-1)/k * nbytes / bw + 2(k-1) * lat.
+    k = 8, 1 MB on 360 GB/s, 10 us: 2*7/8*1e6/360e9 + 14e-5 = 4.9 us + 140 us = 144.9 us."""
+    if k <= 1:
+        return 0.0
+    return 2 * (k - 1) / k * nbytes / bw + 2 * (k - 1) * lat
+
+
+def allgather_s(k: int, full_bytes: float, bw: float, lat: float) -> float:
+    """Ring all-gather (or reduce-scatter) of a `full_bytes` tensor: (k-1)/k * bytes/bw + (k-1)*lat."""
+    if k <= 1:
+        return 0.0
+    return (k - 1) / k * full_bytes / bw + (k - 1) * lat
+
+
+def link_bw(cl: Cluster, ranks_spanned: int) -> float:
+    """Achieved bytes/s of the slowest link a group of `ranks_spanned` consecutive ranks uses."""
+    gbps = cl.intra_gbps if ranks_spanned <= cl.gpus_per_node else cl.inter_gbps
+    return gbps * GB * cl.link_eff
+
+
+# ----- time: the three phases --------------------------------------------------------------------------
+@dataclass
+class Times:
+    gen: float = 0.0
+    train: float = 0.0
+    sync: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+
+def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen_dp: int,
+                    slots: int, prof=None) -> dict:
+    """Seconds for one generator replica to produce its share of a step (replicas run in
+    parallel; the replica with the most prompts sets the pace). Worked example, Llama-3-8B on one
+    H100 (tp 1), 16 slots, P = 512, R = 2048, bf16: bytes/step = 7.50e9*2 + 16*1536*131072
+    = 18.2 GB -> 18.2e9/(3350e9*0.7) = 7.77 ms; flops/step = 2*7.50e9*16 = 2.4e11 -> 0.49 ms;
+    decode = 2048 * 7.77 ms = 15.92 s; prefill = one prompt: (2*7.5e9*512 + 2*32*4096*512^2)/
+    (989e12*0.5) = 15.7 ms -> T_gen = 15.94 s."""
+    prompts = -(-wl.prompts_per_step // gen_dp)
+    seqs = prompts * wl.group_size
+    slots = max(1, min(slots, seqs))
+    waves = -(-seqs // slots)
+    prompts_per_wave = -(-prompts // waves)
+    gb = dtype_bytes(wl.gen_dtype)
+    tp_bw = link_bw(cl, gen_tp)
+    if prof is not None and prof.matches(args):
+        # per decode step: 2 all-reduces per layer, embedding + head, and the TP followers'
+        # broadcast of the link poll (rollout/worker.py)
+        step_comm = (2 * args.num_layers + 3) * prof.tp_collective_s * (gen_tp - 1)
+        step = prof.decode_step_s(slots, gen_tp) + step_comm
+        prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp)
+        comm = waves * wl.response_len * step_comm
+    else:
+        n_mm, ctx = matmul_params(args), wl.prompt_len + wl.response_len / 2
+        q = args.num_heads * args.head_dim
+        step_bytes = n_mm * gb / gen_tp + slots * ctx * kv_bytes_per_token(args, gb, gen_tp)
+        step_flops = (2 * n_mm + 4 * args.num_layers * q * ctx) * slots / gen_tp
+        ar = allreduce_s(gen_tp, slots * args.hidden_size * gb, tp_bw, cl.link_latency_s)
+        step = (max(step_bytes / (cl.hbm_gbps * GB * cl.hbm_eff), step_flops / (cl.flops * cl.mfu_decode))
+                + 2 * args.num_layers * ar)
+        comm = 0.0  # on GPUs no core sharing: nothing to separate
+        pf_tokens = prompts_per_wave * wl.prompt_len
+        pf_flops = (2 * n_mm * wl.prompt_len + 2 * args.num_layers * q * wl.prompt_len ** 2) * prompts_per_wave
+        prefill = (pf_flops / gen_tp / (cl.flops * cl.mfu_prefill)
+                   + 2 * args.num_layers * allreduce_s(gen_tp, pf_tokens * args.hidden_size * gb,
+                                                       tp_bw, cl.link_latency_s))
+    total = waves * (prefill + wl.response_len * step)
+    return {"total": total, "decode_step": step, "prefill": prefill, "waves": waves, "slots": slots,
+            "comm": comm}
+
+
+def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool) -> dict:
+    """Collectives of one trainer step. FSDP2: per micro-batch and unit (L layers + root) an
+    all-gather in forward and in backward and a reduce-scatter. TP: per micro-batch 2 all-reduces
+    per layer in forward and 2 in backward (+2 recomputed with AC), and embedding + head (4).
+    Per step once the params are DTensors: one reduction per parameter tensor for the gradient
+    norm, and 6 for bookkeeping (token counts, statistics, the batch broadcast); they are
+    charged to FSDP when fsdp > 1. Tiny Llama (L = 2, 21 tensors), fsdp 2, tp 1, 4 micro-batches:
+    fsdp = 3*3*4 + 21 + 6 = 63, tp = 0."""
+    L = args.num_layers
+    per_step = len(param_specs(args)) + 6 if fsdp * tp > 1 else 0
+    f = 3 * (L + 1) * micro if fsdp > 1 else 0
+    t = (4 * L + 4 + 2 * L * ac) * micro if tp > 1 else 0
+    return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
+
+
+def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, ac: bool,
+               micro_batch_tokens: int, prof=None) -> dict:
+    """Seconds for one optimizer step on the trainer mesh. Worked example: Llama-3-8B on 64 H100s
+    (8 nodes), fsdp 64, tp 1, no AC, 512 prompts x 16 samples of 512 + 2048 tokens: a rank trains
+    8 prompts = 327680 tokens; compute = (6*7.505e9*327680 + 3*2*32*4096*2560^2*128)
+    / (989e12*0.4) = (1.476e16 + 6.6e14)/3.956e14 = 39.0 s; FSDP per micro-batch (16384 tokens,
+    20 of them): (2*2 + 4) * 63/64 * 8.03e9 B / 40 GB/s = 1.58 s -> 31.6 s (+ latencies) < 39.0 s,
+    hidden under compute (overlap 1); optimizer 8.03e9/64 * 32 B / 2345 GB/s = 1.7 ms."""
+    seqs_per_rank = -(-wl.prompts_per_step // fsdp) * wl.group_size
+    tokens = seqs_per_rank * wl.seq_len
+    mbt = max(micro_batch_tokens, wl.seq_len)
+    micro = -(-tokens // mbt)
+    mb_tokens = min(tokens, mbt)
+    cb = cl.compute_bytes
+    n, L, h = args.num_params(), args.num_layers, args.hidden_size
+    bw_f, bw_t, lat = link_bw(cl, fsdp * tp), link_bw(cl, tp), cl.link_latency_s
+    n_coll = trainer_collectives(args, micro, fsdp, tp, ac)
+    if prof is not None and prof.matches(args):
+        compute = micro * prof.train_microbatch_s(mb_tokens, tp, ac) + prof.train_overhead_s(fsdp, tp)
+        # measured per collective (incl. DTensor overhead) and per step (grad norm + AdamW),
+        # ring-scaled by (k - 1); the per-tensor grad-norm reductions are in the per-step part
+        per_step = len(param_specs(args))
+        fsdp_comm = tp_comm = 0.0
+        if fsdp > 1:
+            fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s) * (fsdp - 1)
+            if prof.allgather:  # bytes: 2 all-gathers (cb) + 1 reduce-scatter (fp32)
+                fsdp_comm += micro * prof.gather_bytes_s(fsdp, n / tp * (2 * cb + 4))
+        if tp > 1:
+            tp_comm = ((n_coll["tp"] - (per_step if fsdp == 1 else 0)) * prof.tp_collective_s
+                       + prof.tp_step_s) * (tp - 1)
+        optimizer = 0.0  # measured inside train_overhead_s
+    else:
+        q = args.num_heads * args.head_dim
+        flops = ((6 + 2 * ac) * matmul_params(args) * tokens
+                 + (3 + ac) * 2 * L * q * wl.seq_len ** 2 * seqs_per_rank) / tp
+        compute = flops / (cl.flops * cl.mfu_train)
+        fsdp_comm = 0.0
+        if fsdp > 1:  # per unit: all-gather (fwd), all-gather (bwd), reduce-scatter (fp32 grads)
+            fsdp_comm = (micro * (2 * cb + 4) * (fsdp - 1) / fsdp * n / tp / bw_f
+                         + n_coll["fsdp"] * (fsdp - 1) * lat)
+        tp_comm = n_coll["tp"] * allreduce_s(tp, mb_tokens * h * cb, bw_t, lat)
+        optimizer = n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
+    exposed = max(0.0, fsdp_comm + tp_comm - cl.overlap * compute)
+    return {"total": compute + exposed + optimizer, "compute": compute, "comm": exposed,
+            "fsdp_comm": fsdp_comm, "tp_comm": tp_comm, "optimizer": optimizer, "micro_batches": micro}
+
+
+@dataclass(frozen=True)
+class SyncBytes:
+    """Weight-sync traffic of one version: the busiest sender and receiver, and the receiver with
+    the most peers (each peer is one message stream: one latency)."""
+    max_send: float
+    max_recv: float
+    peers_per_recv: int
+    source: str  # "plan" (weights_sync.plan) or "even shards" (closed form)
+
+
+def sync_bytes_even(args: ModelArgs, p: Placement, gen_bytes: int) -> SyncBytes:
+    """Closed form for even shards: every generator replica needs the whole model, so trainer
+    ranks send gen_dp * N * bytes / T each, and each generator rank receives N * bytes / gen_tp.
+    Llama-3-8B bf16, T = 768, gen 32 x 8: send 32*16.06e9/768 = 0.67 GB, receive 2.0 GB."""
+    m = args.num_params() * gen_bytes
+    peers = p.trainer_fsdp * max(1, p.trainer_tp // p.gen_tp)
+    return SyncBytes(p.gen_dp * m / p.trainer_ranks, m / p.gen_tp, peers, "even shards")
+
+
+def sync_time(sb: SyncBytes, cl: Cluster, p: Placement, prof=None) -> float:
+    """max(bytes out of the busiest sender, bytes into the busiest receiver) over the slowest link
+    type any pair uses (inter-node as soon as the world spans nodes), plus one latency per peer.
+    Colocated: each rank already holds its trainer shard; it receives its generator shard."""
+    if prof is not None and prof.p2p:
+        return prof.p2p_s(max(sb.max_send, sb.max_recv)) + (sb.peers_per_recv - 1) * prof.p2p_latency
+    bw = link_bw(cl, p.world)
+    return max(sb.max_send, sb.max_recv) / bw + sb.peers_per_recv * cl.link_latency_s
+
+
+# ----- one candidate ------------------------------------------------------------------------------------
+@dataclass
+class Estimate:
+    placement: Placement
+    memory: Memory
+    times: Times
+    step_sync: float = math.inf
+    step_async: float = math.inf
+    step: float = math.inf  # at the workload's eta
+    feasible: bool = False
+    why: str = ""
+
+
+def slowdown(k: int, cl: Cluster, prof=None) -> float:
+    """How much slower each of k simultaneously busy ranks runs than one rank alone: 1 with a
+    device per rank (GPUs); on shared CPU cores the profile's measured curve (it includes other
+    users' load), else max(1, k/cores). Two cores, no profile: slowdown(3) = 1.5."""
+    if prof is not None and getattr(prof, "concurrency", None):
+        return prof.slowdown(k)  # may exceed 1 even for k = 1: other users' load
+    return max(1.0, k / cl.shared_cores) if cl.shared_cores else 1.0
+
+
+def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placement, cl: Cluster,
+              prof=None, gen_comm: float = 0.0, train_comm: float = 0.0) -> float:
+    """Seconds per step. s(k) = slowdown(k), 1 on GPUs; G/T = generator/trainer ranks; *_comm is
+    the part of a phase spent in communication (measured as is: not slowed by core sharing).
+    With cg = t_gen - gen_comm and ct = t_train - train_comm (the compute):
+    Synchronous (eta = 0; colocated always): cg*s(G) + gen_comm + ct*s(T) + train_comm + t_sync
+    Asynchronous: the shorter compute (a) runs alongside the longer (b), which then runs alone
+    (processor sharing): cpu = a*s(G+T) + (b-a)*s(ranks of b), and
+        step = max(cpu + comm of b's side, a*s(G+T) + comm of a's side)
+    With s = 1 this is max(T_gen, T_train + T_sync). E.g. 2 shared cores, G = 1, T = 2, no comm,
+    T_gen = 0.1, T_train = 0.2: a = 0.1, b = 0.2: 0.1*1.5 + 0.1*1.0 = 0.25 s."""
+    g, t = (p.world, p.world) if p.mode == "colocated" else (p.generator_ranks, p.trainer_ranks)
+    s = lambda k: slowdown(k, cl, prof)  # noqa: E731
+    cg, ct = t_gen - gen_comm, t_train - train_comm
+    xg, xt = gen_comm, train_comm + t_sync
+    if p.mode == "colocated":
+        return (cg + ct) * s(p.world) + xg + xt
+    if eta == 0:
+        return cg * s(g) + xg + ct * s(t) + xt + 2 * LINK_POLL_S
+    (a, xa), (b, xb, kb) = ((cg, xg), (ct, xt, t)) if ct >= cg else ((ct, xt), (cg, xg, g))
+    cpu = a * s(g + t) + (b - a) * s(kb)
+    return max(cpu + xb, a * s(g + t) + xa)
+
+
+def estimate(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, prof=None,
+             sync: SyncBytes | None = None, slots: int = 0, micro_batch_tokens: int = 0) -> Estimate:
+    """Memory, phase times and step times of one placement. `sync` overrides the closed-form
+    weight-sync bytes (pass `sync_bytes_from_plan(...)` for the real plan)."""
+    mem = plan_memory(args, cl, wl, p, slots, micro_batch_tokens)
+    if mem.why:
+        return Estimate(p, mem, Times(), why=mem.why)
+    g = generation_time(args, cl, wl, p.gen_tp, p.gen_dp, mem.slots, prof)
+    tr = train_time(args, cl, wl, p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing,
+                    mem.micro_batch_tokens, prof)
+    return assemble(args, cl, wl, p, mem, g, tr, sync, prof)
+
+
+def assemble(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, mem: Memory, g: dict,
+             tr: dict, sync: SyncBytes | None = None, prof=None) -> Estimate:
+    """An Estimate from the phase results: adds the weight sync and the step times."""
+    gb = dtype_bytes(wl.gen_dtype)
+    if p.mode == "colocated":
+        sb = SyncBytes(0.0, args.num_params() * gb / p.gen_tp, p.trainer_fsdp, "colocated")
+    else:
+        sb = sync or sync_bytes_even(args, p, gb)
+    ts = sync_time(sb, cl, p, prof)
+    e = Estimate(p, mem, Times(g["total"], tr["total"], ts, {"gen": g, "train": tr, "sync_bytes": sb}))
+    comm = dict(gen_comm=g.get("comm", 0.0), train_comm=tr.get("comm", 0.0))
+    e.step_sync = step_time(g["total"], tr["total"], ts, 0, p, cl, prof, **comm)
+    e.step_async = step_time(g["total"], tr["total"], ts, max(wl.eta, 1), p, cl, prof, **comm)
+    e.step = e.step_sync if wl.eta == 0 else e.step_async
+    e.feasible = True
+    return e
+
+
+def with_profile(cl: Cluster, prof) -> Cluster:
+    """A cluster whose link numbers come from a profile (measured between two local ranks)."""
+    if prof is None:
+        return cl
+    return replace(cl, intra_gbps=prof.p2p_gbps, link_latency_s=prof.p2p_latency,
+                   inter_gbps=min(cl.inter_gbps, prof.p2p_gbps) if cl.nodes > 1 else prof.p2p_gbps)
+
+
+# ----- measured numbers (launch/profile.py writes them) ---------------------------------------------
+SIGNATURE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+             "head_dim", "vocab_size")
+
+
+def model_signature(args: ModelArgs) -> dict:
+    return {k: getattr(args, k) for k in SIGNATURE}
+
+
+def fit(points, degree: int = 1) -> tuple[float, ...]:
+    """Least-squares polynomial through [[x, y], ...], lowest order first, falling back to a lower
+    degree when the top coefficient comes out negative (noise on a loaded machine), so that a fit
+    never predicts less time for more work. fit([[1, 3], [2, 5], [3, 7]]) == (1.0, 2.0)."""
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    degree = min(degree, len(set(xs)) - 1)
+    if degree <= 0:
+        return (sum(ys) / len(ys),)
+    n = degree + 1  # normal equations, solved by Gaussian elimination (n <= 3)
+    a = [[sum(x ** (r + c) for x in xs) for c in range(n)] + [sum(y * x ** r for x, y in zip(xs, ys))]
+         for r in range(n)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(n):
+            if r != col and a[col][col]:
+                f = a[r][col] / a[col][col]
+                a[r] = [u - f * v for u, v in zip(a[r], a[col])]
+    coef = tuple(a[r][n] / a[r][r] for r in range(n))
+    if coef[-1] < 0:
+        return fit(points, degree - 1)
+    return tuple(max(c, 0.0) if i == 0 else c for i, c in enumerate(coef))
+
+
+def poly(coef, x: float) -> float:
+    return sum(c * x ** i for i, c in enumerate(coef))
+
+
+@dataclass
+class Profile:
+    """Measured costs of one model on one machine (launch/profile.py). Per-layer times are fitted
+    as a + b*T + c*T^2 in the micro-batch tokens T (the c term is the attention score matrix);
+    collectives between two ranks as a + b*bytes and extended to k ranks as rings."""
+    device: str
+    dtype: str
+    threads: int
+    model: dict                   # model_signature of the profiled model
+    layer_fwd: list               # [[tokens, s]] one decoder layer, packed sequences
+    layer_bwd: list
+    head_fwd: list                # embedding + final norm + lm_head + log-softmax
+    head_bwd: list
+    decode_step: list             # [[batch, s]] one engine decode step, whole model
+    gen_fixed: list               # [[prompts, s]] prefill + admission of that many prompt groups
+    train_overhead: float         # s per trainer step beyond fwd/bwd (optimizer, packing, stats)
+    p2p: list                     # [[bytes, s]] send/recv between two ranks
+    allreduce: list               # [[bytes, s]] two ranks
+    allgather: list               # [[full bytes, s]] two ranks
+    collective_s: float = 0.0     # one trainer collective over 2 FSDP ranks, DTensor/hook cost included
+    tp_collective_s: float = 0.0  # one TP collective over 2 ranks, likewise
+    fsdp_step_s: float = 0.0      # per step: grad-norm clip + AdamW on FSDP DTensors beyond plain
+    tp_step_s: float = 0.0        # likewise on TP DTensors
+    loop_overhead_s: float = 0.0  # per generator-loop iteration: link poll (a store round trip)
+    concurrency: list = field(default_factory=list)  # [[k, slowdown]] of k busy ranks vs one
+    notes: dict = field(default_factory=dict)
+
+    # ----- I/O
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        import json
+        with open(path) as fh:
+            d = json.load(fh)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str) -> None:
+        import dataclasses
+        import json
+        with open(path, "w") as fh:
+            json.dump(dataclasses.asdict(self), fh, indent=1)
+
+    def matches(self, args: ModelArgs) -> bool:
+        return self.model == model_signature(args)
+
+    # ----- fitted costs
+    def _c(self, key: str, degree: int):
+        cache = self.__dict__.setdefault("_fits", {})
+        if key not in cache:
+            cache[key] = fit(getattr(self, key), degree)
+        return cache[key]
+
+    def _split(self, key: str, degree: int, x: float, tp: int) -> float:
+        """Fixed part once, the work-proportional part divided over tp ranks."""
+        c = self._c(key, degree)
+        return c[0] + (poly(c, x) - c[0]) / tp
+
+    def train_microbatch_s(self, tokens: int, tp: int = 1, ac: bool = False) -> float:
+        L = self.model["num_layers"]
+        f, b = self._split("layer_fwd", 2, tokens, tp), self._split("layer_bwd", 2, tokens, tp)
+        return L * (f + b + (f if ac else 0.0)) + poly(self._c("head_fwd", 1), tokens) \
+            + poly(self._c("head_bwd", 1), tokens)
+
+    def train_overhead_s(self, fsdp: int, tp: int) -> float:
+        return self.train_overhead / fsdp  # per-trajectory work and optimizer shards split over fsdp
+
+    def decode_step_s(self, batch: int, tp: int = 1) -> float:
+        return self._split("decode_step", 1, batch, tp) + self.loop_overhead_s
+
+    def gen_fixed_s(self, prompts: int, tp: int = 1) -> float:
+        return self._split("gen_fixed", 1, prompts, tp)
+
+    def allreduce_s(self, k: int, nbytes: float) -> float:
+        """Ring over k ranks from the 2-rank fit t2 = a + b*B: (k-1) * (a + 2*B/k * b)."""
+        if k <= 1:
+            return 0.0
+        a, b = (self._c("allreduce", 1) + (0.0,))[:2]
+        return (k - 1) * (a + 2 * nbytes / k * b)
+
+    def allgather_s(self, k: int, full_bytes: float) -> float:
+        if k <= 1:
+            return 0.0
+        a, b = (self._c("allgather", 1) + (0.0,))[:2]
+        return (k - 1) * (a + 2 * full_bytes / k * b)
+
+    def gather_bytes_s(self, k: int, full_bytes: float) -> float:
+        """The bandwidth part of a ring all-gather (no latency): (k-1) * 2*B/k * b."""
+        c = self._c("allgather", 1)
+        return (k - 1) * 2 * full_bytes / k * c[1] if k > 1 and len(c) > 1 else 0.0
+
+    def slowdown(self, k: int) -> float:
+        """Measured slowdown of k busy ranks, interpolated; beyond the last point it grows as k."""
+        pts = sorted(self.concurrency)
+        if k <= pts[0][0]:
+            return max(1.0, pts[0][1]) if k >= 1 else 1.0
+        for (k0, s0), (k1, s1) in zip(pts, pts[1:]):
+            if k <= k1:
+                return max(1.0, s0 + (s1 - s0) * (k - k0) / (k1 - k0))
+        return max(1.0, pts[-1][1] * k / pts[-1][0])
+
+    @property
+    def p2p_latency(self) -> float:
+        return self._c("p2p", 1)[0]
+
+    @property
+    def p2p_gbps(self) -> float:
+        c = self._c("p2p", 1)
+        return 1.0 / c[1] / GB if len(c) > 1 and c[1] > 0 else 1e3
+
+    def p2p_s(self, nbytes: float) -> float:
+        return poly(self._c("p2p", 1), nbytes)
+
+
+# ----- layouts and the real weight-sync plan ------------------------------------------------------------
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def param_specs(args: ModelArgs, dtype: str = "bfloat16", layers=None) -> list:
+    """`named_parameters()` of model.Transformer(args), from the shapes alone (no torch), in the
+    same order; `layers` restricts the decoder layers listed (e.g. [0])."""
+    from parallel.layout import ParamSpec
+    h, d, V = args.hidden_size, args.head_dim, args.vocab_size
+    q, kv, i = args.num_heads * d, args.num_kv_heads * d, args.intermediate_size
+    specs = [ParamSpec("model.embed_tokens.weight", (V, h), dtype)]
+    for li in range(args.num_layers) if layers is None else layers:
+        p = f"model.layers.{li}."
+        attn = [("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h))]
+        for name, shape in attn:
+            specs.append(ParamSpec(f"{p}self_attn.{name}.weight", shape, dtype))
+            if args.attention_bias:
+                specs.append(ParamSpec(f"{p}self_attn.{name}.bias", shape[:1], dtype))
+        specs.append(ParamSpec(f"{p}self_attn.o_proj.weight", (h, q), dtype))
+        if args.qk_norm:
+            specs += [ParamSpec(f"{p}self_attn.q_norm.weight", (d,), dtype),
+                      ParamSpec(f"{p}self_attn.k_norm.weight", (d,), dtype)]
+        specs += [ParamSpec(f"{p}mlp.gate_proj.weight", (i, h), dtype),
+                  ParamSpec(f"{p}mlp.up_proj.weight", (i, h), dtype),
+                  ParamSpec(f"{p}mlp.down_proj.weight", (h, i), dtype),
+                  ParamSpec(f"{p}input_layernorm.weight", (h,), dtype),
+                  ParamSpec(f"{p}post_attention_layernorm.weight", (h,), dtype)]
+    specs.append(ParamSpec("model.norm.weight", (h,), dtype))
+    if not args.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (V, h), dtype))
+    return specs
+
+
+def _tp_dim(name: str):
+    """Tensor dim that TP shards (parallel/sharding.py's plan), or None when replicated."""
+    if any(k in name for k in ROWWISE):
+        return 1 if name.endswith("weight") else None
+    return 0 if any(k in name for k in COLWISE) else None
+
+
+def trainer_layout(specs, fsdp: int, tp: int, first_rank: int = 0):
+    """Trainer mesh (fsdp, tp) on ranks first_rank.. : TP (colwise Shard(0), rowwise Shard(1),
+    norms replicated), then FSDP2 Shard(0); FSDP over a TP-sharded dim 0 is `_StridedShard`."""
+    from parallel.layout import Layout
+    pl = {}
+    for s in specs:
+        d = _tp_dim(s.name) if tp > 1 else None
+        f = (("shard", 0),) if fsdp > 1 else (("replicate",),)
+        if d == 0 and fsdp > 1:
+            f = (("strided_shard", 0, tp),)
+        pl[s.name] = [*f, ("shard", d) if d is not None else ("replicate",)]
+    return Layout.from_placements(specs, range(first_rank, first_rank + fsdp * tp), (fsdp, tp),
+                                  ("fsdp", "tp"), pl)
+
+
+def generator_layout(specs, dp: int, tp: int, first_rank: int):
+    """Generator mesh (dp, tp): TP only, one replica per dp row."""
+    from parallel.layout import Layout
+    pl = {s.name: [("replicate",), ("shard", d) if (d := _tp_dim(s.name)) is not None and tp > 1
+                   else ("replicate",)] for s in specs}
+    return Layout.from_placements(specs, range(first_rank, first_rank + dp * tp), (dp, tp),
+                                  ("dp", "tp"), pl, replica_axis="dp")
+
+
+def sync_bytes_from_plan(args: ModelArgs, p: Placement, gen_dtype: str, reduced: bool = True) -> SyncBytes:
+    """Per-rank weight-sync bytes from the real `weights_sync.plan` between the two layouts.
+    reduced=True plans the non-layer params and ONE decoder layer and scales that layer by L:
+    exact for the pieces that have a single holder (every sharded matrix); the replicated norms
+    it may balance differently are < 0.1% of a Llama-8B's bytes; ~30x faster for the search."""
+    from weights_sync.plan import plan
+    if p.mode != "split":
+        raise ValueError("the weight-sync plan is for split placements")
+    layer_sets = [(None, 1)] if not reduced else [([], 1), ([0], args.num_layers)]
+    send: dict[int, float] = {}
+    recv: dict[int, float] = {}
+    peers = 0
+    for layers, mult in layer_sets:
+        specs = param_specs(args, gen_dtype, layers)
+        if layers == []:  # non-layer params only
+            specs = [s for s in specs if ".layers." not in s.name]
+        elif layers is not None:
+            specs = [s for s in specs if ".layers." in s.name]
+        src = trainer_layout(specs, p.trainer_fsdp, p.trainer_tp, 0)
+        dst = generator_layout(specs, p.gen_dp, p.gen_tp, p.trainer_ranks)
+        pl = plan(src, dst, specs)
+        for r, v in pl.send_volume_by_rank().items():
+            send[r] = send.get(r, 0) + mult * v
+        size = {s.name: s.itemsize for s in specs}
+        for r in dst.ranks[:p.gen_tp]:  # replicas are identical: the first one's ranks suffice
+            recv[r] = recv.get(r, 0) + mult * sum(b.numel * size[n] for n, b in dst.boxes[r].items())
+        peers = max(peers, len(pl.recvs_to(dst.ranks[0])))
+    return SyncBytes(max(send.values()), max(recv.values()), peers, "plan" + (" (1 layer x L)" if reduced else ""))

@@ -1,0 +1,155 @@
+"""Dry run: check a config for a big job on a laptop, with no process group and no GPU.
+
+    python train_rl.py --dry-run --config configs/example_1024.toml
+    python -m launch.dry_run --config configs/example_1024.toml [--section.key=value ...]
+
+What it does, in order (1024 ranks take a few seconds):
+  1. world size: WORLD_SIZE when launched by torchrun, else derived from the config's explicit
+     degrees: split = generator_ranks + trainer_fsdp * trainer_tp, colocated = trainer_fsdp *
+     trainer_tp (trainer_fsdp must then be set: 0 means "derive from the world size", and there
+     is none to derive from);
+  2. Config.resolve(world) and ParallelDims: every degree checked, the rank map printed;
+  3. the model shape: a Hugging Face folder (then launch.preflight checks weights, tokenizer, data,
+     reward and run dir as a real launch would), or `model.path = "preset:<name>"` (shapes only,
+     see launch.plan.PRESETS: llama3-8b, llama3-70b, llama3-405b, tiny), so a 1024-GPU config
+     can be checked where the weights are not;
+  4. both meshes' layouts (Layout.from_placements: TP colwise/rowwise + FSDP2 strided shards) and
+     the real weight-sync plan between them (weights_sync.plan), with its traffic summary;
+  5. memory per rank (launch.cost_model) for the trainer and the generator, against H100 and
+     H200 memory.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # python launch/dry_run.py from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from config import ConfigError  # noqa: E402
+
+GB = 1e9
+
+
+def world_size_of(cfg) -> int:
+    """The world size a config describes by its explicit degrees (see the module docstring)."""
+    p = cfg.parallel
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if p.trainer_fsdp <= 0:
+        raise ConfigError(
+            f"cannot derive the world size for a dry run: parallel.trainer_fsdp={p.trainer_fsdp} is "
+            f"derived from the world size, and no WORLD_SIZE is set. Set the degrees explicitly "
+            f"(e.g. --parallel.trainer_fsdp=<n>; world = generator_ranks + trainer_fsdp * trainer_tp"
+            f" = {p.generator_ranks} + n * {p.trainer_tp}), or run with WORLD_SIZE=<world size>")
+    trainer = p.trainer_fsdp * p.trainer_tp
+    return trainer if p.mode == "colocated" else p.generator_ranks + trainer
+
+
+def model_shape(cfg):
+    """(ModelArgs, is_preset) from model.path ('preset:<name>' or a Hugging Face folder)."""
+    from launch.plan import resolve_model
+    path = cfg.model.path
+    if not path:
+        raise ConfigError("model.path is empty; give a Hugging Face folder or a shape preset such as "
+                          "model.path = \"preset:llama3-8b\"")
+    return resolve_model(path), path.startswith("preset:")
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def dry_run(cfg) -> int:
+    """Everything but training, for the config's world size; prints a report, returns 0 or raises."""
+    from launch import cost_model as cm
+    from parallel.dims import ParallelDims
+    from weights_sync.plan import plan
+
+    t0 = time.perf_counter()
+    world = world_size_of(cfg)
+    cfg = cfg.resolve(world)  # idempotent: train_rl may have resolved it already
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p, world)
+    args, preset = model_shape(cfg)
+    dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings)
+    print(f"dry run: world_size={world}, no process group created")
+    print(dims.rank_map())
+    print(f"model: {cfg.model.path}: {args.num_params() / 1e9:.3f}B params, {args.num_layers} layers, "
+          f"heads {args.num_heads}/{args.num_kv_heads}")
+    if not preset:
+        from launch.preflight import preflight
+        preflight(cfg, dims)
+        print("preflight: model folder, tokenizer, data, reward and run dir ok")
+
+    t1 = time.perf_counter()
+    specs = cm.param_specs(args, cfg.model.gen_dtype)  # the sender casts to the generator dtype
+    src = cm.trainer_layout(specs, dims.trainer_fsdp, dims.trainer_tp, dims.trainer_rank_list[0])
+    dst = cm.generator_layout(specs, dims.gen_dp, dims.gen_tp, dims.generator_rank_list[0])
+    t2 = time.perf_counter()
+    pl = plan(src, dst, specs)
+    t3 = time.perf_counter()
+    send = pl.send_volume_by_rank()
+    size = {s.name: s.itemsize for s in specs}
+    first = dims.generator_rank_list[0]
+    recv = sum(b.numel * size[n] for n, b in dst.boxes[first].items())
+    peers = len(pl.recvs_to(first))
+    print(f"layouts: trainer {dims.trainer_fsdp}x{dims.trainer_tp} and generator "
+          f"{dims.gen_dp}x{dims.gen_tp}, {len(specs)} params ({t2 - t1:.2f}s)")
+    print(f"weight sync plan: {pl.summary()} ({t3 - t2:.2f}s)")
+    busy = [v for v in send.values() if v]
+    print(f"  max sender bytes {max(send.values())} ({_gb(max(send.values()))}), mean "
+          f"{_gb(sum(busy) / max(len(busy), 1))}; generator rank {first} receives {_gb(recv)} "
+          f"from {peers} trainer ranks")
+    for name in ("h100", "h200"):
+        cl = cm.gpu_cluster(name, max(1, world // 8))
+        sb = cm.SyncBytes(max(send.values()), recv, peers, "plan")
+        place = cm.Placement(world, p.mode, p.generator_ranks, p.gen_tp, p.trainer_tp)
+        print(f"  predicted sync time on {name} links: {cm.sync_time(sb, cl, place):.3f}s")
+    _print_memory(cfg, args, dims)
+    print(f"dry run ok in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def _print_memory(cfg, args, dims) -> None:
+    from launch import cost_model as cm
+    g, t = cfg.generator, cfg.trainer
+    max_len = cfg.data.max_prompt_len + g.max_new_tokens
+    wl = cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
+                     cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype)
+    print("memory per rank (launch/cost_model.py; bf16 compute):")
+    for name in ("h100", "h200"):
+        cl = cm.gpu_cluster(name, 1)
+        cap = cl.mem_headroom * cl.gpu_mem_gb * GB
+        tr, _, _ = cm.trainer_memory(args, cl, wl, dims.trainer_fsdp, dims.trainer_tp,
+                                     cfg.parallel.activation_checkpointing, 0.0, t.micro_batch_tokens)
+        gen, _, _ = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
+        total = tr + gen if dims.mode == "colocated" else max(tr, gen)
+        state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
+                                       cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes)
+        kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype), g.num_slots, max_len)
+        if name == "h100":
+            print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "
+                  f"{t.micro_batch_tokens} tokens (activation checkpointing "
+                  f"{'on' if cfg.parallel.activation_checkpointing else 'off'})")
+            print(f"  generator rank: {_gb(gen)} = weights {_gb(gen - kv)} + KV cache {_gb(kv)} "
+                  f"({g.num_slots} slots x {max_len} positions)")
+        verdict = "fits" if total <= cap else "DOES NOT FIT"
+        print(f"  {name} ({cl.gpu_mem_gb:.0f} GB, {cap / GB:.0f} GB usable): {verdict}")
+
+
+def main(argv=None) -> int:
+    from config import load_config, parse_cli
+    path, overrides, _ = parse_cli(sys.argv[1:] if argv is None else argv)
+    try:
+        return dry_run(load_config(path, overrides))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

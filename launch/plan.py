@@ -1,0 +1,353 @@
+"""The placement planner: choose the generator/trainer split and both meshes' layouts with the
+cost model (launch/cost_model.py), ReaL-style (arXiv 2406.14088), and write the best as a config.
+
+    python launch/plan.py --preset llama3-8b --nodes 64 --gpus-per-node 8 --gpu h100 \\
+        --prompts 512 --group 16 --prompt-len 512 --response-len 2048 --eta 4 --top 10 \\
+        --out best.toml
+    python launch/plan.py --model HF_FOLDER --nodes 1 --gpus-per-node 4 --gpu cpu \\
+        --profile profile.json ...            # measured numbers instead of the datasheet
+    python launch/plan.py --cluster-table     # 8B/70B/405B async-vs-sync vs LlamaRL's figures
+
+Search. Every placement is enumerated: mode (split or colocated), generator ranks G = 1..N-1,
+gen_tp and trainer_tp among the divisors of gpus_per_node that divide both head counts (TP stays
+inside a node), gen_dp = G/gen_tp and trainer_fsdp = (N-G)/trainer_tp (both <= prompts_per_step,
+as the runtime requires), activation checkpointing off/on. For each, memory picks the most KV
+slots and the largest power-of-two micro-batch that fit; memory and phase times are cached per
+mesh (the generator's depend only on (gen_tp, gen_dp), the trainer's on (fsdp, tp, ac)), so
+1024 GPUs (~5600 placements for Llama-3-8B) take 1-4 s here. Weight sync is first costed in
+closed form (even shards), then the best `--refine` split placements are re-costed with the real
+weights_sync.plan (one layer x L, exact for sharded matrices) and re-ranked. Nothing is pruned.
+Ties in step time (the generator's time is flat over many splits) go to the least total phase
+time, which leaves the most slack in the phase that is not the bottleneck.
+
+Async vs sync at cluster scale (`--cluster-table`; LlamaRL, arXiv 2505.24034, reports 2.52x /
+3.98x / 10.7x for 8B / 70B / 405B against a DeepSpeed-Chat-like synchronous system). The model
+predicts much less, and the gap is expected, not a bug of either:
+  * Our baseline is the *best* synchronous placement under the same cost model (colocated or
+    split, the same engine, the same DDMA weight sync, a tuned layout). LlamaRL's baseline pays
+    costs we do not model: rank-0 gather/broadcast weight sync (111 s vs 1.15 s for 70B in their
+    paper), a generator inside the training framework (no fast inference layout), memory
+    offloading, and smaller batches forced by colocation.
+  * With ideal linear scaling, splitting the GPUs buys nothing over time-sharing them:
+    T_gen(N) + T_train(N) = max(T_gen(N_g), T_train(N_t)) when both phases scale perfectly.
+    Async gains only where a phase scales badly: decode is bound by reading the weights once per
+    step, so its time per step barely drops with more replicas, and the best split gives the
+    generator just enough GPUs to keep up. The predicted gain is therefore 1.1-2x, and it grows
+    with R (longer decode) and shrinks with more prompts per step.
+  * Idealised phases: fixed lengths (no long tail), perfect overlap of FSDP traffic, no
+    stragglers. A long-tailed length distribution makes synchronous steps wait for the slowest
+    sample, which async hides: the 10.7x at 405B includes that.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from launch import cost_model as cm  # noqa: E402
+from model.args import ModelArgs  # noqa: E402
+
+PRESETS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                       num_heads=64, num_kv_heads=8),
+    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                        num_layers=126, num_heads=128, num_kv_heads=8),
+    # the shape of tools/make_tiny_model.make_random_model(hidden=64) (addition-task vocabulary)
+    "tiny": dict(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2),
+}
+ALIASES = {"8b": "llama3-8b", "70b": "llama3-70b", "405b": "llama3-405b"}
+
+
+def preset_args(name: str) -> ModelArgs:
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    big = key.startswith("llama3")
+    return ModelArgs(**PRESETS[key], rope_theta=500000.0 if big else 10000.0,
+                     max_position_embeddings=8192 if big else 2048,
+                     torch_dtype="bfloat16" if big else "float32")
+
+
+def resolve_model(spec: str) -> ModelArgs:
+    """`preset:<name>` (or a bare preset name) -> its shape; otherwise a Hugging Face folder."""
+    name = spec.removeprefix("preset:")
+    if spec.startswith("preset:") or ALIASES.get(name, name) in PRESETS:
+        return preset_args(name)
+    from model.hf_io import load_model_args
+    return load_model_args(spec)
+
+
+# ----- search ---------------------------------------------------------------------------------------
+def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False) -> list[int]:
+    """TP degrees that shard whole heads and keep a TP group inside a node (on a single host,
+    e.g. CPU ranks, any degree up to the rank count does)."""
+    return [d for d in range(1, gpus_per_node + 1) if (one_host or gpus_per_node % d == 0)
+            and args.num_heads % d == 0 and args.num_kv_heads % d == 0
+            and (d == 1 or not args.tie_word_embeddings)]
+
+
+def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
+               modes=("split", "colocated"), one_host: bool = False):
+    """Every placement the runtime accepts (see the module docstring)."""
+    tps = tp_degrees(args, gpus_per_node, one_host)
+    for mode in modes:
+        gens = range(1, world) if mode == "split" else [world]
+        for g in gens:
+            t = world - g if mode == "split" else world
+            for gtp in tps:
+                aligned = one_host or (world - g) % gtp == 0  # TP groups must not straddle nodes
+                if g % gtp or not aligned or g // gtp > prompts_per_step:
+                    continue
+                for ttp in tps:
+                    if t % ttp or t // ttp > prompts_per_step:
+                        continue
+                    for ac in (False, True):
+                        yield cm.Placement(world, mode, g, gtp, ttp, ac)
+
+
+@dataclass
+class PlanResult:
+    ranked: list            # feasible Estimates, best first (at the workload's eta)
+    best: cm.Estimate | None
+    best_sync: cm.Estimate | None  # the best placement when run synchronously (eta = 0)
+    searched: int
+    feasible: int
+    seconds: float
+    infeasible_why: dict = field(default_factory=dict)  # reason -> count
+
+    def speedup(self, e: cm.Estimate) -> float:
+        return self.best_sync.step_sync / e.step if self.best_sync else math.nan
+
+
+def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=None,
+              modes=("split", "colocated"), refine: int = 8, keep: int = 50) -> PlanResult:
+    """Exhaustive search; returns the `keep` best feasible placements and the best sync one."""
+    t0 = time.perf_counter()
+    world = cluster.world
+    gen_time = functools.lru_cache(maxsize=None)(
+        lambda gtp, gdp, slots: cm.generation_time(args, cluster, wl, gtp, gdp, slots, profile))
+    train_time = functools.lru_cache(maxsize=None)(
+        lambda f, tp, ac, mbt: cm.train_time(args, cluster, wl, f, tp, ac, mbt, profile))
+    gen_mem = functools.lru_cache(maxsize=None)(
+        lambda gtp, gdp: cm.generator_memory(args, cluster, wl, gtp, gdp))
+    train_mem = functools.lru_cache(maxsize=None)(
+        lambda f, tp, ac: cm.trainer_memory(args, cluster, wl, f, tp, ac))
+    ests, why, searched = [], {}, 0
+    one_host = cluster.nodes == 1 and cluster.shared_cores > 0
+    for p in placements(args, world, cluster.gpus_per_node, wl.prompts_per_step, modes, one_host):
+        searched += 1
+        # memory is separable in split mode: key it on the mesh, not the whole placement
+        m = (cm.plan_memory(args, cluster, wl, p) if p.mode == "colocated"
+             else _split_memory(gen_mem, train_mem, p))
+        if m.why:
+            key = m.why.split(":")[0]
+            why[key] = why.get(key, 0) + 1
+            continue
+        g = gen_time(p.gen_tp, p.gen_dp, m.slots)
+        tr = train_time(p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing, m.micro_batch_tokens)
+        ests.append(cm.assemble(args, cluster, wl, p, m, g, tr, None, profile))
+    refined = _refine(args, cluster, wl, ests, refine, profile)
+    # ties (the generator's time is flat over many splits) go to the least total phase time: the
+    # most slack in the phase that is not the bottleneck, so model errors hurt least
+    ranked = sorted(refined, key=lambda e: (round(e.step, 9), e.times.gen + e.times.train + e.times.sync))
+    best_sync = min(refined, key=lambda e: e.step_sync, default=None)
+    return PlanResult(ranked[:keep], ranked[0] if ranked else None, best_sync, searched, len(ests),
+                      time.perf_counter() - t0, why)
+
+
+def _split_memory(gen_mem, train_mem, p: cm.Placement) -> cm.Memory:
+    """Split-mode memory from the two cached halves (each depends on its own mesh only)."""
+    g_bytes, slots, why_g = gen_mem(p.gen_tp, p.gen_dp)
+    t_bytes, mbt, why_t = train_mem(p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing)
+    return cm.Memory(t_bytes, g_bytes, max(t_bytes, g_bytes), slots, mbt, why_g or why_t)
+
+
+def _refine(args, cluster, wl, ests, k: int, profile) -> list:
+    """Re-cost the best k split placements' weight sync with the real plan."""
+    if k <= 0:
+        return ests
+    out = list(ests)
+    order = sorted(range(len(out)), key=lambda i: out[i].step)
+    done = 0
+    for i in order:
+        e = out[i]
+        if e.placement.mode != "split":
+            continue
+        sb = cm.sync_bytes_from_plan(args, e.placement, wl.gen_dtype, reduced=True)
+        t = e.times.detail
+        out[i] = cm.assemble(args, cluster, wl, e.placement, e.memory, t["gen"], t["train"], sb, profile)
+        done += 1
+        if done >= k:
+            break
+    return out
+
+
+# ----- output ---------------------------------------------------------------------------------------
+def table(res: PlanResult, top: int) -> str:
+    hdr = (f"{'#':>2} {'placement':<44} {'T_gen':>8} {'T_train':>8} {'T_sync':>7} {'step':>8} "
+           f"{'vs sync':>7} {'mem_t':>6} {'mem_g':>6} {'slots':>5} {'mbt':>6}")
+    lines = [hdr, "-" * len(hdr)]
+    for i, e in enumerate(res.ranked[:top], 1):
+        t, m = e.times, e.memory
+        lines.append(f"{i:>2} {e.placement.label():<44} {_s(t.gen)} {_s(t.train)} {t.sync:>7.3f} "
+                     f"{_s(e.step)} {res.speedup(e):>6.2f}x {m.trainer / cm.GB:>6.1f} "
+                     f"{m.generator / cm.GB:>6.1f} {m.slots:>5} {m.micro_batch_tokens:>6}")
+    if res.best_sync:
+        b = res.best_sync
+        lines.append(f"best synchronous placement: {b.placement.label()}: step {b.step_sync:.3f}s "
+                     f"(T_gen {b.times.gen:.3f} + T_train {b.times.train:.3f} + T_sync {b.times.sync:.3f})")
+    return "\n".join(lines)
+
+
+def _s(x: float) -> str:
+    return f"{x:>8.3f}" if x < 1000 else f"{x:>8.0f}"
+
+
+def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None = None):
+    """A validated, resolved-able Config for the placement `e` (load_config(path) round-trips)."""
+    from config import ConfigError, load_config
+    if wl.gen_dtype not in ("float32", "bfloat16", "float16") or wl.master_dtype not in (
+            "float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtypes master={wl.master_dtype} gen={wl.gen_dtype} cannot be written to "
+                          "a config (model.dtype/gen_dtype accept float32, bfloat16, float16); "
+                          "plan with --gen-dtype bfloat16 to write a TOML")
+    p, m = e.placement, e.memory
+    cfg = load_config(base)
+    cfg.model.path, cfg.model.dtype, cfg.model.gen_dtype = model_spec, wl.master_dtype, wl.gen_dtype
+    par = cfg.parallel
+    par.mode, par.generator_ranks = p.mode, p.generator_ranks
+    par.gen_tp, par.gen_dp, par.trainer_tp, par.trainer_fsdp = p.gen_tp, p.gen_dp, p.trainer_tp, p.trainer_fsdp
+    par.activation_checkpointing = p.activation_checkpointing
+    cfg.generator.num_slots, cfg.generator.n_samples = m.slots, wl.group_size
+    cfg.generator.max_new_tokens = wl.response_len
+    cfg.trainer.prompts_per_step, cfg.trainer.micro_batch_tokens = wl.prompts_per_step, m.micro_batch_tokens
+    cfg.algo.max_staleness = wl.eta
+    cfg.data.max_prompt_len = max(cfg.data.max_prompt_len, wl.prompt_len)
+    cfg.run.name = f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}"
+    cfg.validate().resolve(p.world)  # raises if the placement and the config disagree
+    return cfg
+
+
+def write_toml(res: PlanResult, wl: cm.Workload, model_spec: str, path: str, base=None) -> None:
+    e = res.best
+    cfg = to_config(e, wl, model_spec, base)
+    t = e.times
+    head = [f"# Written by launch/plan.py: the best of {res.searched} placements "
+            f"({res.feasible} feasible) for world_size={e.placement.world}.",
+            f"#   {e.placement.label()}",
+            f"#   predicted: T_gen {t.gen:.3f}s  T_train {t.train:.3f}s  T_sync {t.sync:.3f}s  "
+            f"step {e.step:.3f}s ({res.speedup(e):.2f}x the best synchronous placement)",
+            f"#   memory per rank: trainer {e.memory.trainer / cm.GB:.1f} GB, generator "
+            f"{e.memory.generator / cm.GB:.1f} GB",
+            f"# Launch with world_size={e.placement.world}; dry run: "
+            f"python train_rl.py --dry-run --config {path}"]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(head) + "\n" + cfg.to_toml())
+
+
+# ----- LlamaRL comparison ---------------------------------------------------------------------------------
+LLAMARL = [("llama3-8b", 256, 2.52, "bfloat16"), ("llama3-70b", 512, 3.98, "bfloat16"),
+           ("llama3-405b", 1024, 10.7, "float8_e4m3fn")]
+
+
+def cluster_table(wl: cm.Workload, gpu: str = "h100", log=print) -> list[dict]:
+    """Predicted best-async vs best-sync step time per model (module docstring explains the gap).
+    405B generates in fp8 as in LlamaRL: bf16 weights (101 GB per GPU at tp 8) do not fit."""
+    rows = []
+    log(f"{'model':<12} {'GPUs':>5} {'best async placement':<44} {'async s':>8} {'sync s':>8} "
+        f"{'speedup':>7} {'LlamaRL':>7}")
+    for name, gpus, paper, gen_dtype in LLAMARL:
+        args, cl = preset_args(name), cm.gpu_cluster(gpu, gpus // 8)
+        w = replace(wl, gen_dtype=gen_dtype, eta=max(wl.eta, 1))
+        res = best_plan(args, cl, w)
+        b, s = res.best, res.best_sync
+        row = {"model": name, "gpus": gpus, "gen_dtype": gen_dtype, "async_s": b.step,
+               "sync_s": s.step_sync, "speedup": s.step_sync / b.step, "llamarl": paper,
+               "best": b.placement.label(), "best_sync": s.placement.label(), "search_s": res.seconds}
+        rows.append(row)
+        log(f"{name:<12} {gpus:>5} {row['best']:<44} {b.step:>8.1f} {s.step_sync:>8.1f} "
+            f"{row['speedup']:>6.2f}x {paper:>6.2f}x")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="Hugging Face model folder (or preset:<name>)")
+    src.add_argument("--preset", help=f"one of {sorted(PRESETS)} (or 8b/70b/405b)")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu", default="h100", help=f"{sorted(cm.GPUS)} or cpu")
+    ap.add_argument("--cores", type=int, default=2, help="--gpu cpu: cores the ranks share")
+    ap.add_argument("--profile", help="profile JSON from launch/profile.py (overrides the datasheet)")
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--group", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--response-len", type=int, default=2048)
+    ap.add_argument("--eta", type=int, default=4)
+    ap.add_argument("--gen-dtype", default=None, help="default: bfloat16 on GPUs, float32 on cpu")
+    ap.add_argument("--modes", default="split,colocated")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--refine", type=int, default=8, help="re-cost this many with the real sync plan")
+    ap.add_argument("--out", help="write the best placement as a TOML config here")
+    ap.add_argument("--base-config", help="TOML whose other settings the --out config keeps")
+    ap.add_argument("--cluster-table", action="store_true", help="8B/70B/405B vs LlamaRL and exit")
+    a = ap.parse_args(argv)
+    try:
+        return _main(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(a) -> int:
+    cpu = a.gpu == "cpu"
+    gen_dtype = a.gen_dtype or ("float32" if cpu else "bfloat16")
+    wl = cm.Workload(a.prompts, a.group, a.prompt_len, a.response_len, a.eta,
+                     "float32", gen_dtype)
+    if a.cluster_table:
+        cluster_table(wl, "h100" if cpu else a.gpu)
+        return 0
+    if not (a.model or a.preset):
+        raise ValueError("give --model HF_FOLDER, --preset NAME or --cluster-table")
+    spec = a.model or f"preset:{ALIASES.get(a.preset, a.preset)}"
+    args = resolve_model(spec)
+    prof = cm.Profile.load(a.profile) if a.profile else None
+    if cpu:
+        cl = cm.cpu_cluster(a.nodes * a.gpus_per_node, a.cores)
+    else:
+        cl = cm.gpu_cluster(a.gpu, a.nodes, a.gpus_per_node)
+    if prof is not None:
+        if not prof.matches(args):
+            print(f"warning: the profile is of model {prof.model}, not {cm.model_signature(args)}: "
+                  "only its link numbers are used", file=sys.stderr)
+        cl = cm.with_profile(cl, prof) if prof.p2p else cl
+    res = best_plan(args, cl, wl, prof, modes=tuple(a.modes.split(",")), refine=a.refine)
+    print(f"model {spec}: {args.num_params() / 1e9:.3f}B params; {cl.world} ranks "
+          f"({cl.nodes} x {cl.gpus_per_node} {cl.name}); workload {wl.prompts_per_step} prompts x "
+          f"{wl.group_size} samples, {wl.prompt_len}+{wl.response_len} tokens, eta {wl.eta}")
+    print(f"searched {res.searched} placements exhaustively in {res.seconds:.2f}s: {res.feasible} "
+          f"feasible{'; infeasible: ' + str(res.infeasible_why) if res.infeasible_why else ''}")
+    if res.best is None:
+        raise ValueError("no placement fits in memory; add nodes, use a larger GPU, or shorten "
+                         "--response-len / --prompts")
+    print(table(res, a.top))
+    if a.out:
+        write_toml(res, wl, spec, a.out, a.base_config)
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""Calibrate the cost model on the present hardware (CPU here, CUDA when there is one).
+
+    python launch/profile.py --model runs/_models/tiny_addition --prompts 8 --group 8 \\
+        --prompt-len 8 --response-len 24 --out profile.json
+    python launch/plan.py --model ... --profile profile.json ...   # measured numbers win
+
+What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
+  * one decoder layer's forward and backward time at a few packed micro-batch sizes T, as the
+    difference of a 2-layer and a 1-layer copy of the model (the rest is the "head": embedding,
+    final norm, lm_head and log-softmax), fitted as a + b*T + c*T^2 by the cost model;
+  * one engine decode step at a few batch sizes, as (t(R2) - t(R1)) / (R2 - R1) of two
+    `Engine.generate` calls, and the fixed part (prefill + admission) t(R1) - R1 * step;
+  * the trainer's per-step overhead beyond forward/backward: a real `train_step` (optimizer,
+    packing, statistics) minus what the layer fits predict for it;
+  * between two spawned ranks (gloo on CPU, NCCL with 2+ GPUs): p2p one-way time (half a
+    ping-pong), all-reduce and all-gather times at a few sizes, the store round trip that every
+    generator-loop iteration pays to poll the link, and the cost of one FSDP2 / TP collective with
+    its DTensor overhead: a 2-rank forward/backward minus the plain one, on one short sequence so
+    that the collectives dominate, divided by their number; likewise the per-step excess of the
+    gradient-norm clip + AdamW step on DTensors;
+  * on CPU, the slowdown of k busy processes on the shared cores (`concurrency_costs`).
+Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
+through the slowdown curve.
+Ranks are single-threaded (torchrun's OMP_NUM_THREADS=1), so the profile is too (--threads).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, this file's folder is sys.path[0], where "profile" would shadow the standard
+# library module of that name (cProfile, imported by torch, needs it): use the repo root instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "launch"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from launch.cost_model import Profile, Workload, model_signature  # noqa: E402
+from model.args import ModelArgs  # noqa: E402
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device="cpu", reps: int = 5, warmup: int = 1, stat=min) -> float:
+    """`stat` (default: the minimum, i.e. the undisturbed cost) of the wall times of `reps` calls
+    after `warmup` untimed ones. Load from other processes is accounted for separately, by the
+    measured slowdown curve (`concurrency_costs`)."""
+    out = []
+    for i in range(warmup + reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            out.append(time.perf_counter() - t0)
+    return stat(out)
+
+
+def build(args: ModelArgs, device, dtype, seed: int = 0):
+    from model import Transformer
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        m = Transformer(args).to(dtype)
+    m.to_empty(device=device)
+    m.init_weights(seed=seed)
+    return m
+
+
+def _fwd_bwd(model, tokens: int, seq_len: int, device, backward: bool):
+    """One packed micro-batch as the trainer runs it: logits -> log-softmax -> gathered log-probs."""
+    V = model.args.vocab_size
+    seq_len = min(seq_len, tokens)
+    n_seq, ids = tokens // seq_len, torch.randint(0, V, (tokens,), device=device)
+    lens = torch.full((n_seq,), seq_len, dtype=torch.long, device=device)
+    lens[-1] += tokens - n_seq * seq_len
+
+    def run():
+        with torch.set_grad_enabled(backward):
+            logits = model(ids, seq_lens=lens)
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])
+            if backward:
+                lp.sum().backward()
+                model.zero_grad(set_to_none=True)
+    return run
+
+
+def layer_costs(model, device, seq_len: int, token_counts, reps: int = 7) -> dict:
+    """Per-layer and head forward/backward times, timed in place by module hooks around every
+    decoder layer of a real forward/backward (the head is the rest: embedding, final norm,
+    lm_head, log-softmax). Minimum over reps, mean over layers."""
+    acc = {"fwd": 0.0, "bwd": 0.0}
+    start: dict = {}
+
+    def stamp(key):
+        def hook(*_):
+            _sync(device)
+            start[key] = time.perf_counter()
+        return hook
+
+    def add(key, kind):
+        def hook(*_):
+            _sync(device)
+            acc[kind] += time.perf_counter() - start[key]
+        return hook
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles += [layer.register_forward_pre_hook(stamp(("f", i))),
+                    layer.register_forward_hook(add(("f", i), "fwd")),
+                    layer.register_full_backward_pre_hook(stamp(("b", i))),
+                    layer.register_full_backward_hook(add(("b", i), "bwd"))]
+    L, out = len(model.model.layers), {"layer_fwd": [], "layer_bwd": [], "head_fwd": [], "head_bwd": []}
+    try:
+        for T in token_counts:
+            run_f, run_fb = (_fwd_bwd(model, T, seq_len, device, b) for b in (False, True))
+            rows = []
+            for _ in range(reps + 1):  # the first is a warm-up
+                acc.update(fwd=0.0, bwd=0.0)
+                t_f = timed(run_f, device, reps=1, warmup=0)
+                lf = acc["fwd"]
+                acc.update(fwd=0.0, bwd=0.0)
+                t_fb = timed(run_fb, device, reps=1, warmup=0)
+                rows.append((lf / L, acc["bwd"] / L, max(t_f - lf, 0.0), max(t_fb - t_f - acc["bwd"], 0.0)))
+            med = [min(c) for c in zip(*rows[1:])]
+            for key, v in zip(("layer_fwd", "layer_bwd", "head_fwd", "head_bwd"), med):
+                out[key].append([T, v])
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def decode_costs(model, wl: Workload, device, batches, r1: int, r2: int) -> dict:
+    """Decode step and fixed (prefill + admission) times of the real engine, groups of n samples."""
+    from rollout.engine import Engine, Request, SamplingParams
+    V, out = model.args.vocab_size, {"decode_step": [], "gen_fixed": []}
+    for b in batches:
+        prompts = max(1, b // wl.group_size)
+        n = max(1, b // prompts)
+        eng = Engine(model, num_slots=prompts * n, max_len=wl.prompt_len + r2 + 1, device=device)
+        ids = [torch.randint(3, V, (wl.prompt_len,)).tolist() for _ in range(prompts)]
+
+        def gen(r):
+            reqs = [Request(i, ids[i], SamplingParams(n=n, max_new_tokens=r, ignore_eos=True))
+                    for i in range(prompts)]
+            return lambda: eng.generate(reqs)
+        t1, t2 = timed(gen(r1), device), timed(gen(r2), device)
+        step = max((t2 - t1) / (r2 - r1), 1e-9)
+        out["decode_step"].append([prompts * n, step])
+        out["gen_fixed"].append([prompts, max(t1 - r1 * step, 0.0)])
+    return out
+
+
+def synthetic_groups(wl: Workload, vocab: int, seed: int = 0):
+    from trainer.batch import Group, Trajectory
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for p in range(wl.prompts_per_step):
+        prompt = torch.randint(3, vocab, (wl.prompt_len,), generator=g).tolist()
+        trajs = [Trajectory(p, s, prompt, torch.randint(3, vocab, (wl.response_len,), generator=g).tolist(),
+                            [-1.0] * wl.response_len, [0] * wl.response_len, float(s % 2), "length")
+                 for s in range(wl.group_size)]
+        groups.append(Group(p, trajs))
+    return groups
+
+
+def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_group=None,
+                    seed: int = 0) -> tuple[float, int, int]:
+    """(seconds of one real train_step on this rank, micro-batches, tokens per micro-batch)."""
+    from config import load_config
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.step import micro_batches, train_step
+    cfg = load_config(None, [f"--trainer.prompts_per_step={wl.prompts_per_step}",
+                             f"--generator.n_samples={wl.group_size}",
+                             f"--trainer.micro_batch_tokens={micro_batch_tokens}"])
+    opt = build_optimizer(model, cfg.trainer)
+    sched = build_scheduler(opt, cfg.trainer)
+    groups = synthetic_groups(wl, model.args.vocab_size, seed)
+    mbs = micro_batches(groups, cfg.algo.advantage, micro_batch_tokens)
+    t = timed(lambda: train_step(model, opt, sched, groups, cfg, dp_group, device, 0), device, reps=5)
+    return t, len(mbs), max(b.num_tokens for b in mbs)
+
+
+# ----- sharing the cores -----------------------------------------------------------------------------
+_BUSY = "import sys, time\nt = float(sys.argv[1])\nwhile time.time() < t: pass\n" \
+        "t0 = time.perf_counter(); x = 0\nfor i in range({n}): x += i * i\n" \
+        "print(time.perf_counter() - t0)"
+
+
+def concurrency_costs(max_ranks: int, work: int = 1_000_000, rounds: int = 3) -> list:
+    """[[k, slowdown]]: k processes start the same CPU-bound loop at once; slowdown = the median
+    over `rounds` of their mean time, over the best time of one process alone. It includes
+    whatever else the machine is running (slowdown(1) > 1 on a loaded machine); rounds are
+    interleaved over k so that a burst of outside load does not land on one k only."""
+    import subprocess
+
+    def run(k):
+        start = time.time() + 0.3  # every child is started and waiting before the clock hits this
+        procs = [subprocess.Popen([sys.executable, "-c", _BUSY.format(n=work), str(start)],
+                                  stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        return statistics.mean(float(p.communicate()[0]) for p in procs)
+    times: dict[int, list] = {k: [] for k in range(1, max_ranks + 1)}
+    for _ in range(rounds):
+        for k in times:
+            times[k].append(run(k))
+    base = min(times[1])
+    return [[k, statistics.median(ts) / base] for k, ts in times.items()]
+
+
+# ----- two ranks: links, collectives, FSDP and TP train steps ---------------------------------------
+def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict, mbt: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from parallel.sharding import build_model, parallelize_trainer
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = getattr(torch, dtype_name)
+    res = {"p2p": [], "allreduce": [], "allgather": []}
+    for nbytes in (4 << 10, 256 << 10, 4 << 20, 16 << 20):
+        x = torch.zeros(nbytes // 4, device=device)
+
+        def ping():
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        res["p2p"].append([nbytes, timed(ping, device, reps=9) / 2])
+        res["allreduce"].append([nbytes, timed(lambda: dist.all_reduce(x), device, reps=9)])
+        full = torch.empty(nbytes // 4 // world * world, device=device)
+        res["allgather"].append([nbytes, timed(lambda: dist.all_gather_into_tensor(
+            full, x[:full.numel() // world]), device, reps=9)])
+    store = dist.distributed_c10d._get_default_store()
+    res["store_rtt"] = timed(lambda: [store.add("profile/rtt", 0) for _ in range(20)], reps=3) / 20
+    # FSDP/TP costs where they dominate: one short sequence (compute ~0), many repetitions
+    args, wl = ModelArgs(**args_d), Workload(**wl_d)
+    plain = build(args, device, dtype)
+    t_fb, t_step = _overhead_times(plain, wl.seq_len, device)
+    for name, shape in (("fsdp", (world, 1)), ("tp", (1, world))):
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("fsdp", "tp"))
+        model = build_model(args, device, dtype, parallelize=lambda m: parallelize_trainer(m, mesh))
+        fb, step = _overhead_times(model, wl.seq_len, device)
+        res[name] = {"fwd_bwd_excess": fb - t_fb, "step_excess": step - t_step}
+    return res
+
+
+def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, float]:
+    """(forward+backward of `tokens` tokens, gradient-norm clip + AdamW step), undisturbed."""
+    from trainer.optim import clip_grad_norm
+    fb = timed(_fwd_bwd(model, tokens, tokens, device, True), device, reps=reps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
+    with torch.set_grad_enabled(True):  # leave gradients in place for the step
+        logits = model(torch.zeros(tokens, dtype=torch.long, device=device),
+                       seq_lens=torch.tensor([tokens], device=device))
+        logits.float().sum().backward()
+    params = list(model.parameters())
+    step = timed(lambda: (clip_grad_norm(params, 1.0), opt.step()), device, reps=reps)
+    return fb, step
+
+
+def replace_wl(wl: Workload, prompts: int) -> Workload:
+    return dataclasses.replace(wl, prompts_per_step=prompts)
+
+
+def _rank_main(rank, world, port, outdir, threads, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "cpu:gloo,cuda:nccl",
+                                rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(_comm_rank(rank, world, *args)))
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def comm_costs(args: ModelArgs, dtype, wl: Workload, mbt: int, threads: int) -> dict:
+    """Spawn two ranks and return rank 0's measurements."""
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args_d = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_rank_main, args=(2, port, outdir, threads,
+                                             (args_d, str(dtype).removeprefix("torch."),
+                                              dataclasses.asdict(wl), mbt)),
+                           nprocs=2, join=True, start_method="spawn")
+        return json.loads((Path(outdir) / "rank0.json").read_text())
+
+
+# ----- the whole profile ----------------------------------------------------------------------------------
+def _local_block(model, wl: Workload, dev, counts, batches, r2: int, mbt: int) -> dict:
+    """The single-process measurements: layers, decode, one real train_step."""
+    out = {**layer_costs(model, dev, wl.seq_len, counts),
+           **decode_costs(model, wl, dev, batches, max(2, r2 // 8), r2)}
+    out["train_step"] = train_step_time(model, wl, dev, mbt)
+    return out
+
+
+def _min_block(a: dict, b: dict) -> dict:
+    """Per quantity, the smaller of two blocks (taken apart in time: a burst of outside load
+    rarely covers both)."""
+    out = {k: [[x, min(ya, yb)] for (x, ya), (_, yb) in zip(a[k], b[k])] for k in a if k != "train_step"}
+    out["train_step"] = min(a["train_step"], b["train_step"])
+    return out
+
+
+def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1,
+            micro_batch_tokens: int = 0, comm: bool = True, max_decode_tokens: int = 64,
+            max_ranks: int = 4, log=print) -> Profile:
+    """The whole profile. The single-process block runs twice, before and after the two-rank
+    block, and each quantity keeps its minimum; the core-sharing rounds are split likewise."""
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    seq, cpu = wl.seq_len, dev.type == "cpu"
+    step_tokens = wl.seqs * seq
+    mbt = micro_batch_tokens or step_tokens
+    counts = sorted({min(k * seq, max(mbt, seq)) for k in (1, 4, 16, 64)} | {min(mbt, step_tokens)})
+    r2 = max(4, min(wl.response_len, max_decode_tokens))
+    batches = sorted({wl.group_size, max(wl.group_size, wl.seqs // 4), wl.seqs})
+    model = build(args, dev, dtype)
+    t0 = time.perf_counter()
+    conc = concurrency_costs(max_ranks, rounds=2) if cpu else []
+    first = _local_block(model, wl, dev, counts, batches, r2, mbt)
+    log(f"  block 1: layers at {counts} tokens, decode at batches {batches}, train_step "
+        f"({time.perf_counter() - t0:.1f}s)")
+    c = None
+    if comm:
+        t0 = time.perf_counter()
+        c = comm_costs(args, dtype, wl, mbt, threads)
+        log(f"  two ranks: links, FSDP and TP overheads ({time.perf_counter() - t0:.1f}s)")
+    t0 = time.perf_counter()
+    if cpu:
+        conc = _pool_concurrency(conc, concurrency_costs(max_ranks, rounds=1))
+        log(f"  cores: slowdown of k busy ranks {[(k, round(v, 2)) for k, v in conc]}")
+    local = _min_block(first, _local_block(model, wl, dev, counts, batches, r2, mbt))
+    log(f"  block 2 ({time.perf_counter() - t0:.1f}s)")
+    (t_step, micro, mb_tok) = local.pop("train_step")
+    prof = Profile(device=str(dev) if cpu else torch.cuda.get_device_name(dev),
+                   dtype=str(dtype).removeprefix("torch."), threads=threads,
+                   model=model_signature(args), **local, train_overhead=0.0,
+                   p2p=[], allreduce=[], allgather=[], concurrency=conc,
+                   notes={"workload": dataclasses.asdict(wl), "micro_batch_tokens": mbt,
+                          "torch": torch.__version__, "loadavg": os.getloadavg()[0]})
+    prof.train_overhead = max(0.0, t_step - micro * prof.train_microbatch_s(mb_tok))
+    prof.notes["train_step_s"] = t_step
+    log(f"  train_step: {t_step * 1e3:.1f} ms ({micro} micro-batches of {mb_tok}), "
+        f"overhead {prof.train_overhead * 1e3:.1f} ms; decode step at {batches[-1]}: "
+        f"{prof.decode_step_s(batches[-1]) * 1e3:.2f} ms")
+    if c is not None:
+        prof.p2p, prof.allreduce, prof.allgather = c["p2p"], c["allreduce"], c["allgather"]
+        prof.loop_overhead_s = c["store_rtt"]
+        _collective_costs(prof, args, c)
+        log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s, store rtt {prof.loop_overhead_s * 1e6:.0f} us; "
+            f"per collective incl. DTensor: FSDP {prof.collective_s * 1e3:.2f} ms, TP "
+            f"{prof.tp_collective_s * 1e3:.2f} ms; per step (grad norm + AdamW on DTensors): FSDP "
+            f"{prof.fsdp_step_s * 1e3:.1f} ms, TP {prof.tp_step_s * 1e3:.1f} ms")
+    prof.notes["loadavg_end"] = os.getloadavg()[0]
+    return prof
+
+
+def _pool_concurrency(a: list, b: list) -> list:
+    """Average two slowdown curves (rounds taken apart in time) and make the result
+    non-decreasing in k: more busy ranks can never be faster."""
+    out, prev = [], 1.0
+    for (k, sa), (_, sb) in zip(a, b):
+        prev = max(prev, (sa + sb) / 2)
+        out.append([k, prev])
+    return out
+
+
+def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
+    """Per-collective cost = the 2-rank forward/backward's excess over the plain model's, on one
+    short sequence, / its collectives (FSDP: 3 per unit; TP: 2 per layer each way + 4); the
+    per-step excess of the gradient-norm clip and AdamW on DTensors is kept as is."""
+    L = args.num_layers
+    prof.collective_s = max(0.0, c["fsdp"]["fwd_bwd_excess"] / (3 * (L + 1)))
+    prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
+    prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
+    prof.tp_step_s = max(0.0, c["tp"]["step_excess"])
+    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp")}
+
+
+def model_args_from(spec: str) -> ModelArgs:
+    """An HF folder, or 'preset:<name>' / a bare preset name (see launch.plan.PRESETS)."""
+    from launch.plan import resolve_model
+    return resolve_model(spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF model folder or preset:<name>")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--response-len", type=int, default=24)
+    ap.add_argument("--micro-batch-tokens", type=int, default=0, help="0 = one micro-batch per step")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-comm", action="store_true", help="skip the 2-rank link measurements")
+    ap.add_argument("--max-ranks", type=int, default=4, help="CPU: measure core sharing up to this")
+    ap.add_argument("--out", default="profile.json")
+    a = ap.parse_args(argv)
+    args = model_args_from(a.model)
+    wl = Workload(a.prompts, a.group, a.prompt_len, a.response_len)
+    t0 = time.perf_counter()
+    prof = measure(args, wl, a.device, a.threads, a.micro_batch_tokens, comm=not a.no_comm,
+                   max_ranks=a.max_ranks)
+    prof.save(a.out)
+    print(f"wrote {a.out} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

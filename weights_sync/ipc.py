@@ -1,0 +1,464 @@
+"""Weight sync between processes on the *same* GPU, through shared device memory (CUDA IPC).
+
+NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so a trainer rank and a generator
+rank that share a GPU cannot use the NCCL path of weights_sync/sync.py. They share memory instead:
+opening a CUDA IPC handle costs ~0.6 ms once, and a copy out of the mapped buffer runs at
+~1.5 TB/s on an H200 (shared/REFERENCES.md).
+
+Protocol, per (trainer rank s, generator rank d) pair; the pair's byte stream is the one of
+weights_sync/stream.py (the plan's transfers of the pair, row-major, in the generator dtype):
+  setup   s allocates `buffers` persistent staging buffers of the whole stream, exports each ONCE
+          (`torch.multiprocessing.reductions.reduce_tensor`, the same handle torch's own
+          multiprocessing pickles) and publishes the handles, JSON with the bytes in base64, under
+          the store key `handles`. d maps them at its first receive() (lazily: no start-up order).
+  push v  s takes the next slot k (round robin); if slot k still holds an unacknowledged version
+          u, it first waits for `ack/k == u` (timeout naming d and u). It fills slot k from its live
+          shard (casting to the generator dtype), waits for the fill to finish, and publishes
+          `ready/v = k`. The trainer may change its parameters as soon as the fill is done:
+          `wait_sent()` returns then, without waiting for the generator.
+  recv v  d waits for `ready/v` (timeout naming s and v), copies slot k into its own staging
+          buffer (device to device), waits for the copy, publishes `ack/k = v`, and returns
+          `apply()`, which scatters its staging into the parameters at the engine's safe point.
+`direct=True` skips the receiver's staging: apply() scatters straight from the mapped slot and
+acks after it (one device copy and one model-sized buffer less; see IpcReceiver).
+With buffers=2 (double buffering) the trainer only waits if the generator is two versions behind;
+the default, 1, saves one staged copy of the shard in GPU memory (the co-located OOM risk) and
+costs nothing while the generator acks within one trainer step.
+
+Control messages go through the job's TCPStore (the one the Link uses for its headers), not
+gloo: a gloo `irecv` cannot be polled (`is_completed()` turns true only inside `wait()`), a store
+key can (`check`), so both ends poll without blocking and every wait has a deadline. Keys live
+under `tandem/ipc/<channel>/<s>-<d>/`; one channel pairs one sender with one receiver for the
+life of the job (a second sender/receiver pair in the same job takes another `channel`).
+
+The shared memory is abstracted (`CudaIpcMemory`, `CpuShmMemory`) so that the same protocol
+runs on CPU: `CpuShmMemory` shares a staging buffer through a shared-memory file
+(`UntypedStorage._share_filename_cpu_`, what torch.multiprocessing does for CPU tensors under its
+file_system strategy), the CPU analogue of the CUDA handle. tests/test_ipc.py runs the state
+machine that way on real gloo ranks.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Callable, Collection
+
+import torch
+import torch.distributed as dist
+
+from weights_sync import stream
+
+# ----- handles: JSON-able descriptions of a shared buffer ---------------------------------------
+
+_TYPES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter,
+          "UntypedStorage": torch.UntypedStorage, "TypedStorage": torch.TypedStorage}
+
+
+def _encode(x):
+    """The args of torch's rebuild function as JSON: no pickle, so a peer cannot run code."""
+    if isinstance(x, bytes):
+        return {"b64": base64.b64encode(x).decode()}
+    if isinstance(x, torch.dtype):
+        return {"dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, type):
+        if _TYPES.get(x.__name__) is not x:
+            raise TypeError(f"cannot encode type {x!r} in an IPC handle")
+        return {"type": x.__name__}
+    if isinstance(x, (tuple, list)):  # torch.Size too
+        return {"tuple": [_encode(y) for y in x]}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"cannot encode {type(x).__name__} {x!r} in an IPC handle")
+
+
+def _decode(x):
+    if not isinstance(x, dict):
+        return x
+    if "b64" in x:
+        return base64.b64decode(x["b64"])
+    if "dtype" in x:
+        dtype = getattr(torch, x["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"bad dtype {x['dtype']!r} in an IPC handle")
+        return dtype
+    if "type" in x:
+        return _TYPES[x["type"]]
+    return tuple(_decode(y) for y in x["tuple"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CudaIpcMemory:
+    """Staging buffers shared by CUDA IPC; copies run on a side stream and are waited for before
+    the other process is told (one host sync per pair and version, off the trainer thread)."""
+
+    kind = "cuda_ipc"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = None
+
+    @property
+    def stream(self):
+        if self._stream is None:  # created on first use: the handle code also runs without CUDA
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def export(self, t: torch.Tensor) -> dict:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+        fn, args = reduce_tensor(t)
+        if fn is not rebuild_cuda_tensor:
+            raise RuntimeError(f"torch exported a CUDA tensor with {fn.__name__}, not "
+                               "rebuild_cuda_tensor; this torch build cannot share it by IPC")
+        return {"args": _encode(args)}
+
+    def open(self, handle: dict) -> torch.Tensor:
+        import inspect
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        bound = inspect.signature(rebuild_cuda_tensor).bind(*_decode(handle["args"]))
+        # the same physical GPU, numbered as *this* process sees it
+        bound.arguments["storage_device"] = self.device.index
+        return rebuild_cuda_tensor(*bound.args)
+
+    def marker(self):
+        """Work queued so far on this thread's current stream (e.g. the optimizer step)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def run(self, fn: Callable[[], None], after) -> None:
+        """Run `fn`'s copies after `after` on the side stream; return once they are done, so the
+        other process may read (or overwrite) the buffer."""
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            fn()
+        self.stream.synchronize()
+
+
+class CpuShmMemory:
+    """The CPU stand-in: a shared-memory file per buffer (torch's file_system sharing)."""
+
+    kind = "cpu_shm"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def export(self, t: torch.Tensor) -> dict:
+        manager, name, nbytes = t.untyped_storage()._share_filename_cpu_()  # moves t into shm
+        return {"manager": _encode(manager), "name": _encode(name), "nbytes": nbytes,
+                "dtype": _dtype_name(t.dtype), "numel": t.numel()}
+
+    def open(self, handle: dict) -> torch.Tensor:
+        storage = torch.UntypedStorage._new_shared_filename_cpu(
+            _decode(handle["manager"]), _decode(handle["name"]), handle["nbytes"])
+        dtype = _decode({"dtype": handle["dtype"]})
+        return torch.empty(0, dtype=dtype).set_(storage, 0, (handle["numel"],), (1,))
+
+    def marker(self):
+        return None
+
+    def run(self, fn: Callable[[], None], after) -> None:
+        fn()  # CPU copies are synchronous
+
+
+def shared_memory_for(device: torch.device):
+    return CudaIpcMemory(device) if device.type == "cuda" else CpuShmMemory(device)
+
+
+# ----- control: ready / ack / handles in the store, polled without blocking ----------------------
+
+class Control:
+    """One channel's control keys; every call is one or a few store round trips, none blocks."""
+
+    def __init__(self, store=None, channel: str = "weights"):
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore(f"tandem/ipc/{channel}/", base)
+
+    def _get(self, key: str) -> str | None:
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def publish_handles(self, s: int, d: int, info: dict) -> None:
+        self.store.set(f"{s}-{d}/handles", json.dumps(info))
+
+    def handles(self, s: int, d: int) -> dict | None:
+        raw = self._get(f"{s}-{d}/handles")
+        return None if raw is None else json.loads(raw)
+
+    def publish_ready(self, s: int, d: int, version: int, slot: int) -> None:
+        self.store.set(f"{s}-{d}/ready/{version}", str(slot))
+        self.store.set(f"{s}-{d}/latest", str(version))
+
+    def is_ready(self, s: int, d: int, version: int) -> bool:
+        return self.store.check([f"{s}-{d}/ready/{version}"])
+
+    def take_ready(self, s: int, d: int, version: int) -> int | None:
+        """The slot holding `version`, once announced (the key is consumed)."""
+        raw = self._get(f"{s}-{d}/ready/{version}")
+        if raw is not None:
+            self.store.delete_key(f"{s}-{d}/ready/{version}")
+        return None if raw is None else int(raw)
+
+    def latest(self, s: int, d: int) -> int | None:
+        raw = self._get(f"{s}-{d}/latest")
+        return None if raw is None else int(raw)
+
+    def ack(self, s: int, d: int, slot: int, version: int) -> None:
+        self.store.set(f"{s}-{d}/ack/{slot}", str(version))
+
+    def acked(self, s: int, d: int, slot: int) -> int | None:
+        """The last version the receiver released from `slot`."""
+        raw = self._get(f"{s}-{d}/ack/{slot}")
+        return None if raw is None else int(raw)
+
+
+def poll_until(check: Callable[[], object], deadline: float, fail: Callable[[], str],
+               spin_s: float = 0.005):
+    """Poll `check()` until it returns non-None; TimeoutError(`fail()`) past `deadline`.
+    For the first `spin_s` it re-polls at once (a store round trip paces it): a whole GPU sync
+    takes a few ms, so sleeping there would add latency. After that it backs off to 1 ms; the
+    sleep is a poll interval that yields the core, not synchronisation."""
+    start = time.monotonic()
+    backoff = 5e-5
+    while True:
+        got = check()
+        if got is not None:
+            return got
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(fail())
+        if now - start < spin_s:
+            time.sleep(0)  # lets the other threads of this process run
+            continue
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 1e-3)
+
+
+def _local_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: (p.data.to_local() if hasattr(p.data, "to_local") else p.data)
+            for n, p in model.named_parameters()}
+
+
+# ----- the two ends ------------------------------------------------------------------------------
+
+class IpcSender:
+    """`WeightSender`'s interface (push / wait_sent / close) for the destination peers that
+    share this rank's GPU. `peers` restricts the plan's destinations (None: all of them)."""
+
+    def __init__(self, model, plan, rank: int, dtype: torch.dtype, timeout_s: float,
+                 peers: Collection[int] | None = None, buffers: int = 1, store=None,
+                 channel: str = "weights"):
+        if buffers < 1:
+            raise ValueError(f"buffers={buffers}: need at least one staging buffer per peer")
+        self.rank, self.dtype, self.timeout_s = rank, dtype, timeout_s
+        self.tensors = _local_tensors(model)
+        self.device = next(iter(self.tensors.values())).device
+        self.memory = shared_memory_for(self.device)
+        self.control = Control(store, channel)
+        sends = plan.sends_from(rank)
+        self.peers = {d: stream.segments(ts, "src") for d, ts in sends.items()
+                      if peers is None or d in peers}
+        self.numel = {d: stream.stream_numel(segs) for d, segs in self.peers.items()}
+        # Persistent and exported once: the receiver maps them once, then only versions move.
+        self.staging = {d: [torch.empty(max(1, n), dtype=dtype, device=self.device)
+                            for _ in range(buffers)] for d, n in self.numel.items()}
+        for d, bufs in self.staging.items():
+            self.control.publish_handles(rank, d, {
+                "kind": self.memory.kind, "dtype": _dtype_name(dtype), "numel": self.numel[d],
+                "buffers": [self.memory.export(b) for b in bufs]})
+        self.held: dict[int, list[int | None]] = {d: [None] * buffers for d in self.peers}
+        self.next_slot = dict.fromkeys(self.peers, 0)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._version = -1
+        self.history: list[dict] = []  # bytes, seconds (fill + publish) per version
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
+
+    def push(self, version: int) -> None:
+        """Start staging `version` in the background; returns at once."""
+        self.wait_sent()
+        self._version, self._error = version, None
+        after = self.memory.marker()  # the fill waits for the caller's queued updates
+        self._thread = threading.Thread(target=self._stage_all, args=(version, after),
+                                        daemon=True, name=f"weights-ipc-v{version}")
+        self._thread.start()
+
+    def wait_sent(self) -> None:
+        """Block until the version in flight is staged: the parameters may change after this."""
+        if self._thread is None:
+            return
+        # the thread's own waits time out first, with the specific peer and version
+        self._thread.join(self.timeout_s + 5)
+        if self._thread.is_alive():
+            raise TimeoutError(f"trainer rank {self.rank}: weights version {self._version} not "
+                               f"staged for generator ranks {sorted(self.peers)} after "
+                               f"{self.timeout_s:.0f}s (CUDA IPC)")
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def _stage_all(self, version: int, after) -> None:
+        t0, nbytes = time.perf_counter(), 0
+        deadline = time.monotonic() + self.timeout_s  # one budget for all peers of the version
+        try:
+            with torch.no_grad():
+                for d in self.peers:
+                    nbytes += self._stage(d, version, after, deadline)
+        except BaseException as e:  # surfaced by wait_sent on the trainer thread
+            self._error = e
+            return
+        dt = time.perf_counter() - t0
+        self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
+                             "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
+
+    def _stage(self, d: int, version: int, after, deadline: float) -> int:
+        k = self.next_slot[d]
+        self._wait_released(d, k, deadline)
+        buf, n = self.staging[d][k], self.numel[d]
+        self.memory.run(lambda: stream.fill(buf, 0, n, self.peers[d], self.tensors), after)
+        self.held[d][k] = version
+        self.next_slot[d] = (k + 1) % len(self.staging[d])
+        self.control.publish_ready(self.rank, d, version, k)
+        return n * buf.element_size()
+
+    def _wait_released(self, d: int, k: int, deadline: float) -> None:
+        """Slot k may be overwritten only once the receiver acked the version it holds."""
+        held = self.held[d][k]
+        if held is None:
+            return
+        poll_until(lambda: True if self.control.acked(self.rank, d, k) == held else None, deadline,
+                   lambda: f"trainer rank {self.rank}: generator rank {d} has not acked weights "
+                           f"version {held} after {self.timeout_s:.0f}s, so its CUDA IPC staging "
+                           f"buffer {k} cannot be reused (last ack: "
+                           f"{self.control.acked(self.rank, d, k)})")
+
+    def close(self) -> None:
+        """Wait until every staged version was copied out, so the buffers can be freed."""
+        self.wait_sent()
+        deadline = time.monotonic() + self.timeout_s
+        for d, slots in self.held.items():
+            for k in range(len(slots)):
+                self._wait_released(d, k, deadline)
+                slots[k] = None
+
+
+class IpcReceiver:
+    """`WeightReceiver`'s interface (`receive(v) -> apply`) for source peers on this GPU.
+
+    `direct=False` (the protocol of the module docstring): receive() copies each source's slot
+    into this rank's staging and acks at once; apply() scatters the staging. `direct=True`: no
+    staging (one model copy less in GPU memory, one device copy less per version); receive() only
+    waits for the announcements, apply() scatters straight from the mapped slots and then acks,
+    so the trainer's slot stays taken until the generator's safe point. A version received but
+    never applied is released (acked) by the next receive()."""
+
+    def __init__(self, model, plan, rank: int, timeout_s: float,
+                 peers: Collection[int] | None = None, store=None, channel: str = "weights",
+                 direct: bool = False):
+        self.rank, self.timeout_s, self.direct = rank, timeout_s, direct
+        self.tensors = _local_tensors(model)
+        some = next(iter(self.tensors.values()))
+        self.dtype, self.device = some.dtype, some.device
+        self.memory = shared_memory_for(self.device)
+        self.control = Control(store, channel)
+        self.peers = {s: stream.segments(ts, "dst") for s, ts in plan.recvs_to(rank).items()
+                      if peers is None or s in peers}
+        self.numel = {s: stream.stream_numel(segs) for s, segs in self.peers.items()}
+        self.staging = {} if direct else {
+            s: torch.empty(n, dtype=self.dtype, device=self.device) for s, n in self.numel.items()}
+        self.mapped: dict[int, list[torch.Tensor]] = {}  # src -> its slots, mapped once
+        self._unapplied: tuple[int, dict[int, int]] | None = None  # direct: (version, slots)
+        self.history: list[dict] = []
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.staging.values())
+
+    def _open(self, s: int, deadline: float) -> list[torch.Tensor]:
+        if s not in self.mapped:
+            info = poll_until(lambda: self.control.handles(s, self.rank), deadline,
+                              lambda: f"generator rank {self.rank}: trainer rank {s} published no "
+                                      f"CUDA IPC handles within {self.timeout_s:.0f}s")
+            want = (info["kind"], info["dtype"], info["numel"])
+            have = (self.memory.kind, _dtype_name(self.dtype), self.numel[s])
+            if want != have:
+                raise ValueError(f"generator rank {self.rank}: trainer rank {s} shares "
+                                 f"(kind, dtype, numel) = {want}, this rank expects {have}; "
+                                 f"the trainer must cast to the generator dtype")
+            self.mapped[s] = [self.memory.open(h) for h in info["buffers"]]
+        return self.mapped[s]
+
+    def ready(self, version: int) -> bool:
+        """Non-blocking: has every source announced `version` (receive() would not wait)?"""
+        return all(self.control.is_ready(s, self.rank, version) for s in self.peers)
+
+    def receive(self, version: int):
+        """Wait for `version` from every source (copying it into staging and acking, unless
+        direct); return `apply()` for the engine's safe point."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        if self._unapplied is not None:
+            self._release(*self._unapplied)
+        after = self.memory.marker()  # an earlier apply() may still read the staging
+        for s in self.peers:
+            self._open(s, deadline)
+        slots: dict[int, int] = {}
+        pending = list(self.peers)
+
+        def step():  # take whichever sources are ready, in any order
+            for s in list(pending):
+                k = self.control.take_ready(s, self.rank, version)
+                if k is None:
+                    continue
+                slots[s] = k
+                if not self.direct:
+                    src, dst = self.mapped[s][k], self.staging[s]
+                    self.memory.run(lambda: dst.copy_(src[:dst.numel()]), after)
+                    self.control.ack(s, self.rank, k, version)
+                pending.remove(s)
+            return True if not pending else None
+
+        poll_until(step, deadline, lambda: self._timeout_message(version, pending))
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        nbytes = sum(self.numel.values()) * itemsize
+        dt = time.perf_counter() - t0
+        self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
+                             "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
+        if not self.direct:
+            return self._apply
+        self._unapplied = (version, slots)
+        return lambda: self._apply_direct(version, slots)
+
+    def _timeout_message(self, version: int, pending: list[int]) -> str:
+        latest = {s: self.control.latest(s, self.rank) for s in pending}
+        return (f"generator rank {self.rank} timed out after {self.timeout_s:.0f}s waiting for "
+                f"weights version {version} from trainer rank(s) {pending} over CUDA IPC (latest "
+                f"version each announced: {latest})")
+
+    @torch.no_grad()
+    def _apply(self) -> None:
+        for s, segs in self.peers.items():
+            stream.scatter(self.staging[s], segs, self.tensors)
+
+    @torch.no_grad()
+    def _apply_direct(self, version: int, slots: dict[int, int]) -> None:
+        if self._unapplied is None or self._unapplied[0] != version:
+            raise RuntimeError(f"generator rank {self.rank}: apply() of weights version {version} "
+                               f"after a later receive() released it; apply before receiving again")
+
+        def scatter():
+            for s, k in slots.items():
+                stream.scatter(self.mapped[s][k][:self.numel[s]], self.peers[s], self.tensors)
+        self.memory.run(scatter, self.memory.marker())  # after the engine's queued steps
+        self._release(version, slots)
+
+    def _release(self, version: int, slots: dict[int, int]) -> None:
+        for s, k in slots.items():
+            self.control.ack(s, self.rank, k, version)
+        self._unapplied = None
