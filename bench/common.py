@@ -3,14 +3,9 @@ single JSON line every bench prints last (DESIGN.md: tools parse only that line)
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -71,42 +66,5 @@ def matmul_peak_flops(device="cpu", dtype=torch.float32, n: int = 2048, iters: i
     return 2.0 * n ** 3 / best
 
 
-# ----- N ranks on one machine (gloo, spawn), each returning a picklable dict -------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, outdir, threads, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    import torch.distributed as dist
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(fn(rank, world, *args)))
-    except BaseException:
-        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(fn, world: int, *args, threads: int = 1, timeout: float = 600.0) -> list[dict]:
-    """Run `fn(rank, world, *args) -> JSON-able dict` on `world` spawned gloo ranks."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_rank_main, args=(world, _free_port(), outdir, threads, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"ranks did not finish in {timeout:.0f}s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        return [json.loads((Path(outdir) / f"rank{r}.json").read_text()) for r in range(world)]
+# ----- N ranks on one machine: parallel/spawn.py (gloo, spawn, timeout) ----------------------
+from parallel.spawn import run_ranks  # noqa: E402,F401  (re-exported for the benches)

@@ -27,15 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,36 +272,13 @@ def replace_wl(wl: Workload, prompts: int) -> Workload:
     return dataclasses.replace(wl, prompts_per_step=prompts)
 
 
-def _rank_main(rank, world, port, outdir, threads, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    import torch.distributed as dist
-    try:
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "cpu:gloo,cuda:nccl",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(_comm_rank(rank, world, *args)))
-    except BaseException:
-        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def comm_costs(args: ModelArgs, dtype, wl: Workload, mbt: int, threads: int) -> dict:
     """Spawn two ranks and return rank 0's measurements."""
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from parallel.spawn import run_ranks
+    backend = "gloo" if not torch.cuda.is_available() else "cpu:gloo,cuda:nccl"
     args_d = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_rank_main, args=(2, port, outdir, threads,
-                                             (args_d, str(dtype).removeprefix("torch."),
-                                              dataclasses.asdict(wl), mbt)),
-                           nprocs=2, join=True, start_method="spawn")
-        return json.loads((Path(outdir) / "rank0.json").read_text())
+    return run_ranks(_comm_rank, 2, args_d, str(dtype).removeprefix("torch."),
+                     dataclasses.asdict(wl), mbt, timeout=600, threads=threads, backend=backend)[0]
 
 
 # ----- the whole profile ----------------------------------------------------------------------------------

@@ -1,0 +1,387 @@
+"""tandem against TRL's GRPOTrainer: the same model, prompts, group size, batch, completion length
+and reward, on this machine's CPU, measured back to back in one run.
+
+    python bench/vs_trl.py [--rounds 2] [--hidden 256 --layers 4] [--worlds 2,3] [--smollm2]
+
+Workload, identical on both sides (checked from each side's own logs, not assumed):
+- model: a random tiny Llama (default hidden 256, 4 layers, 2.4M parameters, about the size of
+  REFERENCES.md's tiny Llama for TRL's 0.27-0.35 s/step) saved as a Hugging Face folder with
+  the project's character tokenizer (`tools.make_tiny_model.make_random_model`), which
+  `AutoTokenizer` loads as well; `--smollm2` repeats on SmolLM2-135M-Instruct
+  (`tools.convert_smollm2.convert`);
+- prompts: the synthetic addition prompts (`rollout.data.load_prompts("synthetic:addition")`),
+  handed to TRL as a `datasets.Dataset` of {"prompt": ...};
+- `--prompts` prompt groups per optimizer step, `--samples` completions each (TRL:
+  per_device_train_batch_size = prompts * samples, num_generations = samples, one generation
+  per optimizer step, one pass over it);
+- exactly `--new-tokens` completion tokens: tandem ignores EOS (`generator.ignore_eos`), TRL
+  gets `min_new_tokens = max_completion_length` so EOS cannot be sampled early;
+- the reward: `trivial_reward` below (fraction of "1" characters; cheap, but not constant, so
+  advantages are non-zero and every step really updates the weights); no KL, no reference model.
+
+tandem runs train_rl.py under torchrun, asynchronous (eta = 1), split mode with 1 generator rank
+and 1 trainer rank (world 2), then 1 generator and 2 FSDP trainer ranks (world 3; 3 ranks on a
+2-core machine are oversubscribed), one thread per rank. TRL runs in one process, once per thread
+count in `--trl-threads` (default 1 and all cores); its best is the baseline. Both sides discard
+`--warmup` steps; throughput = completion tokens (or samples) of the remaining steps over their
+summed step times (tandem: `time_step_s` of metrics.jsonl; TRL: a callback's clock between step
+ends), and the ratio from median step times is printed beside it.
+
+This machine is shared with other jobs, and contention only ever slows a run down: the sides run
+interleaved for `--rounds` rounds and each side's best round counts. The load average is printed
+after every run: read it before trusting a ratio.
+
+TRL is a benchmark-only extra (requirements-bench.txt). Without it the bench says so and still
+reports tandem's side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# `common` sits beside this file; the generator imports this module by name for the reward
+# ("bench.vs_trl:trivial_reward"), and then this folder is not on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, print_json  # noqa: E402  (puts REPO on sys.path)
+
+RESULT_TAG = "VS_TRL_RESULT "  # the TRL child prints its result on a line starting with this
+
+
+# ----- the shared reward ------------------------------------------------------------------------
+def _ones_fraction(text: str) -> float:
+    return text.count("1") / max(len(text), 1)
+
+
+def trivial_reward(item, completion_text: str, completion_ids=None) -> float:
+    """tandem's signature (reward.fn = "bench.vs_trl:trivial_reward")."""
+    return _ones_fraction(completion_text)
+
+
+def trl_trivial_reward(completions, **kwargs) -> list[float]:
+    """TRL's signature: a batch of completion strings in, one float each out."""
+    return [_ones_fraction(c) for c in completions]
+
+
+def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process group, so that a time-out also ends torchrun's workers."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _root_cause(stderr: str) -> str:
+    """The first exception line of a failed run (not torchrun's own summary), then the tail."""
+    pattern = re.compile(r"\s*(\w+(Error|Exception)\b|error\b)")
+    causes = [ln.strip() for ln in stderr.splitlines()
+              if pattern.match(ln) and "ChildFailedError" not in ln]
+    return (causes[0] + "\n" if causes else "") + stderr[-1500:]
+
+
+# ----- tandem ---------------------------------------------------------------------------------
+def run_tandem(model: str, run_dir: Path, world: int, a) -> dict:
+    args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
+            "--algo.max_staleness=1", f"--trainer.max_steps={a.steps}",
+            f"--trainer.prompts_per_step={a.prompts}", f"--generator.n_samples={a.samples}",
+            f"--generator.num_slots={a.prompts * a.samples}",
+            f"--generator.max_new_tokens={a.new_tokens}", "--generator.ignore_eos=true",
+            "--parallel.generator_ranks=1", "--parallel.gen_tp=1", "--checkpoint.every_steps=0",
+            "--checkpoint.hf_export_final=false", "--logging.tensorboard=false",
+            "--logging.progress=false", f"--logging.console_every={a.steps}",
+            "--trainer.micro_batch_tokens=100000", f"--trainer.lr={a.lr}",
+            "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
+            "--data.max_prompt_len=256"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(world), "train_rl.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = _run(cmd, env, a.timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"tandem world={world} failed (rc {proc.returncode}): "
+                           f"{_root_cause(proc.stderr)}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[a.warmup:]
+    if not timed:
+        raise RuntimeError(f"tandem world={world}: {len(rows)} steps logged, none after "
+                           f"--warmup {a.warmup}; raise --steps")
+    secs = sum(r["time_step_s"] for r in timed)
+    samples = sum(r["samples"] for r in timed)
+    mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
+    tokens = sum(r["completion_tokens"] for r in timed)
+    return {"steps_timed": len(timed), "step_s": secs / len(timed),
+            "step_s_median": statistics.median(r["time_step_s"] for r in timed),
+            "samples_per_s": samples / secs, "tokens_per_s": tokens / secs,
+            "tokens_per_sample": tokens / samples, "samples_per_step": samples / len(timed),
+            "staleness_mean": mean("staleness_mean"),
+            # what bounds the pipeline: the trainer waiting for batches (generator-bound) or
+            # training and pushing weights (trainer-bound)
+            "wait_batch_s": mean("time_wait_batch_s"),
+            "train_push_s": mean("time_train_s") + mean("time_weights_sync_s"),
+            "launch_wall_s": wall}
+
+
+# ----- TRL (a child process: its own threads, and a crash cannot take the bench down) ----------
+def trl_child(spec: dict) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    from rollout.data import load_prompts
+
+    torch.set_num_threads(spec["threads"])
+    items = load_prompts("synthetic:addition", num_prompts=spec["num_prompts"], seed=0)
+    dataset = datasets.Dataset.from_dict({"prompt": [it.prompt for it in items]})
+    step_ends: list[float] = []
+    step_logs: list[dict] = []
+
+    class Clock(transformers.TrainerCallback):
+        """Wall time between step ends (generation, reward, loss, update: all of TRL's step)."""
+
+        def on_step_begin(self, args, state, control, **kw):
+            if not step_ends:
+                step_ends.append(time.perf_counter())  # the first step's start
+
+        def on_step_end(self, args, state, control, **kw):
+            step_ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:  # one per step (logging_steps=1)
+                step_logs.append(dict(logs))
+
+    n, p, t = spec["samples"], spec["prompts"], spec["new_tokens"]
+    config = trl.GRPOConfig(
+        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=0,
+        # p prompts x n completions per optimizer step, generated once and used once
+        per_device_train_batch_size=p * n, num_generations=n, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1,
+        # exactly t completion tokens: EOS is masked until t tokens exist
+        max_completion_length=t, generation_kwargs={"min_new_tokens": t},
+        temperature=1.0, top_p=1.0, beta=0.0, learning_rate=spec["lr"],
+        lr_scheduler_type="constant", max_steps=spec["steps"], logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        log_completions=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"])
+    trainer = trl.GRPOTrainer(model=spec["model"], reward_funcs=trl_trivial_reward, args=config,
+                              train_dataset=dataset, processing_class=tokenizer,
+                              callbacks=[Clock()])
+    trainer.train()
+    step_s = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    timed, timed_logs = step_s[spec["warmup"]:], step_logs[spec["warmup"]:]
+    if not timed or not timed_logs:
+        raise RuntimeError(f"TRL logged {len(step_s)} steps, none after --warmup {spec['warmup']}")
+    secs = sum(timed)
+    per_step = p * n
+    tokens_per_sample = sum(r["completions/mean_length"] for r in timed_logs) / len(timed_logs)
+    return {"steps_timed": len(timed), "step_s": secs / len(timed),
+            "step_s_median": statistics.median(timed),
+            "samples_per_s": per_step * len(timed) / secs,
+            "tokens_per_s": tokens_per_sample * per_step * len(timed) / secs,
+            "tokens_per_sample": tokens_per_sample, "samples_per_step": per_step,
+            "min_length": min(r["completions/min_length"] for r in timed_logs),
+            "trl_version": trl.__version__}
+
+
+def run_trl(model: str, out: Path, threads: int, a) -> dict:
+    spec = {"model": model, "out": str(out), "threads": threads, "steps": a.trl_steps,
+            "warmup": a.warmup, "prompts": a.prompts, "samples": a.samples,
+            "new_tokens": a.new_tokens, "lr": a.lr, "num_prompts": a.num_prompts}
+    cmd = [sys.executable, __file__, "--trl-child", json.dumps(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = _run(cmd, env, a.timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"TRL run failed (rc {proc.returncode}): {_root_cause(proc.stderr)}")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def trl_missing() -> str | None:
+    """Why TRL cannot run here, or None."""
+    import importlib.util
+
+    for name in ("trl", "datasets"):
+        if importlib.util.find_spec(name) is None:
+            return (f"{name} is not installed (pip install -r requirements-bench.txt; it must keep "
+                    f"the pinned torch)")
+    return None
+
+
+# ----- one comparison -----------------------------------------------------------------------
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def fmt(side: str, r: dict) -> str:
+    return (f"{side:<22} {r['tokens_per_s']:8.0f} completion tok/s  {r['samples_per_s']:7.2f} "
+            f"samples/s  step {r['step_s']:.3f}s  ({r['samples_per_step']:.0f} samples x "
+            f"{r['tokens_per_sample']:.1f} tokens, {r['steps_timed']} steps timed)")
+
+
+def _best(runs: list[dict]) -> dict:
+    return max(runs, key=lambda r: r["tokens_per_s"])
+
+
+def _run_side(name: str, n: int, key: str, model: str, tmp: Path, i: int, a) -> tuple[dict, str]:
+    """One run of one side: (result, description). `n` = TRL threads or tandem world size."""
+    if name.startswith("trl"):
+        r = run_trl(model, tmp / f"{key}_{name}_{i}", n, a)
+        return r, f"TRL {r['trl_version']}, {n} thread(s)"
+    r = run_tandem(model, tmp / f"{key}_{name}_{i}", n, a)
+    return r, f"tandem 1 gen + {n - 1} train"
+
+
+def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
+    """`--rounds` rounds of (TRL at each thread count, tandem at each world size), back to back;
+    each side's best round counts. Other jobs share this machine: contention only ever slows a
+    run down, so the best of a few interleaved rounds is the fairest estimate for all sides."""
+    runs: dict[str, list[dict]] = {}
+    errors: dict[str, str] = {}
+    print(f"== {label}: {a.prompts} prompts x {a.samples} samples x {a.new_tokens} tokens per "
+          f"step; load average {load():.2f} on {os.cpu_count()} cores", flush=True)
+    why = trl_missing() if not a.skip_trl else "skipped (--skip-trl)"
+    if why is not None:
+        errors["trl"] = why
+        print(f"TRL: NOT MEASURED: {why}", flush=True)
+    sides = ([(f"trl_t{t}", t) for t in a.trl_threads] if why is None else []) + \
+        [(f"tandem_w{w}", w) for w in a.worlds]
+    for i in range(1, a.rounds + 1):
+        for name, n in sides:
+            if name in errors:
+                continue  # failed or timed out in an earlier round: do not pay for it again
+            try:
+                r, desc = _run_side(name, n, key, model, tmp, i, a)
+            except subprocess.TimeoutExpired:
+                # Typically TRL with 2+ threads on an overloaded machine (OpenMP barriers stall
+                # whenever one of its threads is descheduled): later rounds would only time out too.
+                errors[name] = f"over --timeout {a.timeout:.0f}s in round {i}"
+                print(f"  round {i}  {name}: over --timeout {a.timeout:.0f}s (contention?); "
+                      "not run again", flush=True)
+                continue
+            except RuntimeError as e:
+                errors[name] = str(e)
+                print(f"  round {i}  {name}: FAILED: {errors[name].splitlines()[0]}", flush=True)
+                continue
+            runs.setdefault(name, []).append(r)
+            extra = (f"  wait {r['wait_batch_s']:.3f}s + train {r['train_push_s']:.3f}s"
+                     if "wait_batch_s" in r else "")
+            print(f"  round {i}  " + fmt(desc, r) + extra + f"  [load {load():.2f}]", flush=True)
+    return summarise(runs, errors, a)
+
+
+def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a) -> dict:
+    """Best run per side, the TRL baseline (its best thread count) and the ratios, printed."""
+    mismatched = sorted({f"{name}: {r['tokens_per_sample']:.1f} tokens/sample, "
+                         f"{r['samples_per_step']:.0f} samples/step"
+                         for name, rs in runs.items() for r in rs
+                         if abs(r["tokens_per_sample"] - a.new_tokens) > 1e-6
+                         or r["samples_per_step"] != a.prompts * a.samples})
+    if mismatched:  # the comparison is only fair at equal work per step
+        print(f"WARNING: workload differs from {a.prompts * a.samples} samples x {a.new_tokens} "
+              f"tokens: {mismatched}", flush=True)
+    out: dict = {"runs": runs, "errors": errors, "workload_matched": not mismatched}
+    out.update({name: _best(rs) for name, rs in runs.items()})
+    trl_names = [n for n in runs if n.startswith("trl_t")]
+    if trl_names:
+        out["trl_best"] = max(trl_names, key=lambda n: out[n]["tokens_per_s"])
+        out["trl"] = trl = out[out["trl_best"]]
+    print(f"best of {a.rounds} round(s):")
+    for name in [f"trl_t{t}" for t in a.trl_threads] + [f"tandem_w{w}" for w in a.worlds]:
+        if name not in out:
+            continue
+        r = out[name]
+        line = (f"  {name:<10} {r['tokens_per_s']:8.0f} completion tok/s  "
+                f"{r['samples_per_s']:7.2f} samples/s  step {r['step_s']:.3f}s")
+        if name == out.get("trl_best"):
+            line += "  (the TRL baseline)"
+        if name.startswith("tandem") and "trl" in out:
+            w = name[len("tandem_w"):]
+            out[f"ratio_tokens_w{w}"] = r["tokens_per_s"] / trl["tokens_per_s"]
+            out[f"ratio_samples_w{w}"] = r["samples_per_s"] / trl["samples_per_s"]
+            # the same from median step times (less sensitive to bursts of contention)
+            out[f"ratio_median_w{w}"] = (trl["step_s_median"] / trl["samples_per_step"]
+                                         * r["samples_per_step"] / r["step_s_median"])
+            line += (f"  -> {out[f'ratio_tokens_w{w}']:.2f}x TRL tok/s, "
+                     f"{out[f'ratio_samples_w{w}']:.2f}x samples/s, "
+                     f"{out[f'ratio_median_w{w}']:.2f}x by median step (goal >= 3x)")
+        print(line, flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=24, help="tandem optimizer steps per run")
+    ap.add_argument("--trl-steps", type=int, default=12, help="TRL optimizer steps")
+    ap.add_argument("--warmup", type=int, default=4, help="steps discarded on both sides")
+    ap.add_argument("--worlds", default="2,3", help="tandem world sizes (1 generator rank each)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4, help="prompt groups per optimizer step")
+    ap.add_argument("--samples", type=int, default=4, help="completions per prompt (group size)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="completion tokens, fixed")
+    ap.add_argument("--num-prompts", type=int, default=1024, help="size of the prompt pool")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--trl-threads", default=f"1,{os.cpu_count() or 1}",
+                    help="TRL thread counts to try; its best one is the baseline (on a loaded "
+                         "machine 1 thread can beat 2 by far: OpenMP barriers stall)")
+    ap.add_argument("--timeout", type=float, default=90.0, help="per run, seconds")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="interleaved rounds of every side; each side's best round counts")
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--smollm2", action="store_true",
+                    help="also compare on SmolLM2-135M-Instruct (slow on CPU: few steps)")
+    ap.add_argument("--smollm2-steps", type=int, default=5)
+    ap.add_argument("--smollm2-timeout", type=float, default=400.0, help="per run, seconds")
+    ap.add_argument("--trl-child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.trl_child:
+        print(RESULT_TAG + json.dumps(trl_child(json.loads(a.trl_child))), flush=True)
+        return 0
+    a.worlds = [int(w) for w in a.worlds.split(",") if w]
+    a.trl_threads = sorted({int(t) for t in a.trl_threads.split(",") if t})
+
+    from tools.make_tiny_model import make_random_model
+
+    t0 = time.perf_counter()
+    record = {"bench": "vs_trl", "prompts": a.prompts, "samples": a.samples,
+              "new_tokens": a.new_tokens, "cores": os.cpu_count(), "load_start": load()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = make_random_model(tmp / "model", hidden=a.hidden, layers=a.layers)
+        label = f"tiny Llama (hidden {a.hidden}, {a.layers} layers)"
+        record["tiny"] = compare("tiny", label, model, tmp, a)
+        record["tiny_s"] = time.perf_counter() - t0
+        if a.smollm2:
+            from tools.convert_smollm2 import convert
+
+            # ~6 s/step for TRL on an idle machine (REFERENCES.md): few steps, one round,
+            # and a time limit per run that fits them
+            a.steps = a.trl_steps = a.smollm2_steps
+            a.warmup, a.rounds, a.timeout = 2, 1, a.smollm2_timeout
+            record["smollm2"] = compare("smollm2", "SmolLM2-135M-Instruct", str(convert()), tmp, a)
+    record["load_end"] = load()
+    record["wall_s"] = time.perf_counter() - t0
+    for key in [k for k in record["tiny"] if k.startswith("ratio_")]:
+        record[key] = record["tiny"][key]
+    print(f"done in {record['wall_s']:.0f}s; load average {record['load_start']:.2f} -> "
+          f"{record['load_end']:.2f} on {os.cpu_count()} cores (other jobs share this machine)")
+    print_json(record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

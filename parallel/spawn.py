@@ -1,0 +1,61 @@
+"""Run a function on N local ranks (torch.multiprocessing spawn) with a timeout: the harness of
+the distributed tests, the benchmarks and the profiler.
+
+Each rank returns a dict of tensors / numbers / strings; it comes back through a torch.save file
+read with `weights_only=True` (no arbitrary unpickling). A rank's exception fails the call with
+that rank's traceback; a hang fails it after `timeout` seconds instead of blocking forever.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, outdir, threads, backend, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        result = fn(rank, world, *args)
+        torch.save(result or {}, Path(outdir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1,
+              backend: str = "gloo") -> list[dict]:
+    """Run `fn(rank, world, *args)` on `world` spawned ranks; return each rank's result."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, threads, backend, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        try:
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    errs = "\n".join(e.read_text() for e in sorted(Path(outdir).glob("*.err")))
+                    raise TimeoutError(f"{world} ranks did not finish in {timeout:.0f}s\n{errs}")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
