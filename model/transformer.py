@@ -53,6 +53,7 @@ class _Context:
     positions: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None  # set only for the flash-attn varlen path
     max_len: int = 0
+    split: list[int] | None = None  # packed without flash-attn: attend sequence by sequence
     window: int | None = None
     backend: str = "auto"
 
@@ -63,7 +64,22 @@ class _Context:
         elif self.cu_seqlens is not None:
             out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window)
             return out[None]
+        elif self.split is not None:
+            return self._per_sequence(q, k, v)
         return attn.sdpa(q, k, v, self.mask, causal=True)
+
+    def _per_sequence(self, q, k, v) -> torch.Tensor:
+        """Packed attention as one causal SDPA per sequence: O(sum n_i^2) work instead of the
+        O(N^2) of a block-diagonal mask over all N packed tokens."""
+        outs = []
+        for qs, ks, vs in zip(q.split(self.split, 1), k.split(self.split, 1), v.split(self.split, 1)):
+            n = qs.shape[1]
+            mask = None
+            if self.window is not None and n > self.window:
+                pos = torch.arange(n, device=qs.device)[None]
+                mask = attn.causal_mask(pos, pos, self.window)
+            outs.append(attn.sdpa(qs, ks, vs, mask, causal=True))
+        return torch.cat(outs, dim=1)
 
     def _slots(self, q):
         if self.slots is not None:
@@ -199,7 +215,7 @@ class Transformer(nn.Module):
             ctx.cu_seqlens = F.pad(seq_lens.to(dev).cumsum(0), (1, 0)).to(torch.int32)
             ctx.max_len = int(seq_lens.max())
         elif seq_ids is not None:
-            ctx.mask = attn.causal_mask(positions, positions, window, seq_ids[None], seq_ids[None])
+            ctx.split = seq_lens.tolist()
         elif not default_positions or (window is not None and T > window):
             ctx.mask = attn.causal_mask(positions, positions, window)
         return ctx
