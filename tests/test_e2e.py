@@ -38,7 +38,8 @@ def async_run(tmp_path_factory):
     model = make_rl_model(tmp / "model")
     run_dir = tmp / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
-                     f"--run.dir={run_dir}", "--trainer.max_steps=4", "--algo.max_staleness=1", *QUICK])
+                     f"--run.dir={run_dir}", "--trainer.max_steps=4", "--algo.max_staleness=1", *QUICK,
+                     "--checkpoint.every_steps=2", "--checkpoint.hf_export_every=2"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return run_dir, model, proc
 
@@ -57,6 +58,21 @@ def test_metrics_have_every_contract_key_and_versions_advance(async_run):
     assert all(g <= r["policy_version"] for g, r in zip(gen, rows))
     assert "step    4" in proc.stdout  # one console line per step
     assert (run_dir / "config.toml").is_file()
+
+
+def test_async_checkpoint_and_periodic_hf_export(async_run):
+    import transformers
+    run_dir = async_run[0]
+    extra = json.loads((run_dir / "checkpoints" / "step_000002" / "extra.json").read_text())
+    assert extra["step"] == 2 and extra["version"] == 2
+    gen = extra["generators"]["0"]  # the generator's half of the cut
+    assert {"cursor", "started", "inflight"} <= set(gen)
+    held = {g["prompt_id"] for g in extra["buffer"]["groups"]} | {pid for pid, _ in gen["inflight"]}
+    trained = {pid for r in read_metrics(run_dir)[:2] for pid in r["prompt_ids"]}
+    assert not held & trained  # buffered / in-flight prompts at the cut were not trained before it
+    assert gen["started"] == len(trained) + len(held)  # every started prompt is accounted for
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(run_dir / "hf" / "step_000002"))
+    assert hf.config.vocab_size == 17
 
 
 def test_tensorboard_events_read_back(async_run):

@@ -331,3 +331,37 @@ def test_loss_and_grad_invariant_to_micro_batch_split(loss_name):
     assert full_grad.abs().sum() > 0
     assert int(micro_out.tokens) == int(full_out.tokens)
     assert micro_out.is_ratio_max.item() == pytest.approx(full_out.is_ratio_max.item())
+
+
+def test_nonfinite_steps_are_skipped_counted_and_abort_after_k_in_a_row():
+    from trainer.step import NonFiniteGuard, StepResult
+    guard = NonFiniteGuard(max_in_a_row=3)
+    ok, bad = StepResult({}, 1.0, skipped=False), StepResult({}, float("nan"), skipped=True)
+    for r in (bad, bad, ok, bad, bad):  # never 3 in a row: counted, not fatal
+        guard.check(r)
+    assert guard.total == 4 and guard.in_a_row == 2
+    with pytest.raises(FloatingPointError, match="3 trainer steps in a row.*max_nonfinite_steps"):
+        guard.check(bad)
+
+
+def test_train_step_skips_a_nonfinite_update():
+    """A NaN loss leaves the parameters untouched and reports the step as skipped."""
+    import types
+    import torch
+    from trainer.batch import Group, Trajectory
+    from trainer.step import train_step
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(5, 7))
+
+    def forward(input_ids_N, seq_lens=None):
+        return model.w[input_ids_N] * float("nan")  # [N, 7] logits, all NaN
+    model.forward = forward
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = types.SimpleNamespace(
+        algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0),
+        generator=types.SimpleNamespace(temperature=1.0),
+        trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1.0))
+    trajs = [Trajectory(0, i, [1, 2], [3, 4], [-1.0, -1.0], [0, 0], float(i), "stop") for i in range(2)]
+    res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
+    assert res.skipped and torch.equal(model.w, torch.zeros(5, 7))
