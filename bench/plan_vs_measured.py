@@ -3,7 +3,7 @@
     python bench/plan_vs_measured.py [--layouts all|quick] [--steps 7] [--warmup 3]
 
 1. Make a random tiny Llama (tools/make_tiny_model.make_random_model), profile it on this machine
-   (launch/profile.py: per-layer fwd/bwd, decode steps, trainer overhead, gloo links).
+   (launch/calibrate.py: per-layer fwd/bwd, decode steps, trainer overhead, gloo links).
 2. For every layout in the list (world 3 and 4, split mode; colocated is not runnable yet),
    predict T_gen, T_train, T_sync and the step time with launch/cost_model.py, from the profile
    and the CPU cluster model (ranks share `os.cpu_count()` cores: time dilation).
@@ -33,7 +33,7 @@ from common import REPO, print_json  # noqa: F401  (puts the repo on sys.path)
 
 from launch import cost_model as cm
 from launch.plan import cluster_table
-from launch.profile import measure
+from launch.calibrate import measure
 from model.hf_io import load_model_args
 from tools.make_tiny_model import make_random_model
 

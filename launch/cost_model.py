@@ -536,7 +536,7 @@ def with_profile(cl: Cluster, prof) -> Cluster:
                    inter_gbps=min(cl.inter_gbps, prof.p2p_gbps) if cl.nodes > 1 else prof.p2p_gbps)
 
 
-# ----- measured numbers (launch/profile.py writes them) ---------------------------------------------
+# ----- measured numbers (launch/calibrate.py writes them) ---------------------------------------------
 SIGNATURE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
              "head_dim", "vocab_size")
 
@@ -575,7 +575,7 @@ def poly(coef, x: float) -> float:
 
 @dataclass
 class Profile:
-    """Measured costs of one model on one machine (launch/profile.py). Per-layer times are fitted
+    """Measured costs of one model on one machine (launch/calibrate.py). Per-layer times are fitted
     as a + b*T + c*T^2 in the micro-batch tokens T (the c term is the attention score matrix);
     collectives between two ranks as a + b*bytes and extended to k ranks as rings."""
     device: str

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", default="h100", help=f"{sorted(cm.GPUS)} or cpu")
     ap.add_argument("--cores", type=int, default=2, help="--gpu cpu: cores the ranks share")
-    ap.add_argument("--profile", help="profile JSON from launch/profile.py (overrides the datasheet)")
+    ap.add_argument("--profile", help="profile JSON from launch/calibrate.py (overrides the datasheet)")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--group", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=512)

@@ -1,6 +1,6 @@
 """Calibrate the cost model on the present hardware (CPU here, CUDA when there is one).
 
-    python launch/profile.py --model runs/_models/tiny_addition --prompts 8 --group 8 \\
+    python launch/calibrate.py --model runs/_models/tiny_addition --prompts 8 --group 8 \\
         --prompt-len 8 --response-len 24 --out profile.json
     python launch/plan.py --model ... --profile profile.json ...   # measured numbers win
 
