@@ -16,6 +16,7 @@ from torch import nn
 from parallel.layout import Box, Layout, ParamSpec
 from tests import tiny
 from tests.dist import run_ranks
+from tests.test_weights_sync import _setup
 from weights_sync.ipc import Control, CpuShmMemory, IpcReceiver, IpcSender, _decode, _encode
 from weights_sync.plan import plan
 from weights_sync.sync import MultiReceiver, MultiSender, WeightReceiver, WeightSender, \
@@ -257,31 +258,6 @@ def test_cpu_stand_in_shares_memory():
 GEN_DTYPE = torch.bfloat16
 
 
-def _setup(rank, folder, n_trainer, device="cpu", gen_tp=1, gen_dtype=GEN_DTYPE):
-    from torch.distributed.device_mesh import DeviceMesh
-    from model.hf_io import load_model_args
-    from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
-    from weights_sync.sync import exchange_layouts, transfer_specs
-
-    world = dist.get_world_size()
-    gen = list(range(n_trainer, world))
-    tmesh = DeviceMesh("cpu", torch.arange(n_trainer).view(n_trainer, 1), mesh_dim_names=("fsdp", "tp"))
-    gmesh = DeviceMesh("cpu", torch.tensor(gen).view(-1, gen_tp), mesh_dim_names=("dp", "tp"))
-    tgroup, ggroup = dist.new_group(list(range(n_trainer))), dist.new_group(gen)
-    wgroup = dist.new_group(backend="gloo")
-    args = load_model_args(folder)
-    dev = torch.device(device)
-    if rank < n_trainer:
-        model = build_model(args, dev, torch.float32, path=folder,
-                            parallelize=lambda m: parallelize_trainer(m, tmesh))
-        layout = Layout.from_module(model, group=tgroup)
-    else:
-        model = build_model(args, dev, gen_dtype, seed=rank,
-                            parallelize=lambda m: parallelize_generator(m, gmesh))
-        layout = Layout.from_module(model, group=ggroup)
-    src, dst = exchange_layouts(layout, rank == 0, rank == n_trainer)
-    return model, plan(src, dst, transfer_specs(src, dst)), wgroup, tgroup
-
 
 def _local(p):
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
@@ -290,7 +266,7 @@ def _local(p):
 def _sync_worker(rank, world, folder, n_trainer, gpu_of, buffers, device="cpu", gen_tp=1,
                  gen_dtype=GEN_DTYPE):
     from torch.distributed.tensor import DTensor
-    model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, device, gen_tp, gen_dtype)
+    model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp, device, gen_dtype)
     out = {}
     if rank < n_trainer:
         sender = make_sender(model, p, rank, gen_dtype, wgroup, 30, gpu_of, bucket_bytes=4096,

@@ -10,8 +10,9 @@ from tests.dist import run_ranks
 GEN_DTYPE = torch.bfloat16
 
 
-def _setup(rank, folder, n_trainer, gen_tp):
-    """Trainer ranks [0, n_trainer) with FSDP, generator ranks after them with dp x tp."""
+def _setup(rank, folder, n_trainer, gen_tp=1, device="cpu", gen_dtype=GEN_DTYPE):
+    """Trainer ranks [0, n_trainer) with FSDP, generator ranks after them with dp x tp; returns
+    this rank's model, the weight-sync plan, the weights group and the trainer group."""
     from torch.distributed.device_mesh import DeviceMesh
     from model.hf_io import load_model_args
     from parallel.layout import Layout
@@ -25,14 +26,14 @@ def _setup(rank, folder, n_trainer, gen_tp):
     gmesh = DeviceMesh("cpu", torch.tensor(gen).view(-1, gen_tp), mesh_dim_names=("dp", "tp"))
     tgroup, ggroup = dist.new_group(list(range(n_trainer))), dist.new_group(gen)
     wgroup = dist.new_group(backend="gloo")
-    args = load_model_args(folder)
+    args, dev = load_model_args(folder), torch.device(device)
     if rank < n_trainer:
-        model = build_model(args, torch.device("cpu"), torch.float32,
-                            parallelize=lambda m: parallelize_trainer(m, tmesh), path=folder)
+        model = build_model(args, dev, torch.float32, path=folder,
+                            parallelize=lambda m: parallelize_trainer(m, tmesh))
         layout = Layout.from_module(model, group=tgroup)
     else:
-        model = build_model(args, torch.device("cpu"), GEN_DTYPE,
-                            parallelize=lambda m: parallelize_generator(m, gmesh), seed=rank)
+        model = build_model(args, dev, gen_dtype, seed=rank,
+                            parallelize=lambda m: parallelize_generator(m, gmesh))
         layout = Layout.from_module(model, group=ggroup)
     src, dst = exchange_layouts(layout, rank == 0, rank == n_trainer)
     return model, plan(src, dst, transfer_specs(src, dst)), wgroup, tgroup
