@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 from collections.abc import Callable, Collection
 
@@ -49,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from weights_sync import stream
+from weights_sync.sync import VersionThread
 
 # ----- handles: JSON-able descriptions of a shared buffer ---------------------------------------
 
@@ -271,9 +271,7 @@ class IpcSender:
                 "buffers": [self.memory.export(b) for b in bufs]})
         self.held: dict[int, list[int | None]] = {d: [None] * buffers for d in self.peers}
         self.next_slot = dict.fromkeys(self.peers, 0)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._version = -1
+        self._inflight = VersionThread()
         self.history: list[dict] = []  # bytes, seconds (fill + publish) per version
 
     @property
@@ -283,36 +281,21 @@ class IpcSender:
     def push(self, version: int) -> None:
         """Start staging `version` in the background; returns at once."""
         self.wait_sent()
-        self._version, self._error = version, None
         after = self.memory.marker()  # the fill waits for the caller's queued updates
-        self._thread = threading.Thread(target=self._stage_all, args=(version, after),
-                                        daemon=True, name=f"weights-ipc-v{version}")
-        self._thread.start()
+        self._inflight.start(version, self._stage_all, (version, after), f"weights-ipc-v{version}")
 
     def wait_sent(self) -> None:
         """Block until the version in flight is staged: the parameters may change after this."""
-        if self._thread is None:
-            return
         # the thread's own waits time out first, with the specific peer and version
-        self._thread.join(self.timeout_s + 5)
-        if self._thread.is_alive():
-            raise TimeoutError(f"trainer rank {self.rank}: weights version {self._version} not "
-                               f"staged for generator ranks {sorted(self.peers)} after "
-                               f"{self.timeout_s:.0f}s (CUDA IPC)")
-        self._thread = None
-        if self._error is not None:
-            raise self._error
+        self._inflight.join(self.timeout_s + 5, f"trainer rank {self.rank} has not staged it for "
+                                                f"generator ranks {sorted(self.peers)} (CUDA IPC)")
 
     def _stage_all(self, version: int, after) -> None:
         t0, nbytes = time.perf_counter(), 0
         deadline = time.monotonic() + self.timeout_s  # one budget for all peers of the version
-        try:
-            with torch.no_grad():
-                for d in self.peers:
-                    nbytes += self._stage(d, version, after, deadline)
-        except BaseException as e:  # surfaced by wait_sent on the trainer thread
-            self._error = e
-            return
+        with torch.no_grad():
+            for d in self.peers:
+                nbytes += self._stage(d, version, after, deadline)
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel.layout import local_box  # noqa: F401  (re-exported for executors)
+
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
@@ -68,6 +68,37 @@ def _wait(work, timeout_s: float, what: str) -> None:
         raise PeerLost(f"weight sync lost its peer while waiting for {what} ({e})") from None
 
 
+class VersionThread:
+    """One version in flight in a background thread: `start` it (after the previous one is done),
+    `join` it before the parameters change. The thread's exception is re-raised by `join`."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.version = -1
+
+    def start(self, version: int, target, args: tuple, name: str) -> None:
+        self.version, self.error = version, None
+        self._thread = threading.Thread(target=self._run, args=(target, args), daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self, target, args) -> None:
+        try:
+            target(*args)
+        except BaseException as e:  # surfaced by join() on the trainer's thread
+            self.error = e
+
+    def join(self, timeout_s: float, waiting_for: str) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"weights version {self.version}: {waiting_for} after {timeout_s:.0f}s")
+        self._thread = None
+        if self.error is not None:
+            raise self.error
+
+
 class WeightSender:
     """`peers` restricts the plan's destinations to those this transport serves (None: all)."""
 
@@ -89,9 +120,7 @@ class WeightSender:
                        if view is None), default=0)
         self.pool = [torch.empty(longest, dtype=dtype, device=self.device)
                      for _ in range(2 if longest else 0)]
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._version = -1
+        self._inflight = VersionThread()
         self.history: list[dict] = []  # bytes, seconds, GB/s per version
 
     @property
@@ -100,33 +129,18 @@ class WeightSender:
 
     def push(self, version: int) -> None:
         self.wait_sent()
-        self._version, self._error = version, None
-        self._thread = threading.Thread(target=self._stream_all, args=(version,), daemon=True,
-                                        name=f"weights-v{version}")
-        self._thread.start()
+        self._inflight.start(version, self._stream_all, (version,), f"weights-v{version}")
 
     def wait_sent(self) -> None:
         """Block until the version in flight is fully received (before touching the params)."""
-        if self._thread is None:
-            return
-        self._thread.join(self.timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"trainer rank {self.rank}: weight version {self._version} still not "
-                               f"received after {self.timeout_s:.0f}s by generator ranks "
-                               f"{sorted(self.peers)}")
-        self._thread = None
-        if self._error is not None:
-            raise self._error
+        self._inflight.join(self.timeout_s, f"trainer rank {self.rank} still waiting for generator "
+                                            f"ranks {sorted(self.peers)} to receive it")
 
     def _stream_all(self, version: int) -> None:
         t0, nbytes = time.perf_counter(), 0
-        try:
-            with torch.no_grad():
-                for dst, segs in self.peers.items():
-                    nbytes += self._stream(dst, segs, version)
-        except BaseException as e:  # surfaced by wait_sent on the trainer thread
-            self._error = e
-            return
+        with torch.no_grad():
+            for dst, segs in self.peers.items():
+                nbytes += self._stream(dst, segs, version)
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
