@@ -56,32 +56,28 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> t
                            reduction="sum") / total_tokens
 
 
-def ours_step_fn(model, opt, ids, total_tokens, packed: bool):
-    inp, tgt = ids[:, :-1], ids[:, 1:]
-    seq_lens = torch.full((inp.shape[0],), inp.shape[1], device=ids.device)
-
+def _step_fn(forward, opt, tgt, total_tokens):
+    """One timed training step: forward -> summed CE / global tokens -> backward -> AdamW."""
     def step():
-        logits = model(inp.reshape(-1), seq_lens=seq_lens) if packed else model(inp)
-        loss = loss_of(logits, tgt, total_tokens)
+        loss = loss_of(forward(), tgt, total_tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         step.losses.append(loss.item())
     step.losses = []
     return step
+
+
+def ours_step_fn(model, opt, ids, total_tokens, packed: bool):
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    seq_lens = torch.full((inp.shape[0],), inp.shape[1], device=ids.device)
+    forward = (lambda: model(inp.reshape(-1), seq_lens=seq_lens)) if packed else (lambda: model(inp))
+    return _step_fn(forward, opt, tgt, total_tokens)
 
 
 def hf_step_fn(model, opt, ids, total_tokens):
     inp, tgt = ids[:, :-1], ids[:, 1:]
-
-    def step():
-        loss = loss_of(model(input_ids=inp, use_cache=False).logits, tgt, total_tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step.losses.append(loss.item())
-    step.losses = []
-    return step
+    return _step_fn(lambda: model(input_ids=inp, use_cache=False).logits, opt, tgt, total_tokens)
 
 
 def hf_model(args: ModelArgs, device, dtype):

@@ -138,7 +138,6 @@ def _timed(fn) -> float:
 def gloo_worker(rank, world, shape, dtypes, versions, warmup, bucket_mb):
     import torch.distributed as dist
     from model import ModelArgs
-    from weights_sync import stream
     from weights_sync.sync import make_receiver, make_sender
     args = ModelArgs(**SHAPES[shape])
     tmesh, gmesh, tgroup, ggroup = _meshes(2)
@@ -198,17 +197,8 @@ def gloo_worker(rank, world, shape, dtypes, versions, warmup, bucket_mb):
         rec = {"single": t_single, "pair": t_pair, "ours": t_ours, "bytes": numel * floor.element_size(),
                "staging_bytes": io.staging_bytes, "rss_growth": rss_delta,
                "checksums": _checksums(model, gen_dtype, tgroup if is_trainer else None)}
-        if is_trainer:  # diagnostic: the sender's copies alone (pieces not sent zero-copy)
-            t0, copied = time.perf_counter(), 0
-            with torch.no_grad():
-                for d, segs in io.peers.items():
-                    for lo, hi, view in io.messages[d]:
-                        if view is None:
-                            stream.fill(io.pool[0], lo, hi, segs, io.tensors)
-                            copied += hi - lo
-            rec["fill_s"] = time.perf_counter() - t0
-            total = sum(stream.stream_numel(s) for s in io.peers.values())
-            rec["copied_fraction"] = copied / max(1, total)
+        if is_trainer:
+            rec.update(_fill_diagnostic(io))
         else:
             rec.update(recv_s=t_recv, apply_s=t_apply)
         io_close = getattr(io, "close", None)
@@ -217,6 +207,20 @@ def gloo_worker(rank, world, shape, dtypes, versions, warmup, bucket_mb):
         out[name] = rec
         del io, floor
     return out
+
+
+@torch.no_grad()
+def _fill_diagnostic(io) -> dict:
+    """The sender's copies alone (the pieces it cannot send zero-copy): time and fraction."""
+    from weights_sync import stream
+    t0, copied = time.perf_counter(), 0
+    for d, segs in io.peers.items():
+        for lo, hi, view in io.messages[d]:
+            if view is None:
+                stream.fill(io.pool[0], lo, hi, segs, io.tensors)
+                copied += hi - lo
+    total = sum(stream.stream_numel(s) for s in io.peers.values())
+    return {"fill_s": time.perf_counter() - t0, "copied_fraction": copied / max(1, total)}
 
 
 def _full_shapes(model):
