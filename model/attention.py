@@ -38,6 +38,25 @@ def sdpa(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor | None, causal: bool) ->
     return out.transpose(1, 2)
 
 
+def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor) -> torch.Tensor:
+    """Masked attention for grouped-query heads without repeating k/v: the G query heads that
+    share a kv head are folded into the query axis ([B, Hkv, T*G, D]), so every backend sees
+    plain multi-head attention with Hkv heads. For decode (T = 1) the fold is a free view; SDPA's
+    `enable_gqa` would instead fall back to kernels that copy k/v G times or ignore the mask."""
+    B, T, Hq, D = q_BTHD.shape
+    S, Hkv = k_BSHD.shape[1], k_BSHD.shape[2]
+    G = Hq // Hkv
+    q = q_BTHD.view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
+    mask = mask_BTS[:, None, :, None, :].expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
+    k, v = k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)
+    if q.is_cuda:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:  # CPU: two batched matmuls beat SDPA's CPU kernel ~2x at decode sizes (BENCHMARKS.md)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5)
+        out = torch.matmul(scores.masked_fill_(~mask, float("-inf")).softmax(-1), v)
+    return out.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
+
+
 def varlen_flash(q_NHD, k_NHD, v_NHD, cu_seqlens: torch.Tensor, max_len: int,
                  window: int | None) -> torch.Tensor:
     """Packed causal attention with flash-attn: no padding, no N x N mask."""

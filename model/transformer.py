@@ -61,6 +61,7 @@ class _Context:
         if self.kv_cache is not None:
             self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
             k, v = self.kv_cache.read(layer, self.slots)
+            return attn.sdpa_grouped(q, k, v, self.mask)
         elif self.cu_seqlens is not None:
             out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window)
             return out[None]
