@@ -60,6 +60,7 @@ class ParallelConfig:
     activation_checkpointing: bool = _f(False, "Recompute trainer activations in the backward pass to save memory.")
     compile: bool = _f(False, "torch.compile the trainer model and the generator decode step.")
     backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
+    ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC): staging buffers per pair. 0 = zero copy: the generator reads the trainer's shards directly (no staging memory, fastest; the trainer's next update waits until the generator has read the version); 2 = double buffering.", ge=0)
     timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds.", gt=0)
     warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile), in seconds.", gt=0)
 

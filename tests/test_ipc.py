@@ -139,9 +139,9 @@ def test_handles_are_exported_and_mapped_once():
     for v in range(1, 5):
         sender.push(v)
         recv.receive(v)()
-        mapped = mapped or list(recv.mapped[0])
+        mapped = mapped or list(recv.sources[0])
         assert [b.data_ptr() for b in sender.staging[9]] == ptrs
-        assert all(a is b for a, b in zip(recv.mapped[0], mapped))
+        assert all(a is b for a, b in zip(recv.sources[0], mapped))
     sender.close()
 
 
@@ -201,6 +201,40 @@ def test_direct_mode_holds_the_slot_until_applied():
         stale()
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_zero_copy_reads_the_trainer_parameters(direct):
+    """buffers=0: no staging on the trainer; the generator copies (and casts) its boxes straight
+    out of the trainer's shared parameters, and the trainer is held until it has."""
+    trainer, gen, sender, recv = _pair(buffers=0, timeout_s=1.0, direct=direct)
+    assert sender.staging_bytes == 0
+    for v in (1, 2):
+        _bump(trainer, v)
+        sender.push(v)
+        apply = recv.receive(v)
+        apply()
+        sender.wait_sent()
+        assert _same(trainer, gen), v
+    sender.close()
+
+
+def test_zero_copy_holds_the_trainer_until_read():
+    _, _, sender, _ = _pair(buffers=0, timeout_s=0.5)
+    sender.push(1)
+    with pytest.raises(TimeoutError, match=r"not acked weights version 1 after 0s, so the "
+                                           r"parameters it reads cannot be changed"):
+        sender.wait_sent()  # nobody has read version 1
+
+
+def test_zero_copy_refuses_a_shard_that_does_not_hold_the_plan():
+    p = _toy_plan(n_src=1)
+    store = dist.HashStore()
+    sender = IpcSender(Toy(4), p, 0, torch.bfloat16, 5.0, buffers=0, store=store)  # 4 rows, not 6
+    recv = IpcReceiver(Toy(6, torch.bfloat16), p, 9, 5.0, store=store)
+    with pytest.raises(ValueError, match=r"shares 'w' with shape \(4, 4\).*different layouts"):
+        recv.receive(1)
+    assert sender.staging_bytes == 0
+
+
 def test_receiver_times_out_naming_peer_and_version():
     _, _, sender, recv = _pair(timeout_s=0.5)
     sender.push(4)
@@ -227,7 +261,8 @@ def test_dtype_mismatch_is_a_value_error():
         recv.receive(1)
 
 
-def test_two_sources_with_a_replicated_param():
+@pytest.mark.parametrize("buffers", [1, 0])
+def test_two_sources_with_a_replicated_param(buffers):
     p = _toy_plan(n_src=2)
     store = dist.HashStore()
     full = Toy(6, seed=3)
@@ -237,12 +272,15 @@ def test_two_sources_with_a_replicated_param():
             h.w.copy_(full.w[3 * r:3 * r + 3])
             h.b.copy_(full.b)
     gen = Toy(6, torch.bfloat16, seed=4)
-    senders = [IpcSender(h, p, r, torch.bfloat16, 5.0, store=store) for r, h in enumerate(halves)]
+    senders = [IpcSender(h, p, r, torch.bfloat16, 5.0, buffers=buffers, store=store)
+               for r, h in enumerate(halves)]
     recv = IpcReceiver(gen, p, 9, 5.0, store=store)
     for s in senders:
         s.push(1)
     recv.receive(1)()
     assert _same(full, gen)
+    for s in senders:
+        s.close()
 
 
 def test_cpu_stand_in_shares_memory():
@@ -251,6 +289,11 @@ def test_cpu_stand_in_shares_memory():
     u = m.open(m.export(t))
     t[3] = 5
     assert u[3] == 5 and u.numel() == 8
+    base = torch.arange(24.0).view(4, 6)
+    view = base[1:3, ::2]  # a strided view at an offset, as a parameter shard can be
+    w = m.open(m.export(view))
+    base[2, 4] = -1
+    assert w.shape == view.shape and torch.equal(w, view) and w[1, 2] == -1
 
 
 # ----- real gloo ranks: trainer fsdp=2 (ranks 0, 1) -> generator dp=2 (ranks 2, 3) ----------
@@ -328,7 +371,7 @@ def test_mixed_transports_on_gloo_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("buffers", [1, 2, 0])
 def test_all_ipc_pair_on_gloo_ranks(tmp_path, buffers):
     tiny.save_hf("llama3", tmp_path)
     gpu_of = {0: ("h", 0), 1: ("h", 0)}
@@ -378,10 +421,11 @@ def test_cuda_ipc_handle_round_trip_in_process():
 
 @CUDA
 @pytest.mark.slow
-def test_cuda_ipc_two_processes_one_gpu(tmp_path):
+@pytest.mark.parametrize("buffers", [2, 0])
+def test_cuda_ipc_two_processes_one_gpu(tmp_path, buffers):
     tiny.save_hf("llama3", tmp_path)
     gpu_of = {0: ("h", 0), 1: ("h", 0)}
-    results = run_ranks(_sync_worker, 2, str(tmp_path), 1, gpu_of, 2, "cuda:0", timeout=240)
+    results = run_ranks(_sync_worker, 2, str(tmp_path), 1, gpu_of, buffers, "cuda:0", timeout=240)
     assert all(r["kind"].tolist() == [False, True] for r in results)
     _check_versions(results, 1)
 
@@ -403,7 +447,8 @@ def test_bench_gloo_and_ipc_modes_on_cpu():
     gloo = _bench("--shape", "tiny", "--versions", "1", "--dtypes", "float32,bfloat16")
     assert gloo["bench"] == "weights_sync" and all(r["exact"] for r in gloo["results"].values())
     ipc = _bench("--ipc", "--device", "cpu", "--shape", "tiny", "--versions", "2")
-    assert ipc["exact"] and set(ipc["results"]) == {"staged_b1", "direct_b1", "staged_b2"}
+    assert ipc["exact"] and set(ipc["results"]) == {"staged_b1", "direct_b1", "staged_b2",
+                                                   "staged_b0", "direct_b0"}
 
 
 @pytest.mark.slow

@@ -33,9 +33,10 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
         if cfg.model.ref_path else None
     layout = Layout.from_module(model, group=meshes.trainer_group)
     src, dst = exchange_layouts(layout, is_src_leader=owner, is_dst_leader=False)
+    # CUDA IPC to a generator on this GPU, else NCCL/gloo
     sender = make_sender(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
                          to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s,
-                         meshes.gpu_of)  # CUDA IPC to a generator on this GPU, else NCCL/gloo
+                         meshes.gpu_of, ipc_buffers=cfg.parallel.ipc_buffers)
     leaders = [row[0] for row in dims.generator_mesh_ranks()]
     link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
     path = resume_path(cfg)  # the same on every rank: they all read the run directory

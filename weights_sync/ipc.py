@@ -150,13 +150,15 @@ class CpuShmMemory:
     def export(self, t: torch.Tensor) -> dict:
         manager, name, nbytes = t.untyped_storage()._share_filename_cpu_()  # moves t into shm
         return {"manager": _encode(manager), "name": _encode(name), "nbytes": nbytes,
-                "dtype": _dtype_name(t.dtype), "numel": t.numel()}
+                "dtype": _dtype_name(t.dtype), "offset": t.storage_offset(),
+                "size": list(t.shape), "stride": list(t.stride())}
 
     def open(self, handle: dict) -> torch.Tensor:
         storage = torch.UntypedStorage._new_shared_filename_cpu(
             _decode(handle["manager"]), _decode(handle["name"]), handle["nbytes"])
         dtype = _decode({"dtype": handle["dtype"]})
-        return torch.empty(0, dtype=dtype).set_(storage, 0, (handle["numel"],), (1,))
+        return torch.empty(0, dtype=dtype).set_(storage, handle["offset"], handle["size"],
+                                                handle["stride"])
 
     def marker(self):
         return None
@@ -246,14 +248,23 @@ def _local_tensors(model) -> dict[str, torch.Tensor]:
 
 class IpcSender:
     """`WeightSender`'s interface (push / wait_sent / close) for the destination peers that
-    share this rank's GPU. `peers` restricts the plan's destinations (None: all of them)."""
+    share this rank's GPU. `peers` restricts the plan's destinations (None: all of them).
+
+    `buffers` >= 1: staging buffers per peer (the module docstring's protocol). `buffers=0`
+    (zero copy): nothing is staged; the trainer shares its parameter shards themselves, each
+    generator copies its boxes straight out of them (casting to its dtype), and `wait_sent()`
+    returns only once every peer acked the version, since the parameters must not change while
+    a generator reads them. One device copy per version and no staging memory at all, at the
+    price of the trainer's next update waiting for the generators."""
 
     def __init__(self, model, plan, rank: int, dtype: torch.dtype, timeout_s: float,
                  peers: Collection[int] | None = None, buffers: int = 1, store=None,
                  channel: str = "weights"):
-        if buffers < 1:
-            raise ValueError(f"buffers={buffers}: need at least one staging buffer per peer")
+        if buffers < 0:
+            raise ValueError(f"buffers={buffers}: use 0 (zero copy: generators read the "
+                             f"trainer's parameters) or >= 1 staging buffers per peer")
         self.rank, self.dtype, self.timeout_s = rank, dtype, timeout_s
+        self.zero_copy = buffers == 0
         self.tensors = _local_tensors(model)
         self.device = next(iter(self.tensors.values())).device
         self.memory = shared_memory_for(self.device)
@@ -265,14 +276,24 @@ class IpcSender:
         # Persistent and exported once: the receiver maps them once, then only versions move.
         self.staging = {d: [torch.empty(max(1, n), dtype=dtype, device=self.device)
                             for _ in range(buffers)] for d, n in self.numel.items()}
-        for d, bufs in self.staging.items():
-            self.control.publish_handles(rank, d, {
-                "kind": self.memory.kind, "dtype": _dtype_name(dtype), "numel": self.numel[d],
-                "buffers": [self.memory.export(b) for b in bufs]})
-        self.held: dict[int, list[int | None]] = {d: [None] * buffers for d in self.peers}
+        for d in self.peers:
+            self.control.publish_handles(rank, d, self._handles(d))
+        # the fill of each (peer, slot): one multi-tensor copy over views built once
+        self.fills = {d: [(stream.part_views(b, self.peers[d]),
+                           stream.box_views(self.peers[d], self.tensors)) for b in bufs]
+                      for d, bufs in self.staging.items()}
+        self.held: dict[int, list[int | None]] = {d: [None] * max(1, buffers) for d in self.peers}
         self.next_slot = dict.fromkeys(self.peers, 0)
         self._inflight = VersionThread()
         self.history: list[dict] = []  # bytes, seconds (fill + publish) per version
+
+    def _handles(self, d: int) -> dict:
+        if self.zero_copy:  # export (on CPU: move into shared memory) before any view is taken
+            names = sorted({seg.param for seg in self.peers[d]})
+            return {"kind": self.memory.kind, "mode": "params",
+                    "params": {n: self.memory.export(self.tensors[n]) for n in names}}
+        return {"kind": self.memory.kind, "mode": "staged", "dtype": _dtype_name(self.dtype),
+                "numel": self.numel[d], "buffers": [self.memory.export(b) for b in self.staging[d]]}
 
     @property
     def staging_bytes(self) -> int:
@@ -285,7 +306,8 @@ class IpcSender:
         self._inflight.start(version, self._stage_all, (version, after), f"weights-ipc-v{version}")
 
     def wait_sent(self) -> None:
-        """Block until the version in flight is staged: the parameters may change after this."""
+        """Block until the version in flight is staged (zero copy: read by every peer): the
+        parameters may change after this."""
         # the thread's own waits time out first, with the specific peer and version
         self._inflight.join(self.timeout_s + 5, f"trainer rank {self.rank} has not staged it for "
                                                 f"generator ranks {sorted(self.peers)} (CUDA IPC)")
@@ -296,6 +318,9 @@ class IpcSender:
         with torch.no_grad():
             for d in self.peers:
                 nbytes += self._stage(d, version, after, deadline)
+            if self.zero_copy:  # announced to all first, so the peers read in parallel
+                for d in self.peers:
+                    self._wait_released(d, 0, deadline)
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
@@ -303,23 +328,27 @@ class IpcSender:
     def _stage(self, d: int, version: int, after, deadline: float) -> int:
         k = self.next_slot[d]
         self._wait_released(d, k, deadline)
-        buf, n = self.staging[d][k], self.numel[d]
-        self.memory.run(lambda: stream.fill(buf, 0, n, self.peers[d], self.tensors), after)
+        if self.zero_copy:  # nothing to copy: only the update that made `version` must be done
+            self.memory.run(lambda: None, after)
+        else:
+            dsts, srcs = self.fills[d][k]
+            self.memory.run(lambda: stream.copy_all(dsts, srcs), after)
         self.held[d][k] = version
-        self.next_slot[d] = (k + 1) % len(self.staging[d])
+        self.next_slot[d] = (k + 1) % len(self.held[d])
         self.control.publish_ready(self.rank, d, version, k)
-        return n * buf.element_size()
+        return self.numel[d] * self.dtype.itemsize
 
     def _wait_released(self, d: int, k: int, deadline: float) -> None:
-        """Slot k may be overwritten only once the receiver acked the version it holds."""
+        """Slot k (zero copy: the parameters) may be overwritten only once the receiver acked
+        the version it holds."""
         held = self.held[d][k]
         if held is None:
             return
+        what = "the parameters it reads" if self.zero_copy else f"CUDA IPC staging buffer {k}"
         poll_until(lambda: True if self.control.acked(self.rank, d, k) == held else None, deadline,
                    lambda: f"trainer rank {self.rank}: generator rank {d} has not acked weights "
-                           f"version {held} after {self.timeout_s:.0f}s, so its CUDA IPC staging "
-                           f"buffer {k} cannot be reused (last ack: "
-                           f"{self.control.acked(self.rank, d, k)})")
+                           f"version {held} after {self.timeout_s:.0f}s, so {what} cannot be "
+                           f"changed (last ack: {self.control.acked(self.rank, d, k)})")
 
     def close(self) -> None:
         """Wait until every staged version was copied out, so the buffers can be freed."""
@@ -339,7 +368,8 @@ class IpcReceiver:
     staging (one model copy less in GPU memory, one device copy less per version); receive() only
     waits for the announcements, apply() scatters straight from the mapped slots and then acks,
     so the trainer's slot stays taken until the generator's safe point. A version received but
-    never applied is released (acked) by the next receive()."""
+    never applied is released (acked) by the next receive(). A zero-copy sender (`buffers=0`)
+    shares its parameter shards instead of slots; both modes then read the boxes out of them."""
 
     def __init__(self, model, plan, rank: int, timeout_s: float,
                  peers: Collection[int] | None = None, store=None, channel: str = "weights",
@@ -350,12 +380,17 @@ class IpcReceiver:
         self.dtype, self.device = some.dtype, some.device
         self.memory = shared_memory_for(self.device)
         self.control = Control(store, channel)
-        self.peers = {s: stream.segments(ts, "dst") for s, ts in plan.recvs_to(rank).items()
-                      if peers is None or s in peers}
+        self.transfers = {s: ts for s, ts in plan.recvs_to(rank).items()
+                          if peers is None or s in peers}
+        self.peers = {s: stream.segments(ts, "dst") for s, ts in self.transfers.items()}
         self.numel = {s: stream.stream_numel(segs) for s, segs in self.peers.items()}
         self.staging = {} if direct else {
             s: torch.empty(n, dtype=self.dtype, device=self.device) for s, n in self.numel.items()}
-        self.mapped: dict[int, list[torch.Tensor]] = {}  # src -> its slots, mapped once
+        # copy targets, built once: the parameters' boxes, and (staged) the staging's parts
+        self.params = {s: stream.box_views(segs, self.tensors) for s, segs in self.peers.items()}
+        self.parts = {s: stream.part_views(self.staging[s], segs)
+                      for s, segs in self.peers.items() if not direct}
+        self.sources: dict[int, list[list[torch.Tensor]]] = {}  # src -> per slot, its boxes
         self._unapplied: tuple[int, dict[int, int]] | None = None  # direct: (version, slots)
         self.history: list[dict] = []
 
@@ -363,19 +398,41 @@ class IpcReceiver:
     def staging_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self.staging.values())
 
-    def _open(self, s: int, deadline: float) -> list[torch.Tensor]:
-        if s not in self.mapped:
-            info = poll_until(lambda: self.control.handles(s, self.rank), deadline,
-                              lambda: f"generator rank {self.rank}: trainer rank {s} published no "
-                                      f"CUDA IPC handles within {self.timeout_s:.0f}s")
-            want = (info["kind"], info["dtype"], info["numel"])
-            have = (self.memory.kind, _dtype_name(self.dtype), self.numel[s])
-            if want != have:
+    def _open(self, s: int, deadline: float) -> None:
+        """Map source s's shared memory (once) and build the views the copies read."""
+        if s in self.sources:
+            return
+        info = poll_until(lambda: self.control.handles(s, self.rank), deadline,
+                          lambda: f"generator rank {self.rank}: trainer rank {s} published no "
+                                  f"CUDA IPC handles within {self.timeout_s:.0f}s")
+        if info["kind"] != self.memory.kind:
+            raise ValueError(f"generator rank {self.rank}: trainer rank {s} shares memory of "
+                             f"kind {info['kind']!r}, this rank uses {self.memory.kind!r}")
+        if info["mode"] == "params":
+            self.sources[s] = [self._param_sources(s, info["params"])]
+            return
+        want = (info["dtype"], info["numel"])
+        have = (_dtype_name(self.dtype), self.numel[s])
+        if want != have:
+            raise ValueError(f"generator rank {self.rank}: trainer rank {s} stages (dtype, numel) "
+                             f"= {want}, this rank expects {have}; the trainer must cast to the "
+                             f"generator dtype")
+        self.sources[s] = [stream.part_views(self.memory.open(h), self.peers[s])
+                           for h in info["buffers"]]
+
+    def _param_sources(self, s: int, handles: dict) -> list[torch.Tensor]:
+        mapped = {n: self.memory.open(h) for n, h in handles.items()}
+        views = []
+        for t in self.transfers[s]:
+            src = mapped.get(t.param)
+            ends = tuple(o + n for o, n in zip(t.src_box.offsets, t.src_box.sizes))
+            if src is None or len(ends) != src.dim() or any(e > n for e, n in zip(ends, src.shape)):
                 raise ValueError(f"generator rank {self.rank}: trainer rank {s} shares "
-                                 f"(kind, dtype, numel) = {want}, this rank expects {have}; "
-                                 f"the trainer must cast to the generator dtype")
-            self.mapped[s] = [self.memory.open(h) for h in info["buffers"]]
-        return self.mapped[s]
+                                 f"{t.param!r} with shape {None if src is None else tuple(src.shape)}"
+                                 f", which does not hold the planned box {t.src_box}; the two "
+                                 f"ranks planned with different layouts")
+            views.append(src[t.src_box.slices()])
+        return views
 
     def ready(self, version: int) -> bool:
         """Non-blocking: has every source announced `version` (receive() would not wait)?"""
@@ -401,15 +458,14 @@ class IpcReceiver:
                     continue
                 slots[s] = k
                 if not self.direct:
-                    src, dst = self.mapped[s][k], self.staging[s]
-                    self.memory.run(lambda: dst.copy_(src[:dst.numel()]), after)
+                    dsts, srcs = self.parts[s], self.sources[s][k]
+                    self.memory.run(lambda: stream.copy_all(dsts, srcs), after)
                     self.control.ack(s, self.rank, k, version)
                 pending.remove(s)
             return True if not pending else None
 
         poll_until(step, deadline, lambda: self._timeout_message(version, pending))
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        nbytes = sum(self.numel.values()) * itemsize
+        nbytes = sum(self.numel.values()) * self.dtype.itemsize
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
@@ -426,20 +482,18 @@ class IpcReceiver:
 
     @torch.no_grad()
     def _apply(self) -> None:
-        for s, segs in self.peers.items():
-            stream.scatter(self.staging[s], segs, self.tensors)
+        stream.copy_all([v for s in self.peers for v in self.params[s]],
+                        [v for s in self.peers for v in self.parts[s]])
 
     @torch.no_grad()
     def _apply_direct(self, version: int, slots: dict[int, int]) -> None:
         if self._unapplied is None or self._unapplied[0] != version:
             raise RuntimeError(f"generator rank {self.rank}: apply() of weights version {version} "
                                f"after a later receive() released it; apply before receiving again")
-
-        def scatter():
-            for s, k in slots.items():
-                stream.scatter(self.mapped[s][k][:self.numel[s]], self.peers[s], self.tensors)
-        self.memory.run(scatter, self.memory.marker())  # after the engine's queued steps
-        self._release(version, slots)
+        dsts = [v for s in slots for v in self.params[s]]
+        srcs = [v for s, k in slots.items() for v in self.sources[s][k]]
+        self.memory.run(lambda: stream.copy_all(dsts, srcs), self.memory.marker())  # after the
+        self._release(version, slots)  # engine's queued steps
 
     def _release(self, version: int, slots: dict[int, int]) -> None:
         for s, k in slots.items():

@@ -60,6 +60,24 @@ def scatter(flat: torch.Tensor, segs: list[Segment], tensors: dict) -> None:
         tensors[seg.param][seg.box.slices()].copy_(part.view(seg.box.sizes))
 
 
+def part_views(flat: torch.Tensor, segs: list[Segment]) -> list[torch.Tensor]:
+    """Each segment's part of a stream buffer, shaped like its box (views, built once for a
+    persistent buffer)."""
+    return [flat[seg.start:seg.start + seg.numel].view(seg.box.sizes) for seg in segs]
+
+
+def box_views(segs: list[Segment], tensors: dict) -> list[torch.Tensor]:
+    """Each segment's box in its local shard (views, built once for persistent shards)."""
+    return [tensors[seg.param][seg.box.slices()] for seg in segs]
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst <- src (with cast) for every pair, as one multi-tensor copy: one launch for all the
+    parameters instead of one per segment."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+
+
 def messages(segs: list[Segment], bucket_numel: int, small_numel: int) -> list[tuple[int, int]]:
     """[start, end) element ranges of the point-to-point messages of a pair's stream.
 
