@@ -15,6 +15,20 @@ if str(REPO) not in sys.path:  # benches run as scripts from anywhere; the repo 
     sys.path.insert(0, str(REPO))
 
 
+# The "1.1B Llama shape" of shared/REFERENCES.md (its HF baselines on the H200 were measured on it):
+# hidden 2048, 16 layers, GQA 32/8 heads, vocab 32000; the intermediate size 8192 gives the 2.21 GB
+# of bf16 weights that REFERENCES.md's bandwidth floor counts (1.104B parameters, lm_head untied).
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                num_heads=32, num_kv_heads=8)
+
+
+def hf_names(shape: dict) -> dict:
+    """The same shape with transformers' config key names."""
+    rename = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+              "num_kv_heads": "num_key_value_heads"}
+    return {rename.get(k, k): v for k, v in shape.items()}
+
+
 def print_json(record: dict) -> None:
     """The machine-readable result: one line, printed last."""
     print(json.dumps(record, sort_keys=True), flush=True)

@@ -9,13 +9,15 @@
 # runs anyway):
 #   a   CUDA IPC weight sync, 2 processes on one GPU, 1.1B Llama shape in bf16: bitwise exact,
 #       push -> applied time (goal <= 10 ms) and fraction of a plain device copy's bandwidth
-#       (goal >= 50%), for the staged, direct and double-buffered variants
+#       (goal >= 50%), for the staged, direct, double-buffered and zero-copy variants
 #   a2  the CUDA tests of tests/test_ipc.py (skipped on CPU, so they only run here)
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
 #       for a minute, and REFERENCES.md has its number from this machine)
+#   b2  the same with our decode step under torch.compile (+ CUDA graph): compiles ~1-2 min
 #   c   bench/train_step.py --no-cpu --gpu --compile
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC):
-#       async (eta=1) vs sync (eta=0), step time and tokens/s
+#       async (eta=1) vs sync (eta=0), step time and tokens/s; RL_IPC_BUFFERS=0 runs it with
+#       zero-copy weight sync (--parallel.ipc_buffers=0)
 # With $OUT set, everything is also written to $OUT/gpu_check.log. The last line is a JSON
 # summary of every section's exit status and time.
 set -uo pipefail
@@ -28,7 +30,7 @@ fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
 BUDGET_S=${BUDGET_S:-420}
-SECTIONS=" ${SECTIONS:-a a2 b c d} "
+SECTIONS=" ${SECTIONS:-a a2 c b b2 d} "
 START=$(date +%s)
 SUMMARY=""
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -66,10 +68,11 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
-run a2 60  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py -k cuda
-run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2
+run a2 90  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py -k cuda
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
+run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2
+run b2 200 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --modes compile
 run d  130 "$PY" bench/weights_sync.py --rl --rl-hidden 1024 --rl-layers 8 --rl-steps 12 \
-    --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 55
+    --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 55 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
 
 echo "{\"bench\": \"gpu_check\", \"cuda\": true, \"seconds\": $(( $(date +%s) - START )), \"sections\": {${SUMMARY%, }}}"

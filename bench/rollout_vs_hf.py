@@ -7,7 +7,7 @@ prompts with an attention mask, `generate(do_sample=True, use_cache=True)`. Both
 once, then timed `--repeats` times alternately; the median is reported.
 
 GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shared/REFERENCES.md
-(hidden 2048, 16 layers, GQA 32/8, intermediate 5632, vocab 32000) in bf16, B=64, prompt 128,
+(hidden 2048, 16 layers, GQA 32/8, intermediate 8192, vocab 32000: 1.10B) in bf16, B=64, prompt 128,
 +256 tokens. Ours (eager decode and CUDA-graph decode) vs HF generate with the default dynamic
 cache and with `cache_implementation="static"`.
 
@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 
-from common import print_json  # also puts the repository root on sys.path
+from common import LLAMA_1B, hf_names, print_json  # also puts the repository root on sys.path
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -123,12 +123,12 @@ def cpu_section(repeats: int) -> dict:
     return res
 
 
-GPU_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8)
+GPU_SHAPE = hf_names(LLAMA_1B)
 
 
 def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: int = 64,
-                P: int = 128, new: int = 256, hf_static: bool = True) -> dict:
+                P: int = 128, new: int = 256, hf_static: bool = True,
+                modes: tuple = ("eager", "cudagraph")) -> dict:
     """(device/shape/sizes are parameters only so that the code path can be dry-run on CPU.)"""
     hf = hf_llama(device, torch.bfloat16, **shape)
     args = ModelArgs.from_hf_config(hf.config.to_dict())
@@ -145,10 +145,10 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     print(f"GPU ({name}): {args.num_params() / 1e9:.2f}B Llama shape bf16, B={B}, prompt {P}, +{new}")
     res: dict = {"device": name}
     fns = {}
-    for mode in (False, "cudagraph") if device == "cuda" else (False,):
-        engine = Engine(ours, num_slots=B, max_len=P + new, compile_decode=mode)
-        fns["ours_cudagraph" if mode else "ours_eager"] = (
-            lambda e=engine: run_ours(e, prompts, new))
+    for mode in modes if device == "cuda" else ("eager",):
+        compile_decode = {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[mode]
+        engine = Engine(ours, num_slots=B, max_len=P + new, compile_decode=compile_decode)
+        fns[f"ours_{mode}"] = lambda e=engine: run_ours(e, prompts, new)
     fns["hf_dynamic_cache"] = lambda: run_hf(hf, ids, mask, new)
     if hf_static:  # transformers compiles the forward for a static cache: ~1 min more
         fns["hf_static_cache"] = lambda: run_hf(hf, ids, mask, new, cache_implementation="static")
@@ -167,6 +167,9 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     ap.add_argument("--no-hf-static", action="store_true",
                     help="GPU: leave out HF's static-cache generate (it compiles, ~1 min)")
+    ap.add_argument("--modes", default="eager,cudagraph",
+                    help="GPU: our decode variants, of eager, cudagraph, compile (torch.compile "
+                         "+ CUDA graph)")
     a = ap.parse_args()
     out = {"bench": "rollout_vs_hf"}
     if not a.no_cpu:
@@ -174,7 +177,8 @@ def main() -> None:
     if a.gpu:
         if torch.cuda.is_available():
             with torch.no_grad():
-                out["gpu"] = gpu_section(a.repeats, hf_static=not a.no_hf_static)
+                out["gpu"] = gpu_section(a.repeats, hf_static=not a.no_hf_static,
+                                         modes=tuple(a.modes.split(",")))
         else:
             print("GPU section skipped: CUDA is not available")
             out["gpu"] = "skipped: no CUDA"

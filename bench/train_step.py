@@ -32,14 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import torch
 import torch.nn.functional as F
 
-from bench.common import (matmul_peak_flops, median, mfu, print_json, run_ranks, time_steps,
-                          train_flops)
+from bench.common import (LLAMA_1B, matmul_peak_flops, median, mfu, print_json, run_ranks,
+                          time_steps, train_flops)
 from model import ModelArgs
 
 CPU_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
                  num_heads=8, num_kv_heads=4, max_position_embeddings=512)
-GPU_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16,
-                 num_heads=32, num_kv_heads=8, max_position_embeddings=2048)
+GPU_SHAPE = dict(LLAMA_1B, max_position_embeddings=2048)
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 REFERENCE_H200_PEAK = 790e12  # REFERENCES.md, measured bf16 matmul peak on the H200
 

@@ -25,7 +25,8 @@ exist to after the last version (includes what gloo keeps; transient copies are 
 
 ipc mode. Rank 0 (trainer, one shard = the whole model) and rank 1 (generator) on the same
 device; `make_sender`/`make_receiver` pick CUDA IPC from the placement. For each protocol variant
-(staged: receiver copies into its staging; direct: apply from the mapped slot) it times
+(staged: receiver copies into its staging; direct: apply from the mapped slot; _bN: N staging
+buffers on the trainer, _b0 = zero copy: the generator reads the trainer's parameters) it times
 push -> applied (median over versions, CUDA-synchronised), checks that every parameter is
 bitwise equal to the trainer's (cast to the generator dtype) via two per-parameter checksums of
 the raw bits, and compares the effective bandwidth (model bytes / time) with one plain
@@ -57,13 +58,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import torch
 
-from bench.common import print_json, run_ranks
+from bench.common import LLAMA_1B, print_json, run_ranks
 
 SHAPES = {
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                  num_heads=12, num_kv_heads=4),
-    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16,
-               num_heads=32, num_kv_heads=8),
+    "1b": LLAMA_1B,
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                  num_heads=4, num_kv_heads=2),
 }
@@ -405,7 +405,7 @@ def _copy_time(model, dev, dtype, sync) -> float:
 
 def run_ipc(a) -> int:
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    variants = [(False, 1), (True, 1), (False, 2)]
+    variants = [(False, 1), (True, 1), (False, 2), (False, 0), (True, 0)]
     t0 = time.perf_counter()
     results = run_ranks(ipc_worker, 2, a.shape, device, a.versions, a.warmup, a.trainer_dtype,
                         a.gen_dtype, variants, threads=1 if device == "cpu" else 4, timeout=600)
@@ -450,6 +450,7 @@ def rl_overrides(model: str, run_dir: Path, eta: int, a) -> list[str]:
             f"--generator.num_slots={a.rl_prompts * a.rl_samples}",
             f"--generator.max_new_tokens={a.rl_new_tokens}", "--generator.ignore_eos=true",
             "--parallel.generator_ranks=1", "--parallel.timeout_s=60",
+            f"--parallel.ipc_buffers={a.rl_ipc_buffers}",
             f"--parallel.warmup_timeout_s={a.rl_timeout}", "--checkpoint.every_steps=0",
             "--checkpoint.hf_export_final=false", "--logging.tensorboard=false",
             "--logging.console_every=1000", "--trainer.micro_batch_tokens=100000"]
@@ -493,6 +494,7 @@ def run_rl(a) -> int:
                       f"ms (median of {r['steps']} steps; run wall {r['wall_s']:.0f}s)", flush=True)
     ok = all("error" not in r for r in res.values())
     out = {"bench": "weights_sync", "mode": "rl", "hidden": a.rl_hidden, "layers": a.rl_layers,
+           "ipc_buffers": a.rl_ipc_buffers,
            "gen_dtype": a.rl_gen_dtype, "results": res, "ok": ok}
     if ok:
         out["speedup_async_vs_sync"] = res["sync"]["step_s"] / res["async"]["step_s"]
@@ -524,6 +526,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-samples", type=int, default=8)
     ap.add_argument("--rl-new-tokens", type=int, default=64)
     ap.add_argument("--rl-timeout", type=int, default=50, help="seconds per run")
+    ap.add_argument("--rl-ipc-buffers", type=int, default=1,
+                    help="--parallel.ipc_buffers of the runs (0: zero copy)")
     a = ap.parse_args(argv)
     if a.rl:
         return run_rl(a)
