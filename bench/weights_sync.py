@@ -26,7 +26,8 @@ exist to after the last version (includes what gloo keeps; transient copies are 
 ipc mode. Rank 0 (trainer, one shard = the whole model) and rank 1 (generator) on the same
 device; `make_sender`/`make_receiver` pick CUDA IPC from the placement. For each protocol variant
 (staged: receiver copies into its staging; direct: apply from the mapped slot; _bN: N staging
-buffers on the trainer, _b0 = zero copy: the generator reads the trainer's parameters) it times
+buffers on the trainer, _b0 = zero copy: the generator reads the trainer's parameters; _loop:
+one copy per parameter instead of one multi-tensor copy) it times
 push -> applied (median over versions, CUDA-synchronised), checks that every parameter is
 bitwise equal to the trainer's (cast to the generator dtype) via two per-parameter checksums of
 the raw bits, and compares the effective bandwidth (model bytes / time) with one plain
@@ -348,13 +349,14 @@ def ipc_worker(rank, world, shape, device, versions, warmup, trainer_dtype, gen_
     gpu_of = {0: ("local", 0), 1: ("local", 0)}  # the same device: IPC for the pair
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     out = {"copy_s": _copy_time(model, dev, _dtype(gen_dtype), sync)} if rank == 1 else {}
-    for direct, buffers in variants:
-        name = f"{'direct' if direct else 'staged'}_b{buffers}"
+    for direct, buffers, foreach in variants:
+        name = _variant_name(direct, buffers, foreach)
         if rank == 0:
             io = make_sender(model, p, 0, _dtype(gen_dtype), None, 30, gpu_of,
                              ipc_buffers=buffers, channel=name)
         else:
             io = make_receiver(model, p, 1, None, 30, gpu_of, ipc_direct=direct, channel=name)
+        io.foreach = foreach
         times, local = [], []
         for i in range(warmup + versions):
             v = i + 1
@@ -388,6 +390,10 @@ def ipc_worker(rank, world, shape, device, versions, warmup, trainer_dtype, gen_
     return out
 
 
+def _variant_name(direct: bool, buffers: int, foreach: bool) -> str:
+    return f"{'direct' if direct else 'staged'}_b{buffers}{'' if foreach else '_loop'}"
+
+
 def _copy_time(model, dev, dtype, sync) -> float:
     """One plain device-to-device copy of the model's bytes (median of 5)."""
     n = sum(x.numel() for x in model.parameters())
@@ -405,7 +411,8 @@ def _copy_time(model, dev, dtype, sync) -> float:
 
 def run_ipc(a) -> int:
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    variants = [(False, 1), (True, 1), (False, 2), (False, 0), (True, 0)]
+    variants = [(False, 1, True), (True, 1, True), (False, 2, True), (False, 0, True),
+                (True, 0, True), (True, 1, False), (True, 0, False)]
     t0 = time.perf_counter()
     results = run_ranks(ipc_worker, 2, a.shape, device, a.versions, a.warmup, a.trainer_dtype,
                         a.gen_dtype, variants, threads=1 if device == "cpu" else 4, timeout=600)
@@ -416,8 +423,8 @@ def run_ipc(a) -> int:
           f"processes on {device}; one plain copy of the same bytes: {copy_s * 1e3:.2f} ms "
           f"({copy_gbps:.0f} GB/s)")
     res = {}
-    for direct, buffers in variants:
-        name = f"{'direct' if direct else 'staged'}_b{buffers}"
+    for variant in variants:
+        name = _variant_name(*variant)
         t = statistics.median(results[0][name]["times"])
         t_local = statistics.median(results[1][name]["local"])
         exact = results[0][name]["checksums"] == results[1][name]["checksums"]

@@ -97,7 +97,10 @@ def hashed_exponential_noise(key_B: Tensor, counter_B: Tensor, vocab: int) -> Te
     so q is finite and positive (q in [6e-8, 16.6]).
     """
     row_B = _as_i32(mix32(key_B ^ mix32(counter_B * 2 + 1)))
-    col_V = _as_i32(mix32(torch.arange(vocab, device=key_B.device, dtype=torch.int64) * _GOLDEN))
+    # times the multiplier's negative complement: the same low 32 bits, and a constant that fits
+    # in int32 (inductor turns arange * c into index arithmetic, which Triton refuses past 2^31)
+    ids_V = torch.arange(vocab, device=key_B.device, dtype=torch.int64)
+    col_V = _as_i32(mix32(ids_V * (_GOLDEN - (1 << 32))))
     bits_BV = _mix32_i32_(row_B[:, None] ^ col_V[None, :])
     bits_BV = (bits_BV >> 9) & 0x7FFFFF
     u_BV = bits_BV.to(torch.float32).add_(0.5).mul_(2.0 ** -23)

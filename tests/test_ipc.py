@@ -448,7 +448,8 @@ def test_bench_gloo_and_ipc_modes_on_cpu():
     assert gloo["bench"] == "weights_sync" and all(r["exact"] for r in gloo["results"].values())
     ipc = _bench("--ipc", "--device", "cpu", "--shape", "tiny", "--versions", "2")
     assert ipc["exact"] and set(ipc["results"]) == {"staged_b1", "direct_b1", "staged_b2",
-                                                   "staged_b0", "direct_b0"}
+                                                   "staged_b0", "direct_b0", "direct_b1_loop",
+                                                   "direct_b0_loop"}
 
 
 @pytest.mark.slow

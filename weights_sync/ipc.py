@@ -265,6 +265,7 @@ class IpcSender:
                              f"trainer's parameters) or >= 1 staging buffers per peer")
         self.rank, self.dtype, self.timeout_s = rank, dtype, timeout_s
         self.zero_copy = buffers == 0
+        self.foreach = True  # copy_all's strategy (bench/weights_sync.py times both)
         self.tensors = _local_tensors(model)
         self.device = next(iter(self.tensors.values())).device
         self.memory = shared_memory_for(self.device)
@@ -332,7 +333,7 @@ class IpcSender:
             self.memory.run(lambda: None, after)
         else:
             dsts, srcs = self.fills[d][k]
-            self.memory.run(lambda: stream.copy_all(dsts, srcs), after)
+            self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after)
         self.held[d][k] = version
         self.next_slot[d] = (k + 1) % len(self.held[d])
         self.control.publish_ready(self.rank, d, version, k)
@@ -375,6 +376,7 @@ class IpcReceiver:
                  peers: Collection[int] | None = None, store=None, channel: str = "weights",
                  direct: bool = False):
         self.rank, self.timeout_s, self.direct = rank, timeout_s, direct
+        self.foreach = True  # copy_all's strategy (bench/weights_sync.py times both)
         self.tensors = _local_tensors(model)
         some = next(iter(self.tensors.values()))
         self.dtype, self.device = some.dtype, some.device
@@ -459,7 +461,7 @@ class IpcReceiver:
                 slots[s] = k
                 if not self.direct:
                     dsts, srcs = self.parts[s], self.sources[s][k]
-                    self.memory.run(lambda: stream.copy_all(dsts, srcs), after)
+                    self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after)
                     self.control.ack(s, self.rank, k, version)
                 pending.remove(s)
             return True if not pending else None
@@ -483,7 +485,7 @@ class IpcReceiver:
     @torch.no_grad()
     def _apply(self) -> None:
         stream.copy_all([v for s in self.peers for v in self.params[s]],
-                        [v for s in self.peers for v in self.parts[s]])
+                        [v for s in self.peers for v in self.parts[s]], self.foreach)
 
     @torch.no_grad()
     def _apply_direct(self, version: int, slots: dict[int, int]) -> None:
@@ -492,7 +494,7 @@ class IpcReceiver:
                                f"after a later receive() released it; apply before receiving again")
         dsts = [v for s in slots for v in self.params[s]]
         srcs = [v for s, k in slots.items() for v in self.sources[s][k]]
-        self.memory.run(lambda: stream.copy_all(dsts, srcs), self.memory.marker())  # after the
+        self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), self.memory.marker())  # after the
         self._release(version, slots)  # engine's queued steps
 
     def _release(self, version: int, slots: dict[int, int]) -> None:

@@ -71,11 +71,15 @@ def box_views(segs: list[Segment], tensors: dict) -> list[torch.Tensor]:
     return [tensors[seg.param][seg.box.slices()] for seg in segs]
 
 
-def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dst <- src (with cast) for every pair, as one multi-tensor copy: one launch for all the
-    parameters instead of one per segment."""
-    if dsts:
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], foreach: bool = True) -> None:
+    """dst <- src (with cast) for every pair: one multi-tensor copy (`foreach`: a few launches
+    for all the parameters), or one copy per pair (on CUDA a plain memcpy each, which may move
+    large tensors faster; bench/weights_sync.py times both)."""
+    if foreach and dsts:
         torch._foreach_copy_(dsts, srcs)
+    elif not foreach:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def messages(segs: list[Segment], bucket_numel: int, small_numel: int) -> list[tuple[int, int]]:
