@@ -58,7 +58,7 @@ class ParallelConfig:
     trainer_fsdp: int = _f(0, "FSDP degree of the trainer; 0 = derived: trainer ranks / trainer_tp.", ge=0)
     gen_dp: int = _f(0, "Generator replicas; 0 = derived: generator ranks / gen_tp.", ge=0)
     activation_checkpointing: bool = _f(False, "Recompute trainer activations in the backward pass to save memory.")
-    compile: bool = _f(False, "torch.compile the trainer model and the generator decode step.")
+    compile: bool = _f(False, "torch.compile the trainer's decoder layers (the generator's decode step: generator.decode).")
     backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
     ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC): staging buffers per pair. 0 = zero copy: the generator reads the trainer's shards directly (no staging memory, fastest; the trainer's next update waits until the generator has read the version); 2 = double buffering.", ge=0)
     timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds.", gt=0)
@@ -79,6 +79,7 @@ class GeneratorConfig:
     seed: int = _f(0, "Sampling seed (offset by generator replica).")
     kv_policy: Literal["recompute", "keep"] = _f("keep", "On a weights update: 'keep' in-flight KV caches, or 'recompute' them with the new weights.")
     ignore_eos: bool = _f(False, "Generate exactly max_new_tokens (EOS does not stop); for benchmarks with fixed lengths.")
+    decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (4.4x eager on an H200, BENCHMARKS.md), eager on CPU; 'compile' = torch.compile + CUDA graph (slower than 'cudagraph' there).")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from model import load_pretrained  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from rollout.engine import Engine, Request, SamplingParams  # noqa: E402
+from rollout.role import decode_mode  # noqa: E402
 
 
 def hf_llama(device: str, dtype: torch.dtype, **shape):
@@ -146,8 +147,8 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     res: dict = {"device": name}
     fns = {}
     for mode in modes if device == "cuda" else ("eager",):
-        compile_decode = {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[mode]
-        engine = Engine(ours, num_slots=B, max_len=P + new, compile_decode=compile_decode)
+        engine = Engine(ours, num_slots=B, max_len=P + new,
+                        compile_decode=decode_mode(mode, torch.device(device)))
         fns[f"ours_{mode}"] = lambda e=engine: run_ours(e, prompts, new)
     fns["hf_dynamic_cache"] = lambda: run_hf(hf, ids, mask, new)
     if hf_static:  # transformers compiles the forward for a static cache: ~1 min more

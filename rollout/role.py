@@ -32,6 +32,16 @@ def build_generator_model(cfg, meshes):
                        path=cfg.model.path)
 
 
+def decode_mode(choice: str, device: torch.device) -> bool | str:
+    """`generator.decode` as the Engine's `compile_decode` ('auto': graphs where there is CUDA)."""
+    if choice == "cudagraph" and device.type != "cuda":
+        raise ValueError(f"generator.decode='cudagraph' needs a CUDA device, this rank runs on "
+                         f"{device}; use 'auto' or 'eager'")
+    if choice == "auto":
+        return "cudagraph" if device.type == "cuda" else False
+    return {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[choice]
+
+
 def run_generator(cfg, meshes, tokenizer) -> None:
     dims, rank = meshes.dims, meshes.rank
     replica, tp_rank = dims.generator_coord(rank)
@@ -47,7 +57,7 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     g = cfg.generator
     engine = Engine(model, num_slots=g.num_slots, max_len=cfg.data.max_prompt_len + g.max_new_tokens,
                     seed=g.seed + replica, kv_policy=g.kv_policy,
-                    compile_decode=cfg.parallel.compile and meshes.device.type == "cuda")
+                    compile_decode=decode_mode(g.decode, meshes.device))
     trainer0 = dims.trainer_rank_list[0]
     link = Link(rank, [trainer0], cfg.parallel.timeout_s) if tp_rank == 0 else None
     tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None

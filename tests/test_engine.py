@@ -351,3 +351,12 @@ def tiny_model():
                               num_heads=2, num_kv_heads=1))
     m.init_weights(seed=0)
     return m
+
+
+def test_decode_mode_choice():
+    from rollout.role import decode_mode
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert decode_mode("auto", cpu) is False and decode_mode("auto", cuda) == "cudagraph"
+    assert decode_mode("compile", cpu) == "compile" and decode_mode("eager", cuda) is False
+    with pytest.raises(ValueError, match=r"generator.decode='cudagraph' needs a CUDA device.*'eager'"):
+        decode_mode("cudagraph", cpu)
