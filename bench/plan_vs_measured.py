@@ -4,8 +4,8 @@
 
 1. Make a random tiny Llama (tools/make_tiny_model.make_random_model), profile it on this machine
    (launch/calibrate.py: per-layer fwd/bwd, decode steps, trainer overhead, gloo links).
-2. For every layout in the list (world 3 and 4, split mode; colocated is not runnable yet),
-   predict T_gen, T_train, T_sync and the step time with launch/cost_model.py, from the profile
+2. For every layout in the list (world 3 and 4: split mode, and colocated mode, where every
+   rank generates then trains), predict T_gen, T_train, T_sync and the step time with launch/cost_model.py, from the profile
    and the CPU cluster model (ranks share `os.cpu_count()` cores: time dilation).
 3. Run each layout for real: `torchrun train_rl.py` with fixed-length completions
    (--generator.ignore_eos=true), async eta=1, and take the median `time_step_s` of
@@ -37,12 +37,19 @@ from launch.calibrate import measure
 from model.hf_io import load_model_args
 from tools.make_tiny_model import make_random_model
 
-# (world, generator ranks, gen_tp, trainer_tp): trainer_fsdp and gen_dp are derived
+# (world, generator ranks, gen_tp, trainer_tp[, mode]): trainer_fsdp and gen_dp are derived;
+# colocated layouts have generator ranks = world
 LAYOUTS = {
     "quick": [(3, 1, 1, 1), (3, 2, 1, 1), (4, 1, 1, 1), (4, 2, 1, 1)],
-    "all": [(3, 1, 1, 1), (3, 1, 1, 2), (3, 2, 1, 1), (3, 2, 2, 1),
-            (4, 1, 1, 1), (4, 2, 1, 1), (4, 2, 2, 1), (4, 2, 1, 2)],
+    "all": [(3, 1, 1, 1), (3, 1, 1, 2), (3, 2, 1, 1), (3, 2, 2, 1), (3, 3, 1, 1, "colocated"),
+            (4, 1, 1, 1), (4, 2, 1, 1), (4, 2, 2, 1), (4, 2, 1, 2), (4, 4, 1, 1, "colocated"),
+            (4, 4, 2, 2, "colocated")],
 }
+
+
+def _unpack(lay) -> tuple[int, int, int, int, str]:
+    world, g, gtp, ttp, *mode = lay
+    return world, g, gtp, ttp, mode[0] if mode else "split"
 
 
 def prompt_len(model: str) -> int:
@@ -57,13 +64,13 @@ def prompt_len(model: str) -> int:
 
 
 def run_layout(model: str, run_dir: Path, lay, a) -> dict:
-    world, g, gtp, ttp = lay
+    world, g, gtp, ttp, mode = _unpack(lay)
     args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
             f"--algo.max_staleness={a.eta}", f"--trainer.max_steps={a.steps}",
             f"--trainer.prompts_per_step={a.prompts}", f"--generator.n_samples={a.group}",
             f"--generator.num_slots={a.prompts * a.group}",
             f"--generator.max_new_tokens={a.response_len}", "--generator.ignore_eos=true",
-            f"--parallel.generator_ranks={g}", f"--parallel.gen_tp={gtp}",
+            f"--parallel.mode={mode}", f"--parallel.generator_ranks={g}", f"--parallel.gen_tp={gtp}",
             f"--parallel.trainer_tp={ttp}", f"--trainer.micro_batch_tokens={a.micro_batch_tokens}",
             "--checkpoint.every_steps=0", "--checkpoint.hf_export_final=false",
             "--logging.tensorboard=false", "--logging.console_every=1000", "--logging.progress=false"]
@@ -75,16 +82,21 @@ def run_layout(model: str, run_dir: Path, lay, a) -> dict:
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][a.warmup:]
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731  (robust to load spikes)
+    def med(k):  # robust to load spikes; colocated runs log no wait/train split
+        return statistics.median(r[k] for r in rows) if k in rows[0] else None
     return {"step_s": med("time_step_s"), "wait_s": med("time_wait_batch_s"),
             "train_s": med("time_train_s"), "sync_s": med("time_weights_sync_s"),
             "wall_s": time.perf_counter() - t0, "loadavg": load}
 
 
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def predict(args, prof, wl, lay, a) -> cm.Estimate:
-    world, g, gtp, ttp = lay
+    world, g, gtp, ttp, mode = _unpack(lay)
     cl = cm.with_profile(cm.cpu_cluster(world, os.cpu_count() or 1), prof)
-    p = cm.Placement(world, "split", g, gtp, ttp)
+    p = cm.Placement(world, mode, g, gtp, ttp)
     return cm.estimate(args, cl, wl, p, prof, slots=a.prompts * a.group,
                        micro_batch_tokens=a.micro_batch_tokens)
 
@@ -116,7 +128,7 @@ def main(argv=None) -> int:
               f"{'err':>6}   measured wait/train   load", flush=True)
         for lay in LAYOUTS[a.layouts]:
             e = predict(args, prof, wl, lay, a)
-            m = run_layout(model, Path(tmp) / "run_{}_{}_{}_{}".format(*lay), lay, a)
+            m = run_layout(model, Path(tmp) / "run_{}_{}_{}_{}_{}".format(*_unpack(lay)), lay, a)
             row = {"layout": list(lay), "label": f"N={lay[0]} " + e.placement.label(),
                    "pred_gen_s": e.times.gen, "pred_train_s": e.times.train,
                    "pred_sync_s": e.times.sync, "pred_step_s": e.step, **m}
@@ -126,7 +138,8 @@ def main(argv=None) -> int:
                 row["err"] = e.step / m["step_s"] - 1
                 print(f"{row['label']:<30} {e.times.gen:>7.3f} {e.times.train:>7.3f} "
                       f"{e.times.sync:>7.4f} {e.step:>7.3f} {m['step_s']:>7.3f} {row['err']:>+6.0%}"
-                      f"   {m['wait_s']:>6.3f}/{m['train_s']:.3f}   {m['loadavg']:.1f}", flush=True)
+                      f"   {_secs(m['wait_s']):>6}/{_secs(m['train_s'])}   {m['loadavg']:.1f}",
+                      flush=True)
             rows.append(row)
     ok = [r for r in rows if "err" in r]
     errs = [abs(r["err"]) for r in ok]

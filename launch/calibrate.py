@@ -174,7 +174,7 @@ def synthetic_groups(wl: Workload, vocab: int, seed: int = 0):
 
 
 def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_group=None,
-                    seed: int = 0) -> tuple[float, int, int]:
+                    seed: int = 0, stat=min) -> tuple[float, int, int]:
     """(seconds of one real train_step on this rank, micro-batches, tokens per micro-batch)."""
     from config import load_config
     from trainer.optim import build_optimizer, build_scheduler
@@ -186,7 +186,8 @@ def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_gro
     sched = build_scheduler(opt, cfg.trainer)
     groups = synthetic_groups(wl, model.args.vocab_size, seed)
     mbs = micro_batches(groups, cfg.algo.advantage, micro_batch_tokens)
-    t = timed(lambda: train_step(model, opt, sched, groups, cfg, dp_group, device, 0), device, reps=5)
+    t = timed(lambda: train_step(model, opt, sched, groups, cfg, dp_group, device, 0), device,
+              reps=5, stat=stat)
     return t, len(mbs), max(b.num_tokens for b in mbs)
 
 
@@ -251,20 +252,31 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         model = build_model(args, device, dtype, parallelize=lambda m: parallelize_trainer(m, mesh))
         fb, step = _overhead_times(model, wl.seq_len, device)
         res[name] = {"fwd_bwd_excess": fb - t_fb, "step_excess": step - t_step}
+        if name == "fsdp":  # the real step on each rank's share, against one rank doing that share
+            share = replace_wl(wl, max(1, -(-wl.prompts_per_step // world)))
+            t_fsdp, micro, _ = train_step_time(model, share, device, mbt,
+                                               mesh["fsdp"].get_group(), stat=statistics.median)
+            t_alone = train_step_time(plain, share, device, mbt, stat=statistics.median)[0]
+            res[name].update(train_excess=t_fsdp - t_alone, micro=micro)
     return res
 
 
 def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, float]:
-    """(forward+backward of `tokens` tokens, gradient-norm clip + AdamW step), undisturbed."""
+    """(forward+backward of `tokens` tokens, gradient-norm clip + AdamW step): medians, not the
+    undisturbed minimum, because a collective's time includes waiting for the peer to be
+    scheduled, which is part of its real cost (with minima, the model missed FSDP layouts by
+    up to -43% in bench/plan_vs_measured.py)."""
     from trainer.optim import clip_grad_norm
-    fb = timed(_fwd_bwd(model, tokens, tokens, device, True), device, reps=reps)
+    fb = timed(_fwd_bwd(model, tokens, tokens, device, True), device, reps=reps,
+               stat=statistics.median)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
     with torch.set_grad_enabled(True):  # leave gradients in place for the step
         logits = model(torch.zeros(tokens, dtype=torch.long, device=device),
                        seq_lens=torch.tensor([tokens], device=device))
         logits.float().sum().backward()
     params = list(model.parameters())
-    step = timed(lambda: (clip_grad_norm(params, 1.0), opt.step()), device, reps=reps)
+    step = timed(lambda: (clip_grad_norm(params, 1.0), opt.step()), device, reps=reps,
+                 stat=statistics.median)
     return fb, step
 
 
@@ -364,11 +376,17 @@ def _pool_concurrency(a: list, b: list) -> list:
 
 
 def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
-    """Per-collective cost = the 2-rank forward/backward's excess over the plain model's, on one
-    short sequence, / its collectives (FSDP: 3 per unit; TP: 2 per layer each way + 4); the
-    per-step excess of the gradient-norm clip and AdamW on DTensors is kept as is."""
+    """Per-collective cost. FSDP: the real 2-rank train step's excess over one rank doing the
+    same share, less the per-step excess of the gradient-norm clip and AdamW on DTensors, over
+    the step's collectives (cost_model.trainer_collectives, per-parameter norms excluded): what a
+    collective costs amid real micro-batches, waits for the peer included. TP: the 2-rank
+    forward/backward's excess over the plain model's on one short sequence, / its collectives
+    (2 per layer each way + 4). The per-step excesses are kept as they are."""
+    from launch.cost_model import param_specs, trainer_collectives
     L = args.num_layers
-    prof.collective_s = max(0.0, c["fsdp"]["fwd_bwd_excess"] / (3 * (L + 1)))
+    f = c["fsdp"]
+    n = trainer_collectives(args, f["micro"], 2, 1, False)["fsdp"] - len(param_specs(args))
+    prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
     prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
     prof.tp_step_s = max(0.0, c["tp"]["step_excess"])

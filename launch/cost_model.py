@@ -30,11 +30,12 @@ Time (datasheet; a Profile replaces the per-layer and link numbers with measured
           eta >= 1 (asynchronous, LlamaRL): max(T_gen, T_train + T_sync); colocated is always
           synchronous (time-shared ranks). With fixed lengths eta = 1 already overlaps fully in
           steady state; a larger eta only absorbs variance.
-CPU ranks that share cores (the validation machine) slow each other's computation down: with
-s(k) the slowdown of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time`
-uses (communication parts are measured under the same sharing and added as they are)
-  sync  : compute_gen*s(G) + compute_train*s(T) + comm + T_sync
-  async : a*s(G+T) + (b-a)*s(ranks of b) + comm,  a <= b the two sides' compute (processor sharing)
+CPU ranks that share cores (the validation machine) slow each other down: with s(k) the slowdown
+of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time` uses
+  sync, colocated: compute_gen*s(G) + compute_train*s(T) + comm + T_sync (a rank waiting in a
+          collective leaves the cores to the others)
+  async : a*s(G+T) + (b-a)*s(ranks of b) (+ T_sync on the trainer's side),  a <= b the two whole
+          phases, communication included: it competes with the other mesh's compute
 which reduce to the formulas above when s = 1.
 """
 from __future__ import annotations
@@ -476,23 +477,27 @@ def slowdown(k: int, cl: Cluster, prof=None) -> float:
 def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placement, cl: Cluster,
               prof=None, gen_comm: float = 0.0, train_comm: float = 0.0) -> float:
     """Seconds per step. s(k) = slowdown(k), 1 on GPUs; G/T = generator/trainer ranks; *_comm is
-    the part of a phase spent in communication (measured as is: not slowed by core sharing).
-    With cg = t_gen - gen_comm and ct = t_train - train_comm (the compute):
+    the part of a phase spent in communication. On a host whose cores the ranks share, a rank
+    waiting in a collective uses little CPU, so where the phases take turns (synchronous,
+    colocated) only their compute cg = t_gen - gen_comm, ct = t_train - train_comm is slowed:
     Synchronous (eta = 0; colocated always): cg*s(G) + gen_comm + ct*s(T) + train_comm + t_sync
-    Asynchronous: the shorter compute (a) runs alongside the longer (b), which then runs alone
-    (processor sharing): cpu = a*s(G+T) + (b-a)*s(ranks of b), and
-        step = max(cpu + comm of b's side, a*s(G+T) + comm of a's side)
-    With s = 1 this is max(T_gen, T_train + T_sync). E.g. 2 shared cores, G = 1, T = 2, no comm,
-    T_gen = 0.1, T_train = 0.2: a = 0.1, b = 0.2: 0.1*1.5 + 0.1*1.0 = 0.25 s."""
+    But where the two meshes run at once (asynchronous split), each side's communication (gloo:
+    copies and wake-ups on CPU threads) competes with the other side's compute, and whole phases
+    are slowed (the quiet 2026-11-30 runs of bench/plan_vs_measured.py: exempting it there
+    underpredicted every FSDP layout by 20-45%). The shorter phase (a) runs alongside the longer
+    (b), which then runs alone (processor sharing): cpu = a*s(G+T) + (b-a)*s(ranks of b), and
+        step = max(cpu + sync if b trains, a*s(G+T) + sync if a trains)
+    With s = 1 both are the formulas of the module docstring. E.g. 2 shared cores, G = 1, T = 2,
+    T_gen = 0.1, T_train = 0.2, no sync: a = 0.1, b = 0.2: 0.1*1.5 + 0.1*1.0 = 0.25 s."""
     g, t = (p.world, p.world) if p.mode == "colocated" else (p.generator_ranks, p.trainer_ranks)
     s = lambda k: slowdown(k, cl, prof)  # noqa: E731
     cg, ct = t_gen - gen_comm, t_train - train_comm
-    xg, xt = gen_comm, train_comm + t_sync
     if p.mode == "colocated":
-        return (cg + ct) * s(p.world) + xg + xt
+        return (cg + ct) * s(p.world) + gen_comm + train_comm + t_sync
     if eta == 0:
-        return cg * s(g) + xg + ct * s(t) + xt + 2 * LINK_POLL_S
-    (a, xa), (b, xb, kb) = ((cg, xg), (ct, xt, t)) if ct >= cg else ((ct, xt), (cg, xg, g))
+        return cg * s(g) + gen_comm + ct * s(t) + train_comm + t_sync + 2 * LINK_POLL_S
+    (a, xa), (b, xb, kb) = (((t_gen, 0.0), (t_train, t_sync, t)) if t_train >= t_gen
+                            else ((t_train, t_sync), (t_gen, 0.0, g)))
     cpu = a * s(g + t) + (b - a) * s(kb)
     return max(cpu + xb, a * s(g + t) + xa)
 
