@@ -239,6 +239,13 @@ def poll_until(check: Callable[[], object], deadline: float, fail: Callable[[], 
         backoff = min(backoff * 2, 1e-3)
 
 
+def _foreach_default(device: torch.device) -> bool:
+    """copy_all's strategy: on CUDA one copy per parameter (a plain device memcpy each) moved a
+    1.1B model 8-9% faster than the multi-tensor copy (BENCHMARKS.md, "GPU"); on CPU one
+    multi-tensor call saves the Python loop. bench/weights_sync.py times both."""
+    return device.type != "cuda"
+
+
 def _local_tensors(model) -> dict[str, torch.Tensor]:
     return {n: (p.data.to_local() if hasattr(p.data, "to_local") else p.data)
             for n, p in model.named_parameters()}
@@ -265,9 +272,9 @@ class IpcSender:
                              f"trainer's parameters) or >= 1 staging buffers per peer")
         self.rank, self.dtype, self.timeout_s = rank, dtype, timeout_s
         self.zero_copy = buffers == 0
-        self.foreach = True  # copy_all's strategy (bench/weights_sync.py times both)
         self.tensors = _local_tensors(model)
         self.device = next(iter(self.tensors.values())).device
+        self.foreach = _foreach_default(self.device)
         self.memory = shared_memory_for(self.device)
         self.control = Control(store, channel)
         sends = plan.sends_from(rank)
@@ -376,10 +383,10 @@ class IpcReceiver:
                  peers: Collection[int] | None = None, store=None, channel: str = "weights",
                  direct: bool = False):
         self.rank, self.timeout_s, self.direct = rank, timeout_s, direct
-        self.foreach = True  # copy_all's strategy (bench/weights_sync.py times both)
         self.tensors = _local_tensors(model)
         some = next(iter(self.tensors.values()))
         self.dtype, self.device = some.dtype, some.device
+        self.foreach = _foreach_default(self.device)
         self.memory = shared_memory_for(self.device)
         self.control = Control(store, channel)
         self.transfers = {s: ts for s, ts in plan.recvs_to(rank).items()
