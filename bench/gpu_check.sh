@@ -12,7 +12,8 @@
 #       (goal >= 50%), for the staged, direct, double-buffered and zero-copy variants
 #   a2  the CUDA tests of tests/test_ipc.py (skipped on CPU, so they only run here)
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
-#       for a minute, and REFERENCES.md has its number from this machine)
+#       for a minute, and REFERENCES.md has its number from this machine), with the top kernels
+#       of one CUDA-graph run (--profile): where the decode step's 3.7 ms go
 #   b2  the same with our decode step under torch.compile (+ CUDA graph): compiles ~1-2 min
 #   c   bench/train_step.py --no-cpu --gpu --compile
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC):
@@ -70,7 +71,7 @@ fi
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run a2 90  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py -k cuda
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
-run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2
+run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --profile
 run b2 200 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --modes compile
 run d  130 "$PY" bench/weights_sync.py --rl --rl-hidden 1024 --rl-layers 8 --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 55 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"

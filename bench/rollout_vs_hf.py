@@ -98,6 +98,26 @@ def measure(fns: dict, device: str, repeats: int, results: dict) -> None:
               f"({med:.3f} s median of {repeats})")
 
 
+def profile_run(fn, device: str, label: str, top: int = 15) -> list[dict]:
+    """One warm run of `fn` under torch.profiler: the `top` kernels (CUDA) or ops (CPU) by total
+    device time, with their call counts, so that a decode step's time can be attributed."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+    key = "device_time_total" if device == "cuda" else "cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    if device == "cuda":  # kernels only: the device's own time, not the host ops launching them
+        rows = [e for e in rows if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    out = [{"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
+           for e in rows[:top]]
+    total = sum(getattr(e, key) for e in prof.key_averages()) / 1e3
+    print(f"  profile of one {label} run, top {top} by {key} (of {total:.1f} ms summed):")
+    for r in out:
+        print(f"    {r['ms']:9.3f} ms {r['calls']:7d} x  {r['name']}")
+    return out
+
+
 def cpu_section(repeats: int) -> dict:
     shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
@@ -129,7 +149,7 @@ GPU_SHAPE = hf_names(LLAMA_1B)
 
 def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: int = 64,
                 P: int = 128, new: int = 256, hf_static: bool = True,
-                modes: tuple = ("eager", "cudagraph")) -> dict:
+                modes: tuple = ("eager", "cudagraph"), profile: bool = False) -> dict:
     """(device/shape/sizes are parameters only so that the code path can be dry-run on CPU.)"""
     hf = hf_llama(device, torch.bfloat16, **shape)
     args = ModelArgs.from_hf_config(hf.config.to_dict())
@@ -158,6 +178,13 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     ours_best = max(v["tok_per_s"] for k, v in res.items() if k.startswith("ours"))
     res["speedup_vs_best_hf"] = round(ours_best / best_hf, 2)
     print(f"  speedup best ours / best HF: {res['speedup_vs_best_hf']:.2f}x")
+    if profile:  # a diagnostic: a failure here must not lose the measurements above
+        last = [k for k in fns if k.startswith("ours_")][-1]
+        try:
+            res["profile"] = profile_run(fns[last], device, last)
+        except Exception as e:  # noqa: BLE001
+            print(f"  profile failed: {type(e).__name__}: {e}")
+            res["profile"] = f"failed: {type(e).__name__}: {e}"
     return res
 
 
@@ -168,6 +195,8 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     ap.add_argument("--no-hf-static", action="store_true",
                     help="GPU: leave out HF's static-cache generate (it compiles, ~1 min)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: also profile one run of the last of --modes (top kernels)")
     ap.add_argument("--modes", default="eager,cudagraph",
                     help="GPU: our decode variants, of eager, cudagraph, compile (torch.compile "
                          "+ CUDA graph)")
@@ -179,7 +208,7 @@ def main() -> None:
         if torch.cuda.is_available():
             with torch.no_grad():
                 out["gpu"] = gpu_section(a.repeats, hf_static=not a.no_hf_static,
-                                         modes=tuple(a.modes.split(",")))
+                                         modes=tuple(a.modes.split(",")), profile=a.profile)
         else:
             print("GPU section skipped: CUDA is not available")
             out["gpu"] = "skipped: no CUDA"

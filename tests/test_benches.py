@@ -1,0 +1,38 @@
+"""The GPU sections of the benchmarks, dry-run on CPU with tiny shapes: bench/gpu_check.sh runs
+them only where a GPU is lent, so CI checks their code paths here (timings are not checked)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+TINY_HF = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_rollout_gpu_section_runs_on_cpu_with_profile(monkeypatch):
+    # appended, not prepended: bench/weights_sync.py must not shadow the weights_sync package
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+    with torch.no_grad():
+        out = rollout_vs_hf.gpu_section(1, device="cpu", shape=TINY_HF, B=4, P=8, new=8,
+                                        hf_static=False, profile=True)
+    assert out["ours_eager"]["new_tokens"] == out["hf_dynamic_cache"]["new_tokens"] == 4 * 8
+    assert out["speedup_vs_best_hf"] > 0
+    assert out["profile"] and all(r["calls"] >= 1 for r in out["profile"])
+
+
+@pytest.mark.slow
+def test_train_step_gpu_section_runs_on_cpu():
+    proc = subprocess.run([sys.executable, str(BENCH / "train_step.py"), "--no-cpu", "--gpu",
+                           "--gpu-device", "cpu", "--gpu-shape", "tiny", "--gpu-batch", "2",
+                           "--gpu-seq", "32", "--iters", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gpu = json.loads(proc.stdout.strip().splitlines()[-1])["gpu"]
+    assert gpu["ours"]["loss_first"] == pytest.approx(gpu["hf"]["loss_first"], rel=1e-2)
