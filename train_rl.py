@@ -37,6 +37,8 @@ def run(cfg) -> None:
 
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = preflight(cfg, dims)  # bad input is reported before any process group exists
+    if _already_complete(cfg):
+        return
     device = pick_device()
     init_process_group(device, cfg.parallel.backend, cfg.parallel.warmup_timeout_s)
     global _STARTED
@@ -57,6 +59,21 @@ def run(cfg) -> None:
         run_generator(cfg, meshes, tokenizer)
     dist.barrier()  # the shutdown barrier: both meshes are done
     dist.destroy_process_group()
+
+
+def _already_complete(cfg) -> bool:
+    """A finished run relaunched as is (torchrun twice, a requeued SLURM job) does nothing rather
+    than replay its last steps from the latest checkpoint and overwrite hf_final. Every rank reads
+    the same marker, so all of them return before any process group starts."""
+    from trainer.checkpointing import completed_steps
+    done = completed_steps(cfg)
+    if done is None or done < cfg.trainer.max_steps or cfg.checkpoint.resume != "auto":
+        return False
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"run {cfg.run.dir} already completed {done} steps (trainer.max_steps="
+              f"{cfg.trainer.max_steps}): nothing to do. Raise --trainer.max_steps to train on from "
+              f"its latest checkpoint, or pass a new --run.dir", flush=True)
+    return True
 
 
 def _write_pid(run_dir: str, rank: int) -> None:

@@ -6,7 +6,9 @@
 3. asynchronous AIPO in split mode on 3 ranks (1 generator, 2 FSDP trainers) via torchrun,
    preset configs/tiny_cpu.toml;
 4. greedy exact match of the exported final policy on the same held-out prompts (after).
-Extra arguments are passed to train_rl.py as overrides, e.g. `--trainer.max_steps=50`.
+Extra arguments are passed to train_rl.py as overrides, e.g. `--trainer.max_steps=50`. Each
+invocation trains in a new run directory, runs/demo-<UTC time>, unless `--run.dir=...` is given
+(then an unfinished run there resumes, and a finished one is only evaluated again).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def held_out_accuracy(model_dir: Path, cfg) -> float:
 def main(argv: list[str]) -> int:
     from config import load_config
     os.chdir(ROOT)
+    if not any(a.startswith("--run.dir") for a in argv):  # a fresh run, not a resumed one
+        argv = [*argv, f"--run.dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"]
     cfg = load_config(CONFIG, argv).resolve(3)
     t0 = time.time()
     model_dir = Path(cfg.model.path)

@@ -75,6 +75,20 @@ def test_async_checkpoint_and_periodic_hf_export(async_run):
     assert hf.config.vocab_size == 17
 
 
+def test_a_finished_run_relaunched_does_nothing(async_run):
+    """Relaunching the same command (a requeued job) neither replays the last steps from the
+    latest checkpoint nor rewrites the metrics or the final export."""
+    run_dir, model, _ = async_run
+    before = (run_dir / "metrics.jsonl").read_text(), (run_dir / "hf_final" / "config.json").stat().st_mtime_ns
+    proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
+                     f"--run.dir={run_dir}", "--trainer.max_steps=4", "--algo.max_staleness=1", *QUICK,
+                     "--checkpoint.every_steps=2", "--checkpoint.hf_export_every=2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"run {run_dir} already completed 4 steps" in proc.stdout
+    after = (run_dir / "metrics.jsonl").read_text(), (run_dir / "hf_final" / "config.json").stat().st_mtime_ns
+    assert after == before
+
+
 def test_tensorboard_events_read_back(async_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(async_run[0] / "tb"))

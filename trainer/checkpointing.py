@@ -43,6 +43,20 @@ def resume_path(cfg) -> Path | None:
     return path
 
 
+COMPLETE_FILE = "COMPLETE"
+
+
+def mark_complete(cfg, steps: int) -> None:
+    """Written by the trainer's owner rank once the run has trained `steps` steps and exported."""
+    Path(cfg.run.dir, COMPLETE_FILE).write_text(json.dumps({"steps": steps}) + "\n")
+
+
+def completed_steps(cfg) -> int | None:
+    """Steps of a run in cfg.run.dir that finished, or None (never finished, or no run there)."""
+    path = Path(cfg.run.dir, COMPLETE_FILE)
+    return int(json.loads(path.read_text())["steps"]) if path.is_file() else None
+
+
 def read_extra(path: Path) -> dict:
     return json.loads((path / EXTRA_FILE).read_text())
 

@@ -142,7 +142,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     from rollout.role import build_generator_model, load_items
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_optimizer, build_scheduler
-    from trainer.role import build_trainer_model, export_final
+    from trainer.role import build_trainer_model, finish_run
     from weights_sync.plan import plan_cached
     from weights_sync.sync import WeightReceiver, WeightSender, transfer_specs
 
@@ -171,4 +171,4 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
         sender.close()
         if logger is not None:
             logger.close()
-    export_final(cfg, meshes, t_model, tokenizer, worker.version, rank == 0)
+    finish_run(cfg, meshes, t_model, tokenizer, worker.version, rank == 0)

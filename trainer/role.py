@@ -7,7 +7,7 @@ from pathlib import Path
 from model.hf_io import load_model_args, to_dtype
 from parallel.layout import Layout
 from parallel.sharding import build_model, parallelize_trainer
-from trainer.checkpointing import read_extra, resume_path
+from trainer.checkpointing import mark_complete, read_extra, resume_path
 from trainer.link import Link
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
@@ -55,15 +55,17 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     finally:
         if logger is not None:
             logger.close()
-    export_final(cfg, meshes, model, tokenizer, worker.version, owner)
+    finish_run(cfg, meshes, model, tokenizer, worker.version, owner)
 
 
-def export_final(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None:
-    """Collective over the trainer mesh: the final policy as a Hugging Face folder."""
-    if not cfg.checkpoint.hf_export_final:
-        return
-    from parallel.checkpoint import export_hf
-    out = Path(cfg.run.dir) / "hf_final"
-    export_hf(model, out, tokenizer=tokenizer if owner else None, group=meshes.trainer_group)
+def finish_run(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None:
+    """Collective over the trainer mesh: the final policy as a Hugging Face folder (if
+    configured), then the run's COMPLETE marker (one version per step: version = steps)."""
+    if cfg.checkpoint.hf_export_final:
+        from parallel.checkpoint import export_hf
+        out = Path(cfg.run.dir) / "hf_final"
+        export_hf(model, out, tokenizer=tokenizer if owner else None, group=meshes.trainer_group)
+        if owner:
+            print(f"exported the final policy (version {version}) to {out}", flush=True)
     if owner:
-        print(f"exported the final policy (version {version}) to {out}", flush=True)
+        mark_complete(cfg, version)
