@@ -64,7 +64,7 @@ class Meshes:
     device: torch.device
     trainer: DeviceMesh | None = None  # (fsdp, tp), None on generator-only ranks
     generator: DeviceMesh | None = None  # (dp, tp), None on trainer-only ranks
-    gpu_of: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (host, gpu index)
+    gpu_of: dict[int, tuple] = field(default_factory=dict)  # rank -> (host, gpu index, uuid)
     trainer_group: object = None  # process group over the whole trainer mesh (this rank's side)
     generator_group: object = None
     weights_group: object = None  # point-to-point weight sync (gloo on CPU, NCCL across GPUs)
@@ -88,28 +88,45 @@ class Meshes:
         """Other ranks on the same physical GPU: weight sync uses CUDA IPC with them."""
         rank = self.rank if rank is None else rank
         me = self.gpu_of.get(rank)
-        if me is None or me[1] < 0:
-            return []
-        return [r for r, g in self.gpu_of.items() if g == me and r != rank]
+        return [r for r, g in self.gpu_of.items() if r != rank and same_gpu(me, g)]
 
 
-def _placement(device: torch.device) -> tuple[str, int]:
-    return socket.gethostname(), device.index if device.type == "cuda" else -1
+def _placement(device: torch.device) -> tuple[str, int, str]:
+    """(host, CUDA index as this process sees it, the GPU's UUID); (host, -1, "") on CPU."""
+    if device.type != "cuda":
+        return socket.gethostname(), -1, ""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", "")
+    return socket.gethostname(), device.index, str(uuid)
 
 
-def check_no_duplicate_gpu(groups: list[list[int]], gpu_of: dict[int, tuple[str, int]], what: str):
+def gpu_key(g: tuple | None) -> tuple | None:
+    """What identifies the physical GPU of a placement: its UUID where known, since the index
+    depends on each process's CUDA_VISIBLE_DEVICES (SLURM's per-task binding shows every task its
+    GPU as cuda:0); else (host, index). None on CPU."""
+    if g is None or g[1] < 0:
+        return None
+    return ("uuid", g[2]) if len(g) > 2 and g[2] else (g[0], g[1])
+
+
+def same_gpu(a: tuple | None, b: tuple | None) -> bool:
+    ka = gpu_key(a)
+    return ka is not None and ka == gpu_key(b)
+
+
+def check_no_duplicate_gpu(groups: list[list[int]], gpu_of: dict[int, tuple], what: str):
     """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): refuse such a mesh up front."""
     for group in groups:
-        seen: dict[tuple[str, int], int] = {}
+        seen: dict[tuple, int] = {}
         for r in group:
-            g = gpu_of[r]
-            if g[1] >= 0 and g in seen:
+            g, key = gpu_of[r], gpu_key(gpu_of[r])
+            if key is not None and key in seen:
                 raise ValueError(
-                    f"{what} group {group} puts ranks {seen[g]} and {r} on the same GPU {g[0]}:cuda:{g[1]}; "
+                    f"{what} group {group} puts ranks {seen[key]} and {r} on the same GPU {g[0]}:cuda:{g[1]}; "
                     f"NCCL cannot run a collective over two ranks of one GPU ('Duplicate GPU detected'). "
                     f"Give each rank of a mesh its own GPU (launch more GPUs, or lower that mesh's "
                     f"degrees); ranks of *different* meshes may share a GPU and sync by CUDA IPC")
-            seen[g] = r
+            if key is not None:
+                seen[key] = r
 
 
 def _axis_groups(grid: list[list[int]]) -> list[list[int]]:

@@ -56,7 +56,11 @@ def test_cuda_handle_binds_to_torchs_rebuild_with_this_process_device(monkeypatc
 
 @pytest.mark.parametrize("a,b,want", [
     (("h", 0), ("h", 0), "ipc"), (("h", 0), ("h", 1), "nccl"), (("h", 0), ("g", 0), "nccl"),
-    (("h", -1), ("h", -1), "gloo"), (("h", 0), ("h", -1), "gloo"), (None, ("h", 0), "gloo")])
+    (("h", -1), ("h", -1), "gloo"), (("h", 0), ("h", -1), "gloo"), (None, ("h", 0), "gloo"),
+    # with UUIDs (what build_meshes gathers) the UUID decides, not the process-local index:
+    (("h", 0, "GPU-a"), ("h", 0, "GPU-b"), "nccl"),  # SLURM per-task binding: both see cuda:0
+    (("h", 1, "GPU-a"), ("h", 0, "GPU-a"), "ipc"),  # one GPU under two CUDA_VISIBLE_DEVICES orders
+    (("h", -1, ""), ("h", -1, ""), "gloo")])
 def test_transport_per_pair(a, b, want):
     gpu_of = {r: g for r, g in ((0, a), (1, b)) if g is not None}
     assert transport_for(0, 1, gpu_of) == want

@@ -55,6 +55,19 @@ def test_tp_must_divide_heads():
         dims.check_model(num_heads=8, num_kv_heads=4, tied_embeddings=True)
 
 
+def test_duplicate_gpu_in_one_mesh_is_refused_by_uuid():
+    from parallel.mesh import check_no_duplicate_gpu
+    # every task sees its own GPU as cuda:0 (SLURM --gpus-per-task=1): distinct UUIDs, accepted
+    per_task = {0: ("n1", 0, "GPU-a"), 1: ("n1", 0, "GPU-b"), 2: ("n1", 0, "GPU-c")}
+    check_no_duplicate_gpu([[0, 1], [2]], per_task, "trainer mesh")
+    # the same GPU seen under two indices is still one GPU: refused inside a mesh
+    reordered = {0: ("n1", 1, "GPU-a"), 1: ("n1", 0, "GPU-a")}
+    with pytest.raises(ValueError, match=r"trainer mesh group \[0, 1\] puts ranks 0 and 1 on the "
+                                         r"same GPU n1:cuda:0.*Duplicate GPU detected"):
+        check_no_duplicate_gpu([[0, 1]], reordered, "trainer mesh")
+    check_no_duplicate_gpu([[0, 1]], {0: ("n1", -1, ""), 1: ("n1", -1, "")}, "trainer mesh")  # CPU
+
+
 def test_dry_run_cli_prints_rank_map(capsys):
     from parallel.dims import main
     assert main(["--world", "1024", "--generator-ranks", "256", "--gen-tp", "8", "--trainer-tp", "8"]) == 0

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
+from parallel.mesh import gpu_key, same_gpu
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
@@ -246,13 +246,14 @@ class WeightReceiver:
 # ---------------------------------------------------------------------------------------------
 # Transport per peer: CUDA IPC on a shared GPU, NCCL across GPUs, gloo on CPU.
 
-def transport_for(src: int, dst: int, gpu_of: Mapping[int, tuple[str, int]] | None) -> str:
+def transport_for(src: int, dst: int, gpu_of: Mapping[int, tuple] | None) -> str:
     """"ipc" when both ranks sit on the same GPU (NCCL refuses that pair), "nccl" when both are
-    on GPUs, else "gloo". `gpu_of`: rank -> (host, GPU index, -1 on CPU), as `Meshes.gpu_of`."""
+    on GPUs, else "gloo". `gpu_of`: rank -> (host, GPU index (-1 on CPU)[, GPU UUID]), as
+    `Meshes.gpu_of`; the UUID, where given, decides what "the same GPU" is."""
     a, b = (gpu_of or {}).get(src), (gpu_of or {}).get(dst)
-    if a is None or b is None or a[1] < 0 or b[1] < 0:
+    if gpu_key(a) is None or gpu_key(b) is None:
         return "gloo"
-    return "ipc" if a == b else "nccl"
+    return "ipc" if same_gpu(a, b) else "nccl"
 
 
 def _split(rank: int, peers, gpu_of, is_src: bool) -> tuple[set[int], set[int]]:
@@ -309,7 +310,7 @@ class MultiReceiver:
 
 
 def make_sender(model, plan, rank: int, dtype: torch.dtype, group, timeout_s: float,
-                gpu_of: Mapping[int, tuple[str, int]] | None = None, *,
+                gpu_of: Mapping[int, tuple] | None = None, *,
                 bucket_bytes: int = 64 << 20, ipc_buffers: int = 1, store=None,
                 channel: str = "weights"):
     """The trainer-side sender for this rank: `WeightSender` (NCCL/gloo on `group`) for peers
@@ -328,7 +329,7 @@ def make_sender(model, plan, rank: int, dtype: torch.dtype, group, timeout_s: fl
 
 
 def make_receiver(model, plan, rank: int, group, timeout_s: float,
-                  gpu_of: Mapping[int, tuple[str, int]] | None = None, *,
+                  gpu_of: Mapping[int, tuple] | None = None, *,
                   bucket_bytes: int = 64 << 20, store=None, channel: str = "weights",
                   ipc_direct: bool = False):
     """The generator-side counterpart of `make_sender` (same transport choice per peer).
