@@ -84,6 +84,7 @@ BATCH, SEQ = 4, 12
 # single-process AdamW is fed the gradients the sharded run produced (themselves checked against the
 # reference at rtol 1e-5), and must land on the same parameters as the sharded AdamW.
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
+CLIP = 0.05  # below the tiny models' gradient norm: clipping scales every gradient
 
 
 def _batch():
@@ -128,6 +129,7 @@ def _sharded_worker(rank, world, folder, fsdp, tp):
     from torch.distributed.device_mesh import init_device_mesh
     from model.hf_io import load_model_args
     from parallel.sharding import build_model, parallelize_trainer
+    from trainer.optim import clip_grad_norm
 
     mesh = init_device_mesh("cpu", (fsdp, tp), mesh_dim_names=("fsdp", "tp"))
     model = build_model(load_model_args(folder), torch.device("cpu"), torch.float32,
@@ -141,11 +143,15 @@ def _sharded_worker(rank, world, folder, fsdp, tp):
     (loss_sum / ids[:, 1:].numel()).backward()
     total = loss_sum.detach().clone()
     dist.all_reduce(total, group=mesh["fsdp"].get_group())
-    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}  # clipped below
     torch.optim.AdamW(model.parameters(), **ADAMW).step()
     params = {n: _full(p.detach()) for n, p in model.named_parameters()}
-    return {"loss": total / ids[:, 1:].numel(), "logits": logits,
-            **{"g." + k: v for k, v in grads.items()}, **{"p." + k: v for k, v in params.items()}}
+    # the trainer's clip: the global norm over shards (one reduction per mesh dim), then scaling
+    norm = clip_grad_norm(list(model.parameters()), CLIP)
+    clipped = {n: _full(p.grad) for n, p in model.named_parameters()}
+    return {"loss": total / ids[:, 1:].numel(), "logits": logits, "norm": norm,
+            **{"g." + k: v for k, v in grads.items()}, **{"p." + k: v for k, v in params.items()},
+            **{"c." + k: v for k, v in clipped.items()}}
 
 
 def _close(a, b, rtol=1e-5):
@@ -160,10 +166,15 @@ def test_sharded_training_matches_single_process(tmp_path, fsdp, tp, family):
     ref_loss, ref_grads, ref_logits = _reference(tmp_path)
     results = run_ranks(_sharded_worker, fsdp * tp, str(tmp_path), fsdp, tp)
     ref_params = _adamw_reference(tmp_path, {n: results[0]["g." + n] for n in ref_grads})
+    ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
+    assert ref_norm > CLIP
+    coef = CLIP / (ref_norm + 1e-6)
     for res in results:
         _close(res["loss"], ref_loss)
+        _close(res["norm"], ref_norm)
         for name, g in ref_grads.items():
             _close(res["g." + name], g)
+            _close(res["c." + name], g * coef)
         for name, p in ref_params.items():
             _close(res["p." + name], p)
         _close(res["logits"], ref_logits)
