@@ -378,14 +378,14 @@ def _pool_concurrency(a: list, b: list) -> list:
 def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     """Per-collective cost. FSDP: the real 2-rank train step's excess over one rank doing the
     same share, less the per-step excess of the gradient-norm clip and AdamW on DTensors, over
-    the step's collectives (cost_model.trainer_collectives, per-parameter norms excluded): what a
+    the step's collectives (cost_model.trainer_collectives, the norm's reductions excluded): what a
     collective costs amid real micro-batches, waits for the peer included. TP: the 2-rank
     forward/backward's excess over the plain model's on one short sequence, / its collectives
     (2 per layer each way + 4). The per-step excesses are kept as they are."""
-    from launch.cost_model import param_specs, trainer_collectives
+    from launch.cost_model import norm_reductions, trainer_collectives
     L = args.num_layers
     f = c["fsdp"]
-    n = trainer_collectives(args, f["micro"], 2, 1, False)["fsdp"] - len(param_specs(args))
+    n = trainer_collectives(args, f["micro"], 2, 1, False)["fsdp"] - norm_reductions(2, 1)
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
     prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])

@@ -361,16 +361,21 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
             "comm": comm}
 
 
+def norm_reductions(fsdp: int, tp: int) -> int:
+    """All-reduces of the global gradient norm (trainer.optim.global_grad_norm): one per mesh
+    dimension of more than one rank."""
+    return (fsdp > 1) + (tp > 1)
+
+
 def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool) -> dict:
     """Collectives of one trainer step. FSDP2: per micro-batch and unit (L layers + root) an
     all-gather in forward and in backward and a reduce-scatter. TP: per micro-batch 2 all-reduces
     per layer in forward and 2 in backward (+2 recomputed with AC), and embedding + head (4).
-    Per step once the params are DTensors: one reduction per parameter tensor for the gradient
-    norm, and 6 for bookkeeping (token counts, statistics, the batch broadcast); they are
-    charged to FSDP when fsdp > 1. Tiny Llama (L = 2, 21 tensors), fsdp 2, tp 1, 4 micro-batches:
-    fsdp = 3*3*4 + 21 + 6 = 63, tp = 0."""
+    Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), and 6
+    for bookkeeping (token counts, statistics, the batch broadcast); they are charged to FSDP when
+    fsdp > 1. Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 6 = 43, tp = 0."""
     L = args.num_layers
-    per_step = len(param_specs(args)) + 6 if fsdp * tp > 1 else 0
+    per_step = norm_reductions(fsdp, tp) + 6 if fsdp * tp > 1 else 0
     f = 3 * (L + 1) * micro if fsdp > 1 else 0
     t = (4 * L + 4 + 2 * L * ac) * micro if tp > 1 else 0
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
@@ -396,8 +401,8 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     if prof is not None and prof.matches(args):
         compute = micro * prof.train_microbatch_s(mb_tokens, tp, ac) + prof.train_overhead_s(fsdp, tp)
         # measured per collective (incl. DTensor overhead) and per step (grad norm + AdamW),
-        # ring-scaled by (k - 1); the per-tensor grad-norm reductions are in the per-step part
-        per_step = len(param_specs(args))
+        # ring-scaled by (k - 1); the grad-norm reductions are in the per-step part
+        per_step = norm_reductions(fsdp, tp)
         fsdp_comm = tp_comm = 0.0
         if fsdp > 1:
             fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s) * (fsdp - 1)
