@@ -30,8 +30,7 @@ import transformers  # noqa: E402
 from model import load_pretrained  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
-from rollout.engine import Engine, Request, SamplingParams  # noqa: E402
-from rollout.role import decode_mode  # noqa: E402
+from rollout.engine import Engine, Request, SamplingParams, decode_mode  # noqa: E402
 
 
 def hf_llama(device: str, dtype: torch.dtype, **shape):

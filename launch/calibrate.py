@@ -266,10 +266,11 @@ def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, 
     undisturbed minimum, because a collective's time includes waiting for the peer to be
     scheduled, which is part of its real cost (with minima, the model missed FSDP layouts by
     up to -43% in bench/plan_vs_measured.py)."""
-    from trainer.optim import clip_grad_norm
+    from config import load_config
+    from trainer.optim import build_optimizer, clip_grad_norm
     fb = timed(_fwd_bwd(model, tokens, tokens, device, True), device, reps=reps,
                stat=statistics.median)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
+    opt = build_optimizer(model, load_config(None, []).trainer)  # the trainer's own AdamW
     with torch.set_grad_enabled(True):  # leave gradients in place for the step
         logits = model(torch.zeros(tokens, dtype=torch.long, device=device),
                        seq_lens=torch.tensor([tokens], device=device))

@@ -57,6 +57,16 @@ KV_POLICIES = ("keep", "recompute")
 COMPILE_MODES = (False, True, "compile", "cudagraph")
 
 
+def decode_mode(choice: str, device: torch.device) -> bool | str:
+    """`generator.decode` as the Engine's `compile_decode` ('auto': graphs where there is CUDA)."""
+    if choice == "cudagraph" and device.type != "cuda":
+        raise ValueError(f"generator.decode='cudagraph' needs a CUDA device, this rank runs on "
+                         f"{device}; use 'auto' or 'eager'")
+    if choice == "auto":
+        return "cudagraph" if device.type == "cuda" else False
+    return {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[choice]
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled. `temperature == 0` means greedy."""

@@ -5,7 +5,7 @@ from model.hf_io import load_model_args, to_dtype
 from parallel.layout import Layout
 from parallel.sharding import build_model, parallelize_generator
 from rollout.data import PromptSource, filter_by_length, load_prompts, render_prompt
-from rollout.engine import Engine
+from rollout.engine import Engine, decode_mode
 from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
 from trainer.checkpointing import generator_state, read_extra, resume_path
@@ -30,16 +30,6 @@ def build_generator_model(cfg, meshes):
     return build_model(load_model_args(cfg.model.path), meshes.device, to_dtype(cfg.model.gen_dtype),
                        parallelize=lambda m: parallelize_generator(m, meshes.generator),
                        path=cfg.model.path)
-
-
-def decode_mode(choice: str, device: torch.device) -> bool | str:
-    """`generator.decode` as the Engine's `compile_decode` ('auto': graphs where there is CUDA)."""
-    if choice == "cudagraph" and device.type != "cuda":
-        raise ValueError(f"generator.decode='cudagraph' needs a CUDA device, this rank runs on "
-                         f"{device}; use 'auto' or 'eager'")
-    if choice == "auto":
-        return "cudagraph" if device.type == "cuda" else False
-    return {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[choice]
 
 
 def run_generator(cfg, meshes, tokenizer) -> None:

@@ -354,7 +354,7 @@ def tiny_model():
 
 
 def test_decode_mode_choice():
-    from rollout.role import decode_mode
+    from rollout.engine import decode_mode
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert decode_mode("auto", cpu) is False and decode_mode("auto", cuda) == "cudagraph"
     assert decode_mode("compile", cpu) == "compile" and decode_mode("eager", cuda) is False

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rollout.engine import Engine, Request, SamplingParams
+from rollout.engine import Engine, Request, SamplingParams, decode_mode
 from rollout.worker import replica_share
 from trainer.batch import Group, Trajectory
 from trainer.metrics import reduce_stats, step_metrics
@@ -68,7 +68,8 @@ class ColocatedWorker:
         self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
         g = cfg.generator
         self.engine = Engine(g_model, num_slots=g.num_slots,
-                             max_len=cfg.data.max_prompt_len + g.max_new_tokens, seed=g.seed + self.replica)
+                             max_len=cfg.data.max_prompt_len + g.max_new_tokens, seed=g.seed + self.replica,
+                             kv_policy=g.kv_policy, compile_decode=decode_mode(g.decode, meshes.device))
         self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                      top_p=g.top_p, top_k=g.top_k, greedy=g.greedy, n=g.n_samples,
                                      stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos)
