@@ -15,34 +15,22 @@ The workload is tuned so T_gen ~ T_train (a balanced workload, where async gains
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import REPO, print_json  # noqa: F401  (REPO on sys.path)
+from common import print_json, read_metrics, rl_args, run_train_rl  # (the repo on sys.path)
 
 from tools.make_tiny_model import make_random_model
 
 
 def run_mode(model: str, run_dir: Path, eta: int, a) -> list[dict]:
-    args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
-            f"--algo.max_staleness={eta}", f"--trainer.max_steps={a.steps}",
-            f"--trainer.prompts_per_step={a.prompts}", f"--generator.n_samples={a.samples}",
-            f"--generator.num_slots={a.prompts * a.samples}",
-            f"--generator.max_new_tokens={a.new_tokens}", "--generator.ignore_eos=true",
-            "--parallel.generator_ranks=1", "--checkpoint.every_steps=0",
-            "--checkpoint.hf_export_final=false", "--logging.tensorboard=false",
-            "--logging.console_every=1000", "--trainer.micro_batch_tokens=100000"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(a.world), "train_rl.py", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    args = rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.samples,
+                   new_tokens=a.new_tokens, eta=eta)
+    proc = run_train_rl(a.world, args, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"eta={eta} run failed:\n{proc.stderr[-4000:]}")
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def summarise(rows: list[dict], warmup: int) -> dict:

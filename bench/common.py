@@ -3,9 +3,11 @@ single JSON line every bench prints last (DESIGN.md: tools parse only that line)
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,25 +36,10 @@ def print_json(record: dict) -> None:
     print(json.dumps(record, sort_keys=True), flush=True)
 
 
-def _sync(device: torch.device | str | None) -> None:
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(step, iters: int, warmup: int, device=None, before=None) -> list[float]:
-    """Wall time of each of `iters` calls of `step()` after `warmup` untimed ones (CUDA synced).
-    `before()` runs untimed ahead of every call (e.g. a barrier so that ranks start together)."""
-    times = []
-    for i in range(warmup + iters):
-        if before is not None:
-            before()
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    """Wall time of each of `iters` calls of `step()` after `warmup` untimed ones (CUDA synced);
+    launch.calibrate.wall_times, the profiler's timing loop."""
+    return wall_times(step, iters, warmup, device, before)
 
 
 def median(xs: list[float]) -> float:
@@ -81,4 +68,52 @@ def matmul_peak_flops(device="cpu", dtype=torch.float32, n: int = 2048, iters: i
 
 
 # ----- N ranks on one machine: parallel/spawn.py (gloo, spawn, timeout) ----------------------
+from launch.calibrate import wall_times  # noqa: E402
 from parallel.spawn import run_ranks  # noqa: E402,F401  (re-exported for the benches)
+
+
+# ----- train_rl.py runs -------------------------------------------------------------------------
+def rl_args(model: str, run_dir: Path, *, steps: int, prompts: int, samples: int,
+            new_tokens: int, eta: int) -> list[str]:
+    """train_rl.py arguments of a benchmark run (configs/tiny_cpu.toml): fixed-length completions
+    (EOS ignored) so that every mode does the same work per step, every sample of a step in its
+    own slot, one generator rank, and nothing written besides metrics.jsonl. Callers append their
+    own overrides (the last one of a key wins)."""
+    return ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
+            f"--algo.max_staleness={eta}", f"--trainer.max_steps={steps}",
+            f"--trainer.prompts_per_step={prompts}", f"--generator.n_samples={samples}",
+            f"--generator.num_slots={prompts * samples}",
+            f"--generator.max_new_tokens={new_tokens}",
+            "--generator.ignore_eos=true", "--parallel.generator_ranks=1",
+            "--checkpoint.every_steps=0", "--checkpoint.hf_export_final=false",
+            "--logging.tensorboard=false", "--logging.progress=false",
+            "--logging.console_every=1000", "--trainer.micro_batch_tokens=100000"]
+
+
+def run_train_rl(world: int, args: list[str], timeout: float,
+                 threads: int | None = 1) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node world train_rl.py args` with `threads` threads per
+    rank (None: the caller's OMP_NUM_THREADS, else 1), in its own process group so that a
+    time-out (subprocess.TimeoutExpired) also ends the workers."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(world), "train_rl.py", *args]
+    omp = str(threads) if threads is not None else os.environ.get("OMP_NUM_THREADS", "1")
+    return run_in_group(cmd, {**os.environ, "OMP_NUM_THREADS": omp}, timeout)
+
+
+def run_in_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run from the repository root in its own process group, so that a time-out
+    (re-raised as subprocess.TimeoutExpired) also ends the command's children."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

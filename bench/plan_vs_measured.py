@@ -20,16 +20,14 @@ runs, and not always by the same factor. The last line is JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, print_json  # noqa: F401  (puts the repo on sys.path)
+from common import print_json, read_metrics, rl_args, run_train_rl  # (the repo on sys.path)
 
 from launch import cost_model as cm
 from launch.plan import cluster_table
@@ -65,23 +63,16 @@ def prompt_len(model: str) -> int:
 
 def run_layout(model: str, run_dir: Path, lay, a) -> dict:
     world, g, gtp, ttp, mode = _unpack(lay)
-    args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
-            f"--algo.max_staleness={a.eta}", f"--trainer.max_steps={a.steps}",
-            f"--trainer.prompts_per_step={a.prompts}", f"--generator.n_samples={a.group}",
-            f"--generator.num_slots={a.prompts * a.group}",
-            f"--generator.max_new_tokens={a.response_len}", "--generator.ignore_eos=true",
-            f"--parallel.mode={mode}", f"--parallel.generator_ranks={g}", f"--parallel.gen_tp={gtp}",
-            f"--parallel.trainer_tp={ttp}", f"--trainer.micro_batch_tokens={a.micro_batch_tokens}",
-            "--checkpoint.every_steps=0", "--checkpoint.hf_export_final=false",
-            "--logging.tensorboard=false", "--logging.console_every=1000", "--logging.progress=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world), "train_rl.py", *args]
+    args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.group,
+                     new_tokens=a.response_len, eta=a.eta),
+            f"--parallel.mode={mode}", f"--parallel.generator_ranks={g}",
+            f"--parallel.gen_tp={gtp}", f"--parallel.trainer_tp={ttp}", f"--trainer.micro_batch_tokens={a.micro_batch_tokens}"]
     t0, load = time.perf_counter(), os.getloadavg()[0]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
+    proc = run_train_rl(world, args, timeout=600)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][a.warmup:]
+    rows = read_metrics(run_dir)[a.warmup:]
+
     def med(k):  # robust to load spikes; colocated runs log no wait/train split
         return statistics.median(r[k] for r in rows) if k in rows[0] else None
     return {"step_s": med("time_step_s"), "wait_s": med("time_wait_batch_s"),

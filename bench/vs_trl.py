@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,8 @@ from pathlib import Path
 # `common` sits beside this file; the generator imports this module by name for the reward
 # ("bench.vs_trl:trivial_reward"), and then this folder is not on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, print_json  # noqa: E402  (puts REPO on sys.path)
+from common import (print_json, read_metrics, rl_args, run_in_group,  # noqa: E402
+                    run_train_rl)
 
 RESULT_TAG = "VS_TRL_RESULT "  # the TRL child prints its result on a line starting with this
 
@@ -71,19 +71,6 @@ def trl_trivial_reward(completions, **kwargs) -> list[float]:
     return [_ones_fraction(c) for c in completions]
 
 
-def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """subprocess.run in its own process group, so that a time-out also ends torchrun's workers."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def _root_cause(stderr: str) -> str:
     """The first exception line of a failed run (not torchrun's own summary), then the tail."""
     pattern = re.compile(r"\s*(\w+(Error|Exception)\b|error\b)")
@@ -94,27 +81,18 @@ def _root_cause(stderr: str) -> str:
 
 # ----- tandem ---------------------------------------------------------------------------------
 def run_tandem(model: str, run_dir: Path, world: int, a) -> dict:
-    args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
-            "--algo.max_staleness=1", f"--trainer.max_steps={a.steps}",
-            f"--trainer.prompts_per_step={a.prompts}", f"--generator.n_samples={a.samples}",
-            f"--generator.num_slots={a.prompts * a.samples}",
-            f"--generator.max_new_tokens={a.new_tokens}", "--generator.ignore_eos=true",
-            "--parallel.generator_ranks=1", "--parallel.gen_tp=1", "--checkpoint.every_steps=0",
-            "--checkpoint.hf_export_final=false", "--logging.tensorboard=false",
-            "--logging.progress=false", f"--logging.console_every={a.steps}",
-            "--trainer.micro_batch_tokens=100000", f"--trainer.lr={a.lr}",
+    args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.samples,
+                     new_tokens=a.new_tokens, eta=1),
+            "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
             "--data.max_prompt_len=256"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world), "train_rl.py", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = _run(cmd, env, a.timeout)
+    proc = run_train_rl(world, args, a.timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"tandem world={world} failed (rc {proc.returncode}): "
                            f"{_root_cause(proc.stderr)}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     timed = rows[a.warmup:]
     if not timed:
         raise RuntimeError(f"tandem world={world}: {len(rows)} steps logged, none after "
@@ -203,7 +181,7 @@ def run_trl(model: str, out: Path, threads: int, a) -> dict:
             "new_tokens": a.new_tokens, "lr": a.lr, "num_prompts": a.num_prompts}
     cmd = [sys.executable, __file__, "--trl-child", json.dumps(spec)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = _run(cmd, env, a.timeout)
+    proc = run_in_group(cmd, env, a.timeout)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"TRL run failed (rc {proc.returncode}): {_root_cause(proc.stderr)}")

@@ -46,7 +46,6 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -60,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import torch
 
-from bench.common import LLAMA_1B, print_json, run_ranks
+from bench.common import LLAMA_1B, print_json, read_metrics, rl_args, run_ranks, run_train_rl
 
 SHAPES = {
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
@@ -462,37 +461,25 @@ def run_ipc(a) -> int:
 # ----- rl mode: train_rl.py, trainer + generator, async vs sync ---------------------------------
 
 def rl_overrides(model: str, run_dir: Path, eta: int, a) -> list[str]:
-    """train_rl.py arguments of one run: fixed-length completions (EOS ignored) so that both
-    modes do the same work per step; no checkpoints or exports inside the timed run."""
-    return ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
-            f"--model.gen_dtype={a.rl_gen_dtype}", f"--algo.max_staleness={eta}",
-            f"--trainer.max_steps={a.rl_steps}", f"--trainer.prompts_per_step={a.rl_prompts}",
-            f"--generator.n_samples={a.rl_samples}",
-            f"--generator.num_slots={a.rl_prompts * a.rl_samples}",
-            f"--generator.max_new_tokens={a.rl_new_tokens}", "--generator.ignore_eos=true",
-            "--parallel.generator_ranks=1", "--parallel.timeout_s=60",
+    """train_rl.py arguments of one run (bench.common.rl_args: fixed-length completions, nothing
+    written besides the metrics) on this bench's generator dtype and same-GPU sync setting."""
+    return [*rl_args(model, run_dir, steps=a.rl_steps, prompts=a.rl_prompts, samples=a.rl_samples,
+                     new_tokens=a.rl_new_tokens, eta=eta),
+            f"--model.gen_dtype={a.rl_gen_dtype}", "--parallel.timeout_s=60",
             f"--parallel.ipc_buffers={a.rl_ipc_buffers}",
-            f"--parallel.warmup_timeout_s={a.rl_timeout}", "--checkpoint.every_steps=0",
-            "--checkpoint.hf_export_final=false", "--logging.tensorboard=false",
-            "--logging.console_every=1000", "--trainer.micro_batch_tokens=100000"]
+            f"--parallel.warmup_timeout_s={a.rl_timeout}"]
 
 
 def rl_run(model: str, run_dir: Path, eta: int, a) -> dict:
-    repo = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "train_rl.py", *rl_overrides(model, run_dir, eta, a)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=a.rl_timeout)
+    try:  # threads: the caller's OMP_NUM_THREADS (gpu_check.sh sets 8)
+        proc = run_train_rl(2, rl_overrides(model, run_dir, eta, a), a.rl_timeout, threads=None)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {a.rl_timeout}s"}
     wall = time.perf_counter() - t0
-    metrics = run_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
+    if proc.returncode != 0 or not (run_dir / "metrics.jsonl").exists():
         return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()][a.rl_warmup:]
+    rows = read_metrics(run_dir)[a.rl_warmup:]
     if not rows:
         return {"error": f"only {a.rl_warmup} steps or fewer were logged"}
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731

@@ -47,23 +47,31 @@ from model.args import ModelArgs  # noqa: E402
 
 
 def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device="cpu", reps: int = 5, warmup: int = 1, stat=min) -> float:
-    """`stat` (default: the minimum, i.e. the undisturbed cost) of the wall times of `reps` calls
-    after `warmup` untimed ones. Load from other processes is accounted for separately, by the
-    measured slowdown curve (`concurrency_costs`)."""
+def wall_times(fn, reps: int, warmup: int = 1, device="cpu", before=None) -> list[float]:
+    """Wall time of each of `reps` calls of `fn()` after `warmup` untimed ones (CUDA synced).
+    `before()` runs untimed ahead of every call (e.g. a barrier so that ranks start together)."""
     out = []
     for i in range(warmup + reps):
+        if before is not None:
+            before()
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         if i >= warmup:
             out.append(time.perf_counter() - t0)
-    return stat(out)
+    return out
+
+
+def timed(fn, device="cpu", reps: int = 5, warmup: int = 1, stat=min) -> float:
+    """`stat` (default: the minimum, i.e. the undisturbed cost) of the wall times of `reps` calls
+    after `warmup` untimed ones. Load from other processes is accounted for separately, by the
+    measured slowdown curve (`concurrency_costs`)."""
+    return stat(wall_times(fn, reps, warmup, device))
 
 
 def build(args: ModelArgs, device, dtype, seed: int = 0):
