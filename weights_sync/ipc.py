@@ -399,6 +399,9 @@ class IpcReceiver:
         self.params = {s: stream.box_views(segs, self.tensors) for s, segs in self.peers.items()}
         self.parts = {s: stream.part_views(self.staging[s], segs)
                       for s, segs in self.peers.items() if not direct}
+        # staged apply: every source's staging parts into the parameters, one list for all
+        self._apply_pairs = ([v for s in self.parts for v in self.params[s]],
+                             [v for s in self.parts for v in self.parts[s]])
         self.sources: dict[int, list[list[torch.Tensor]]] = {}  # src -> per slot, its boxes
         self._unapplied: tuple[int, dict[int, int]] | None = None  # direct: (version, slots)
         self.history: list[dict] = []
@@ -491,8 +494,7 @@ class IpcReceiver:
 
     @torch.no_grad()
     def _apply(self) -> None:
-        stream.copy_all([v for s in self.peers for v in self.params[s]],
-                        [v for s in self.peers for v in self.parts[s]], self.foreach)
+        stream.copy_all(*self._apply_pairs, self.foreach)
 
     @torch.no_grad()
     def _apply_direct(self, version: int, slots: dict[int, int]) -> None:
