@@ -34,6 +34,10 @@ def _worker(rank, world, port, outdir, threads, backend, fn, args):
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = fn(rank, world, *args)
         torch.save(result or {}, Path(outdir) / f"rank{rank}.pt")
+        # all ranks done before any tears down gloo: a rank closing its pairs while a peer still
+        # drains the last collective can abort the peer ("terminate called without an active
+        # exception", seen once in CI on test_generator_tp2_logits_equal_single_device)
+        dist.barrier()
     except BaseException:
         (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
