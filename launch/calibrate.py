@@ -17,7 +17,10 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
     generator-loop iteration pays to poll the link, and the cost of one FSDP2 / TP collective with
     its DTensor overhead: a 2-rank forward/backward minus the plain one, on one short sequence so
     that the collectives dominate, divided by their number; likewise the per-step excess of the
-    gradient-norm clip + AdamW step on DTensors;
+    gradient-norm clip + AdamW step on DTensors, and the generator's TP collective: an engine
+    decode step of a TP-sharded model minus the plain model's, at one prompt group, over its
+    2L + 2 collectives (the training probe's backward and DTensor overheads would overcharge
+    decode, by about 2x here);
   * on CPU, the slowdown of k busy processes on the shared cores (`concurrency_costs`).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
 through the slowdown curve.
@@ -147,7 +150,7 @@ def layer_costs(model, device, seq_len: int, token_counts, reps: int = 7) -> dic
     return out
 
 
-def decode_costs(model, wl: Workload, device, batches, r1: int, r2: int) -> dict:
+def decode_costs(model, wl: Workload, device, batches, r1: int, r2: int, stat=min) -> dict:
     """Decode step and fixed (prefill + admission) times of the real engine, groups of n samples."""
     from rollout.engine import Engine, Request, SamplingParams
     V, out = model.args.vocab_size, {"decode_step": [], "gen_fixed": []}
@@ -161,7 +164,7 @@ def decode_costs(model, wl: Workload, device, batches, r1: int, r2: int) -> dict
             reqs = [Request(i, ids[i], SamplingParams(n=n, max_new_tokens=r, ignore_eos=True))
                     for i in range(prompts)]
             return lambda: eng.generate(reqs)
-        t1, t2 = timed(gen(r1), device), timed(gen(r2), device)
+        t1, t2 = timed(gen(r1), device, stat=stat), timed(gen(r2), device, stat=stat)
         step = max((t2 - t1) / (r2 - r1), 1e-9)
         out["decode_step"].append([prompts * n, step])
         out["gen_fixed"].append([prompts, max(t1 - r1 * step, 0.0)])
@@ -205,11 +208,14 @@ _BUSY = "import sys, time\nt = float(sys.argv[1])\nwhile time.time() < t: pass\n
         "print(time.perf_counter() - t0)"
 
 
-def concurrency_costs(max_ranks: int, work: int = 1_000_000, rounds: int = 3) -> list:
+def concurrency_costs(max_ranks: int, work: int = 5_000_000, rounds: int = 3) -> list:
     """[[k, slowdown]]: k processes start the same CPU-bound loop at once; slowdown = the median
     over `rounds` of their mean time, over the best time of one process alone. It includes
     whatever else the machine is running (slowdown(1) > 1 on a loaded machine); rounds are
-    interleaved over k so that a burst of outside load does not land on one k only."""
+    interleaved over k so that a burst of outside load does not land on one k only. The loop
+    runs ~0.25 s alone, many scheduler slices, so the fair share shows: with a ~50 ms loop, 3
+    processes on 2 cores measured 1.28-1.33 (some ran to completion before the third started;
+    RL ranks stay busy), with this one 1.48, near the 1.5 of a fair share."""
     import subprocess
 
     def run(k):
@@ -229,7 +235,7 @@ def concurrency_costs(max_ranks: int, work: int = 1_000_000, rounds: int = 3) ->
 def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict, mbt: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from parallel.sharding import build_model, parallelize_trainer
+    from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = getattr(torch, dtype_name)
@@ -266,6 +272,14 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
                                                mesh["fsdp"].get_group(), stat=statistics.median)
             t_alone = train_step_time(plain, share, device, mbt, stat=statistics.median)[0]
             res[name].update(train_excess=t_fsdp - t_alone, micro=micro)
+    # the generator's TP: one decode step of the real engine on a TP-sharded model, against the
+    # plain model, at the smallest batch (one prompt group), where the collectives dominate
+    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
+    sharded = build_model(args, device, dtype, parallelize=lambda m: parallelize_generator(m, mesh))
+    r1, r2 = 4, max(8, min(wl.response_len, 32))
+    step = [decode_costs(m, wl, device, [wl.group_size], r1, r2, stat=statistics.median)
+            ["decode_step"][0][1] for m in (sharded, plain)]
+    res["tp_decode_excess"] = step[0] - step[1]
     return res
 
 
@@ -368,7 +382,7 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         _collective_costs(prof, args, c)
         log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s, store rtt {prof.loop_overhead_s * 1e6:.0f} us; "
             f"per collective incl. DTensor: FSDP {prof.collective_s * 1e3:.2f} ms, TP "
-            f"{prof.tp_collective_s * 1e3:.2f} ms; per step (grad norm + AdamW on DTensors): FSDP "
+            f"{prof.tp_collective_s * 1e3:.2f} ms, TP decode {prof.tp_decode_collective_s * 1e3:.2f} ms; per step (grad norm + AdamW on DTensors): FSDP "
             f"{prof.fsdp_step_s * 1e3:.1f} ms, TP {prof.tp_step_s * 1e3:.1f} ms")
     prof.notes["loadavg_end"] = os.getloadavg()[0]
     return prof
@@ -397,9 +411,10 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     n = trainer_collectives(args, f["micro"], 2, 1, False)["fsdp"] - norm_reductions(2, 1)
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
     prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
+    prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * L + 2))
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
     prof.tp_step_s = max(0.0, c["tp"]["step_excess"])
-    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp")}
+    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp", "tp_decode_excess")}
 
 
 def model_args_from(spec: str) -> ModelArgs:

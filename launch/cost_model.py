@@ -32,10 +32,12 @@ Time (datasheet; a Profile replaces the per-layer and link numbers with measured
           steady state; a larger eta only absorbs variance.
 CPU ranks that share cores (the validation machine) slow each other down: with s(k) the slowdown
 of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time` uses
-  sync, colocated: compute_gen*s(G) + compute_train*s(T) + comm + T_sync (a rank waiting in a
-          collective leaves the cores to the others)
-  async : a*s(G+T) + (b-a)*s(ranks of b) (+ T_sync on the trainer's side),  a <= b the two whole
-          phases, communication included: it competes with the other mesh's compute
+  sync     : compute_gen*s(G) + compute_train*s(T) + comm + T_sync (a rank waiting in a
+             collective leaves the cores to the others, which are idle or in the same collective)
+  colocated: (T_gen + T_train)*s(N) + T_sync: every rank is in the same phase, and its collective
+             peers compete for the cores with the other ranks' compute
+  async    : a*s(G+T) + (b-a)*s(ranks of b) (+ T_sync on the trainer's side),  a <= b the two
+             whole phases, communication included: it competes with the other mesh's compute
 which reduce to the formulas above when s = 1.
 """
 from __future__ import annotations
@@ -338,7 +340,7 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     if prof is not None and prof.matches(args):
         # per decode step: 2 all-reduces per layer, embedding + head, and the TP followers'
         # broadcast of the link poll (rollout/worker.py)
-        step_comm = (2 * args.num_layers + 3) * prof.tp_collective_s * (gen_tp - 1)
+        step_comm = (2 * args.num_layers + 3) * prof.decode_collective_s * (gen_tp - 1)
         step = prof.decode_step_s(slots, gen_tp) + step_comm
         prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp)
         comm = waves * wl.response_len * step_comm
@@ -485,8 +487,12 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     the part of a phase spent in communication. On a host whose cores the ranks share, a rank
     waiting in a collective uses little CPU, so where the phases take turns (synchronous,
     colocated) only their compute cg = t_gen - gen_comm, ct = t_train - train_comm is slowed:
-    Synchronous (eta = 0; colocated always): cg*s(G) + gen_comm + ct*s(T) + train_comm + t_sync
-    But where the two meshes run at once (asynchronous split), each side's communication (gloo:
+    Synchronous split (eta = 0): cg*s(G) + gen_comm + ct*s(T) + train_comm + t_sync
+    Colocated, all N ranks are in the same phase at once: a collective waits for peers that share
+    the cores with the other ranks' compute, so whole phases are slowed: (t_gen + t_train)*s(N)
+    + t_sync (2026-11-30, bench/plan_vs_measured.py: with only compute slowed, the colocated
+    layouts were underpredicted by 20-48%, most where generator TP all-reduces dominate).
+    Where the two meshes run at once (asynchronous split), each side's communication (gloo:
     copies and wake-ups on CPU threads) competes with the other side's compute, and whole phases
     are slowed (the quiet 2026-11-30 runs of bench/plan_vs_measured.py: exempting it there
     underpredicted every FSDP layout by 20-45%). The shorter phase (a) runs alongside the longer
@@ -498,7 +504,7 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     s = lambda k: slowdown(k, cl, prof)  # noqa: E731
     cg, ct = t_gen - gen_comm, t_train - train_comm
     if p.mode == "colocated":
-        return (cg + ct) * s(p.world) + gen_comm + train_comm + t_sync
+        return (t_gen + t_train) * s(p.world) + t_sync
     if eta == 0:
         return cg * s(g) + gen_comm + ct * s(t) + train_comm + t_sync + 2 * LINK_POLL_S
     (a, xa), (b, xb, kb) = (((t_gen, 0.0), (t_train, t_sync, t)) if t_train >= t_gen
@@ -604,6 +610,7 @@ class Profile:
     allgather: list               # [[full bytes, s]] two ranks
     collective_s: float = 0.0     # one trainer collective over 2 FSDP ranks, DTensor/hook cost included
     tp_collective_s: float = 0.0  # one TP collective over 2 ranks, likewise
+    tp_decode_collective_s: float = 0.0  # one generator TP collective in a decode step, likewise
     fsdp_step_s: float = 0.0      # per step: grad-norm clip + AdamW on FSDP DTensors beyond plain
     tp_step_s: float = 0.0        # likewise on TP DTensors
     loop_overhead_s: float = 0.0  # per generator-loop iteration: link poll (a store round trip)
@@ -682,6 +689,12 @@ class Profile:
             if k <= k1:
                 return max(1.0, s0 + (s1 - s0) * (k - k0) / (k1 - k0))
         return max(1.0, pts[-1][1] * k / pts[-1][0])
+
+    @property
+    def decode_collective_s(self) -> float:
+        """A generator TP collective; profiles written before the decode probe have only the
+        training one."""
+        return self.tp_decode_collective_s or self.tp_collective_s
 
     @property
     def p2p_latency(self) -> float:

@@ -113,6 +113,14 @@ def test_step_time_formulas():
     cpu = cm.cpu_cluster(3, 2)  # the docstring example: 2 shared cores, G 1, T 2
     assert cm.step_time(0.1, 0.2, 0.0, 1, cm.Placement(3, "split", 1, 1, 1), cpu) == pytest.approx(0.25)
     assert cm.slowdown(3, cpu) == 1.5 and cm.slowdown(3, cl) == 1.0
+    # 4 ranks on 2 cores, 0.05 s of each phase in collectives. Synchronous split (G 2, T 2): only
+    # compute is slowed, s(2) = 1: 0.05 + 0.05 + 0.15 + 0.05 + 0.01 + 2 polls. Colocated (s(4) =
+    # 2): the whole phases, collectives included: (0.1 + 0.2) * 2 + 0.01.
+    cpu4, comm = cm.cpu_cluster(4, 2), dict(gen_comm=0.05, train_comm=0.05)
+    assert cm.step_time(0.1, 0.2, 0.01, 0, cm.Placement(4, "split", 2, 1, 1), cpu4, **comm) \
+        == pytest.approx(0.31 + 2 * cm.LINK_POLL_S)
+    assert cm.step_time(0.1, 0.2, 0.01, 1, cm.Placement(4, "colocated", 4, 1, 1), cpu4, **comm) \
+        == pytest.approx(0.61)
 
 
 def test_sync_bytes_real_plan_matches_closed_form_and_reduced_plan():
@@ -189,6 +197,22 @@ def test_plan_writes_a_loadable_config(tmp_path, capsys):
     assert resolved.parallel.gen_dp * resolved.parallel.gen_tp == resolved.parallel.generator_ranks
     assert cfg.model.path == "preset:llama3-8b" and cfg.algo.max_staleness == 2
     assert cfg.generator.n_samples == 8 and cfg.generator.max_new_tokens == 512
+
+
+def test_generator_tp_uses_the_decode_probe():
+    """Per decode step, a TP generator pays (2L + 3) collectives x (tp - 1): 2 all-reduces per
+    layer, embedding, head and the link-poll broadcast, at the decode probe's cost; a profile
+    written before that probe existed falls back to the training TP collective."""
+    wl = cm.Workload(2, 4, 8, 10)
+    cl = cm.cpu_cluster(2, 2)
+    prof = _toy_profile()  # tp_collective_s = 1e-4, decode 1e-4 s per sequence, no fixed part
+    prof.tp_decode_collective_s = 3e-5
+    g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof)
+    assert g["decode_step"] == pytest.approx(8e-4 / 2 + 7 * 3e-5)
+    assert g["comm"] == pytest.approx(10 * 7 * 3e-5)
+    prof.tp_decode_collective_s = 0.0
+    g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof)
+    assert g["comm"] == pytest.approx(10 * 7 * 1e-4)
 
 
 def test_profile_fits_and_rings():
