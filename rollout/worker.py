@@ -17,6 +17,7 @@ against: synchronous on-policy RL.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,8 @@ class GeneratorWorker:
             if self.engine.has_work():
                 self.engine.step()
                 self._collect()
+            else:
+                self._await_rewards()
             self._ship_scored()
             if not self.engine.has_work() and not self.pending and not self.stop:
                 self._pause()
@@ -159,6 +162,15 @@ class GeneratorWorker:
             text = self.tok.decode(c.completion_ids)
             p.futures.append(self.rewards.submit(p.item, text, c.completion_ids))
             self.stats["gen_tokens"] += len(c.completion_ids)
+
+    def _await_rewards(self, timeout_s: float = 0.002) -> None:
+        """Nothing to decode, groups still being scored: block on their rewards for a moment
+        instead of spinning through the loop, whose Python holds the GIL that the reward threads
+        need (spinning, a batch of 64 fixed-length completions took ~30 ms to score)."""
+        futures = [f for p in self.pending.values() for f in p.futures if not f.done()]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _ship_scored(self) -> None:
         n = self.params.n

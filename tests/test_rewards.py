@@ -172,6 +172,27 @@ def test_stuck_reward_times_out_without_blocking_others(caplog):
         release.set()
 
 
+def test_calls_reuse_their_threads_until_one_overruns():
+    """Reward calls run on one persistent thread per supervisor (no thread start per call); a
+    time-out replaces only the abandoned thread."""
+    idents, release = [], threading.Event()
+
+    def reward(item, text, ids):
+        idents.append(threading.get_ident())
+        if text == "stuck":
+            release.wait()
+        return 1.0
+
+    try:
+        with RewardRunner(reward, timeout_s=0.2, max_workers=1) as runner:
+            assert runner.score_batch([_item("")] * 5, ["ok"] * 5, [[]] * 5) == [1.0] * 5
+            assert len(set(idents)) == 1 and idents[0] != threading.get_ident()
+            assert runner.score_batch([_item("")] * 3, ["stuck", "ok", "ok"], [[]] * 3) == [0.0, 1.0, 1.0]
+            assert idents[5] == idents[0] and idents[6] == idents[7] != idents[0]
+    finally:
+        release.set()
+
+
 def test_runner_argument_errors():
     with pytest.raises(ValueError, match="timeout_s > 0"):
         RewardRunner(exact_match, timeout_s=0)

@@ -127,7 +127,7 @@ class Link:
         A SHUTDOWN from a peer raises PeerError at once (a crash on one side ends the other)."""
         types = {types} if isinstance(types, Msg) else set(types)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline, backoff = time.monotonic() + timeout, 1e-4
+        deadline = time.monotonic() + timeout
         while True:
             self._receive_published()
             for m in list(self._queue):
@@ -142,8 +142,19 @@ class Link:
                 who = f"rank {peer}" if peer is not None else f"ranks {self.peers}"
                 raise TimeoutError(f"rank {self.rank} timed out after {timeout:.0f}s "
                                    f"waiting for {what} from {who}")
-            time.sleep(backoff)  # a poll interval (yields the core), not synchronisation
-            backoff = min(backoff * 2, 0.01)
+            self._await_next_header(deadline - time.monotonic())
+
+    def _await_next_header(self, seconds: float) -> None:
+        """Block in the store until the header of this rank's next message is published, or
+        `seconds` pass (then the caller's deadline check names what it waited for). Waking on
+        the key itself, not polling: a sleep-and-poll loop (0.1 ms doubling to 10 ms) added up to
+        its interval to every hand-off between the meshes."""
+        if seconds <= 0:
+            return
+        try:
+            self.store.wait([f"{self.rank}/{self._next_ticket}"], timedelta(seconds=seconds))
+        except dist.DistStoreError:
+            pass
 
     def _wait(self, work, what: str) -> None:
         try:
