@@ -180,6 +180,34 @@ def test_sharded_training_matches_single_process(tmp_path, fsdp, tp, family):
         _close(res["logits"], ref_logits)
 
 
+def _reduce_scatter_worker(rank, world):
+    import torch.distributed as dist
+    from parallel.sharding import AllToAllReduceScatter
+    comm, out = AllToAllReduceScatter(), {}
+    x = torch.randn(world * 7, generator=torch.Generator().manual_seed(rank))
+    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        y = comm.allocate((7,), dtype=x.dtype, device=x.device)
+        assert comm(y, x, None, op) is None
+        out[name] = y
+    ref = torch.empty(7)
+    dist.reduce_scatter_tensor(ref, x.clone())
+    out["gloo"] = ref
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_reduce_scatter_equals_gloo_and_hand_sum(world):
+    """FSDP2's CPU gradient reduce-scatter (all-to-all + local sum) against gloo's own and against
+    the sum of every rank's input computed here."""
+    inputs = [torch.randn(world * 7, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    total = sum(inputs)
+    for rank, res in enumerate(run_ranks(_reduce_scatter_worker, world)):
+        mine = total[rank * 7:(rank + 1) * 7]
+        torch.testing.assert_close(res["sum"], mine)
+        torch.testing.assert_close(res["gloo"], mine)
+        torch.testing.assert_close(res["avg"], mine / world)
+
+
 def _generator_worker(rank, world, folder):
     from torch.distributed.device_mesh import init_device_mesh
     from model.hf_io import load_model_args
