@@ -58,6 +58,7 @@ class ParallelConfig:
     trainer_fsdp: int = _f(0, "FSDP degree of the trainer; 0 = derived: trainer ranks / trainer_tp.", ge=0)
     gen_dp: int = _f(0, "Generator replicas; 0 = derived: generator ranks / gen_tp.", ge=0)
     activation_checkpointing: bool = _f(False, "Recompute trainer activations in the backward pass to save memory.")
+    fsdp_units: Literal["auto", "layer", "model"] = _f("auto", "FSDP2 units of the trainer: 'layer' = one per decoder layer, resharded after forward, gradients reduce-scattered per micro-batch (least memory); 'model' = one for the whole model, gathered once per step, gradients accumulated unsharded and reduce-scattered once (full parameters + gradients at peak; fewest collectives); 'auto' = model on CPU (gloo), layer on GPUs.")
     compile: bool = _f(False, "torch.compile the trainer's decoder layers (the generator's decode step: generator.decode).")
     backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
     ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC): staging buffers per pair. 0 = zero copy: the generator reads the trainer's shards directly (no staging memory, fastest; the trainer's next update waits until the generator has read the version); 2 = double buffering.", ge=0)

@@ -271,7 +271,7 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
             t_fsdp, micro, _ = train_step_time(model, share, device, mbt,
                                                mesh["fsdp"].get_group(), stat=statistics.median)
             t_alone = train_step_time(plain, share, device, mbt, stat=statistics.median)[0]
-            res[name].update(train_excess=t_fsdp - t_alone, micro=micro)
+            res[name].update(train_excess=t_fsdp - t_alone, micro=micro, units=model.fsdp_units)
     # the generator's TP: one decode step of the real engine on a TP-sharded model, against the
     # plain model, at the smallest batch (one prompt group), where the collectives dominate
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
@@ -408,7 +408,7 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     from launch.cost_model import norm_reductions, trainer_collectives
     L = args.num_layers
     f = c["fsdp"]
-    n = trainer_collectives(args, f["micro"], 2, 1, False)["fsdp"] - norm_reductions(2, 1)
+    n = trainer_collectives(args, f["micro"], 2, 1, False, f["units"])["fsdp"] - norm_reductions(2, 1)
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
     prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
     prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * L + 2))

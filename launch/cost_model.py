@@ -21,9 +21,11 @@ Time (datasheet; a Profile replaces the per-layer and link numbers with measured
                           bytes = N_mm*gen_bytes/tp + slots*ctx*kv_bytes_per_token/tp (ctx = P + R/2)
   T_train = compute + max(0, comm - overlap*compute) + optimizer
             compute = ((6 + 2*ac)*N_mm*D + (3 + ac)*2*L*q*l^2*seqs) / (fsdp*tp * flops * mfu_train)
-            comm    = micro_batches * (FSDP: 2 all-gathers (cb) + 1 reduce-scatter (fp32) of N/tp
-                      over the fsdp link; TP: 4L + 4 (+2L with ac) all-reduces of tokens*h*cb)
-                      + one latency per collective, per-step ones included (`trainer_collectives`)
+            comm    = micro_batches * (FSDP "layer" units: 2 all-gathers (cb) + 1 reduce-scatter
+                      (fp32) of N/tp over the fsdp link; TP: 4L + 4 (+2L with ac) all-reduces of
+                      tokens*h*cb) + one latency per collective, per-step ones included
+                      (`trainer_collectives`); one FSDP "model" unit (CPU): one all-gather and
+                      one reduce-scatter per step, whatever the micro-batches
   T_sync  = max(max bytes a trainer rank sends, max bytes a generator rank receives) / link,
             from the REAL weights_sync.plan (`sync_bytes_from_plan`) or its even-shard closed form
   step    eta = 0 (synchronous): T_gen + T_train + T_sync (+ 2 link hand-offs)
@@ -73,6 +75,7 @@ class Cluster:
     mem_headroom: float = 0.90     # allocator fragmentation, CUDA context, workspaces
     compute_bytes: int = 2         # bf16 compute (GPU); 4 on CPU
     shared_cores: int = 0          # > 0: all ranks share this many CPU cores (time dilation)
+    fsdp_units: str = "layer"      # parallel.fsdp_units as "auto" resolves it here: "model" on CPU
     name: str = "h100"
 
     @property
@@ -98,7 +101,7 @@ def cpu_cluster(ranks: int, cores: int, mem_gb: float = 16.0) -> Cluster:
     return Cluster(nodes=1, gpus_per_node=ranks, gpu_mem_gb=mem_gb / max(ranks, 1), flops=20e9,
                    hbm_gbps=10.0, intra_gbps=2.0, inter_gbps=2.0, link_latency_s=200e-6,
                    mfu_train=1.0, mfu_prefill=1.0, mfu_decode=1.0, hbm_eff=1.0, link_eff=1.0,
-                   overlap=0.0, compute_bytes=4, shared_cores=cores, name="cpu")
+                   overlap=0.0, compute_bytes=4, shared_cores=cores, fsdp_units="model", name="cpu")
 
 
 @dataclass(frozen=True)
@@ -177,16 +180,21 @@ def act_bytes_per_token_layer(args: ModelArgs, cb: int, tp: int) -> int:
 
 
 # ----- memory -----------------------------------------------------------------------------------
-def trainer_state_bytes(args: ModelArgs, fsdp: int, tp: int, master_bytes: int = 4, cb: int = 2) -> float:
+def trainer_state_bytes(args: ModelArgs, fsdp: int, tp: int, master_bytes: int = 4, cb: int = 2,
+                        units: str = "layer") -> float:
     """Sharded master weights, grads and two AdamW states (4 copies in the master dtype), plus the
-    FSDP2 working set of unsharded units in the compute dtype when fsdp > 1 (the unit in use, the
-    prefetched next layer, and the root unit: embeddings + head).
+    FSDP2 working set when fsdp > 1: with "layer" units the unsharded units in the compute dtype
+    (the unit in use, the prefetched next layer, and the root unit: embeddings + head); with one
+    "model" unit the whole model gathered plus its unsharded fp32 gradients.
     Worked example, Llama-3-8B (N = 8.03e9), fsdp 8, tp 1, fp32 master, bf16 compute:
-      states 8.03e9/8 * 16 = 16.06 GB; gathered (2*218.1e6 + 2*525.3e6)*2 = 2.97 GB -> 19.0 GB."""
+      states 8.03e9/8 * 16 = 16.06 GB; gathered (2*218.1e6 + 2*525.3e6)*2 = 2.97 GB -> 19.0 GB;
+      "model" units: 16.06 + 8.03e9 * (2 + 4) = 64.24 GB."""
     n = args.num_params()
     states = n / (fsdp * tp) * 4 * master_bytes
     if fsdp == 1:
         return states
+    if units == "model":
+        return states + n / tp * (cb + 4)
     root = n - args.num_layers * layer_params(args)
     return states + (2 * layer_params(args) + root) / tp * cb
 
@@ -246,7 +254,8 @@ def trainer_memory(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: in
     """(bytes per trainer rank, micro-batch tokens, why-infeasible). micro_batch_tokens=0 picks the
     largest power of two that fits, capped at the rank's tokens per step; one sequence at least."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
-    state = trainer_state_bytes(args, fsdp, tp, dtype_bytes(wl.master_dtype), cl.compute_bytes)
+    state = trainer_state_bytes(args, fsdp, tp, dtype_bytes(wl.master_dtype), cl.compute_bytes,
+                                cl.fsdp_units)
     per_tok = trainer_act_bytes_per_token(args, tp, cl.compute_bytes, ac)
     tokens = -(-wl.prompts_per_step // fsdp) * wl.group_size * wl.seq_len
     free = cap - reserved - state
@@ -369,16 +378,18 @@ def norm_reductions(fsdp: int, tp: int) -> int:
     return (fsdp > 1) + (tp > 1)
 
 
-def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool) -> dict:
-    """Collectives of one trainer step. FSDP2: per micro-batch and unit (L layers + root) an
-    all-gather in forward and in backward and a reduce-scatter. TP: per micro-batch 2 all-reduces
+def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool,
+                        units: str = "layer") -> dict:
+    """Collectives of one trainer step. FSDP2 "layer" units: per micro-batch and unit (L layers +
+    root) an all-gather in forward and in backward and a reduce-scatter; one "model" unit: one
+    all-gather and one reduce-scatter per step. TP: per micro-batch 2 all-reduces
     per layer in forward and 2 in backward (+2 recomputed with AC), and embedding + head (4).
     Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), and 6
     for bookkeeping (token counts, statistics, the batch broadcast); they are charged to FSDP when
     fsdp > 1. Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 6 = 43, tp = 0."""
     L = args.num_layers
     per_step = norm_reductions(fsdp, tp) + 6 if fsdp * tp > 1 else 0
-    f = 3 * (L + 1) * micro if fsdp > 1 else 0
+    f = (2 if units == "model" else 3 * (L + 1) * micro) if fsdp > 1 else 0
     t = (4 * L + 4 + 2 * L * ac) * micro if tp > 1 else 0
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
 
@@ -399,7 +410,9 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     cb = cl.compute_bytes
     n, L, h = args.num_params(), args.num_layers, args.hidden_size
     bw_f, bw_t, lat = link_bw(cl, fsdp * tp), link_bw(cl, tp), cl.link_latency_s
-    n_coll = trainer_collectives(args, micro, fsdp, tp, ac)
+    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units)
+    # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp
+    fsdp_bytes = n / tp * ((cb + 4) if cl.fsdp_units == "model" else micro * (2 * cb + 4))
     if prof is not None and prof.matches(args):
         compute = micro * prof.train_microbatch_s(mb_tokens, tp, ac) + prof.train_overhead_s(fsdp, tp)
         # measured per collective (incl. DTensor overhead) and per step (grad norm + AdamW),
@@ -408,8 +421,8 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
         fsdp_comm = tp_comm = 0.0
         if fsdp > 1:
             fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s) * (fsdp - 1)
-            if prof.allgather:  # bytes: 2 all-gathers (cb) + 1 reduce-scatter (fp32)
-                fsdp_comm += micro * prof.gather_bytes_s(fsdp, n / tp * (2 * cb + 4))
+            if prof.allgather:
+                fsdp_comm += prof.gather_bytes_s(fsdp, fsdp_bytes)
         if tp > 1:
             tp_comm = ((n_coll["tp"] - (per_step if fsdp == 1 else 0)) * prof.tp_collective_s
                        + prof.tp_step_s) * (tp - 1)
@@ -420,9 +433,8 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
                  + (3 + ac) * 2 * L * q * wl.seq_len ** 2 * seqs_per_rank) / tp
         compute = flops / (cl.flops * cl.mfu_train)
         fsdp_comm = 0.0
-        if fsdp > 1:  # per unit: all-gather (fwd), all-gather (bwd), reduce-scatter (fp32 grads)
-            fsdp_comm = (micro * (2 * cb + 4) * (fsdp - 1) / fsdp * n / tp / bw_f
-                         + n_coll["fsdp"] * (fsdp - 1) * lat)
+        if fsdp > 1:
+            fsdp_comm = fsdp_bytes * (fsdp - 1) / fsdp / bw_f + n_coll["fsdp"] * (fsdp - 1) * lat
         tp_comm = n_coll["tp"] * allreduce_s(tp, mb_tokens * h * cb, bw_t, lat)
         optimizer = n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
     exposed = max(0.0, fsdp_comm + tp_comm - cl.overlap * compute)

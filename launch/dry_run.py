@@ -121,15 +121,17 @@ def _print_memory(cfg, args, dims) -> None:
     wl = cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
                      cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype)
     print("memory per rank (launch/cost_model.py; bf16 compute):")
+    from parallel.sharding import fsdp_units
+    units = fsdp_units(cfg.parallel.fsdp_units, "cuda")
     for name in ("h100", "h200"):
-        cl = cm.gpu_cluster(name, 1)
+        cl = cm.gpu_cluster(name, 1, fsdp_units=units)
         cap = cl.mem_headroom * cl.gpu_mem_gb * GB
         tr, _, _ = cm.trainer_memory(args, cl, wl, dims.trainer_fsdp, dims.trainer_tp,
                                      cfg.parallel.activation_checkpointing, 0.0, t.micro_batch_tokens)
         gen, _, _ = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
         total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
-                                       cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes)
+                                       cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes, units)
         kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype), g.num_slots, max_len)
         if name == "h100":
             print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "

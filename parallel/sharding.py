@@ -89,14 +89,34 @@ class AllToAllReduceScatter:
         return None
 
 
-def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
-    """Per-layer FSDP2 units plus a root unit (embeddings, final norm, head). On CPU (gloo) the
-    gradient reduce-scatter is an all-to-all plus a sum (`AllToAllReduceScatter`)."""
+def fsdp_units(policy: str, device_type: str) -> str:
+    """`parallel.fsdp_units`. "layer": one FSDP2 unit per decoder layer plus a root unit, each
+    resharded after its forward and gathered again in backward, gradients reduce-scattered per
+    micro-batch (least memory: ZeRO-3). "model": one unit for the whole model, gathered once per
+    step and kept until the last micro-batch's backward, gradients accumulated unsharded and
+    reduce-scattered once per step (peak = full parameters + full gradients, as ZeRO-2; 2
+    collectives per step instead of 3 per unit and micro-batch). "auto" = "model" on CPU, where
+    gloo collectives are slow and host memory is large (fsdp=2 train step 463 -> 419-438 ms,
+    BENCHMARKS.md), "layer" on GPUs."""
+    if policy not in ("auto", "layer", "model"):
+        raise ValueError(f"fsdp_units must be 'auto', 'layer' or 'model', got {policy!r}")
+    return policy if policy != "auto" else ("model" if device_type == "cpu" else "layer")
+
+
+def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None,
+               units: str = "layer") -> None:
+    """FSDP2 units as `fsdp_units` describes: per decoder layer plus a root unit (embeddings,
+    final norm, head), or one root unit. On CPU (gloo) the gradient reduce-scatter is an
+    all-to-all plus a sum (`AllToAllReduceScatter`). `model.fsdp_units` tells the train step
+    whether to accumulate gradients unsharded ("model")."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
-    for unit in (*model.model.layers, model):  # the setters apply per FSDP unit
+    per_layer = units == "layer"
+    if per_layer:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=per_layer)
+    model.fsdp_units = units
+    for unit in (*(model.model.layers if per_layer else ()), model):  # setters apply per unit
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
         if fsdp_mesh.device_type == "cpu" and hasattr(unit, "set_custom_reduce_scatter"):
@@ -104,7 +124,7 @@ def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dty
 
 
 def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_checkpointing=False,
-                        compile=False) -> Transformer:
+                        compile=False, units: str = "auto") -> Transformer:
     """`mesh` is the trainer mesh (fsdp, tp). bf16 compute on GPU, fp32 on CPU."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
@@ -114,7 +134,8 @@ def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_chec
         apply_compile(model)
     if mesh["fsdp"].size() > 1:
         compute = torch.bfloat16 if mesh.device_type == "cuda" else None
-        apply_fsdp(model, mesh["fsdp"], compute)  # FSDP2 composes with TP DTensors into 2-D
+        apply_fsdp(model, mesh["fsdp"], compute,  # FSDP2 composes with TP DTensors into 2-D
+                   fsdp_units(units, mesh.device_type))
     return model
 
 

@@ -180,6 +180,63 @@ def test_sharded_training_matches_single_process(tmp_path, fsdp, tp, family):
         _close(res["logits"], ref_logits)
 
 
+def _step_setup(folder, units, parallelize=None):
+    from config import load_config
+    from launch.calibrate import synthetic_groups
+    from launch.cost_model import Workload
+    from model.hf_io import load_model_args
+    from parallel.sharding import build_model
+    from trainer.optim import build_optimizer, build_scheduler
+    cfg = load_config(None, ["--trainer.micro_batch_tokens=40", "--trainer.grad_clip=0.05",
+                             "--trainer.lr=1e-2", "--algo.loss=aipo", "--algo.rho=1.5",
+                             # a large AdamW eps keeps the first update linear in the gradient:
+                             # with 1e-8 it is lr * sign(grad), which float noise can flip
+                             "--trainer.eps=1e-2"])
+    model = build_model(load_model_args(folder), torch.device("cpu"), torch.float32,
+                        parallelize=parallelize, path=folder)
+    opt = build_optimizer(model, cfg.trainer)
+    groups = synthetic_groups(Workload(4, 2, 6, 7), tiny.VOCAB, seed=3)  # 8 rows of 13 tokens
+    return cfg, model, opt, build_scheduler(opt, cfg.trainer), groups
+
+
+def _fsdp_step_worker(rank, world, folder, units):
+    """One real train_step on fsdp=`world` ranks, each with its half of the groups in several
+    micro-batches; counts the gradient reduce-scatters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import parallel.sharding as sh
+    from trainer.step import train_step
+    calls, call = [0], sh.AllToAllReduceScatter.__call__
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return call(self, *a, **k)
+    sh.AllToAllReduceScatter.__call__ = counted
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
+    cfg, model, opt, sched, groups = _step_setup(
+        folder, units, lambda m: sh.parallelize_trainer(m, mesh, units=units))
+    res = train_step(model, opt, sched, groups[rank::world], cfg, mesh["fsdp"].get_group(), "cpu", 0)
+    return {"params": {n: _full(p.detach()) for n, p in model.named_parameters()},
+            "norm": res.grad_norm, "reduce_scatters": calls[0]}
+
+
+@pytest.mark.parametrize("units", ["model", "layer"])
+def test_fsdp_train_step_with_micro_batches_matches_single_process(tmp_path, units):
+    """trainer.step.train_step over 2 FSDP ranks, 2 micro-batches each, equals one process
+    training on all the groups: "model" units accumulate unsharded gradients and reduce-scatter
+    once per step, "layer" units once per unit and micro-batch."""
+    from trainer.step import micro_batches, train_step
+    tiny.save_hf("llama3", tmp_path)
+    cfg, model, opt, sched, groups = _step_setup(tmp_path, units)
+    ref = train_step(model, opt, sched, groups, cfg, None, "cpu", 0)
+    n_micro = len(micro_batches(groups[0::2], cfg.algo.advantage, cfg.trainer.micro_batch_tokens))
+    assert n_micro == 2
+    for res in run_ranks(_fsdp_step_worker, 2, str(tmp_path), units):
+        _close(torch.tensor(res["norm"]), torch.tensor(ref.grad_norm))
+        for name, p in model.named_parameters():
+            _close(res["params"][name], p.detach())
+        assert res["reduce_scatters"] == (1 if units == "model" else (2 + 1) * n_micro)
+
+
 def _reduce_scatter_worker(rank, world):
     import torch.distributed as dist
     from parallel.sharding import AllToAllReduceScatter

@@ -46,6 +46,8 @@ def test_memory_hand_computed():
     assert got == pytest.approx(n / 8 * 16 + (2 * layer + root) * 2)
     assert got / 1e9 == pytest.approx(19.03, abs=0.01)
     assert cm.trainer_state_bytes(L8B, 1, 1, 4, 2) == n * 16  # no FSDP: nothing gathered
+    # one "model" unit: the whole model gathered in bf16 plus its unsharded fp32 gradients
+    assert cm.trainer_state_bytes(L8B, 8, 1, 4, 2, "model") / 1e9 == pytest.approx(64.24, abs=0.01)
     # KV cache example: 256 slots x 2560 positions, bf16, tp 1
     assert cm.generator_kv_bytes(L8B, 1, 2, 256, 2560) == 131072 * 256 * 2560
     # feasibility: one H100 generator, bf16, P + R = 2560: (72 GB - 16.06 GB) / 0.3355 GB = 166 slots
@@ -100,6 +102,8 @@ def test_train_time_and_collectives_hand_computed():
     assert cm.trainer_collectives(TINY, 4, 2, 1, False) == {"fsdp": 43, "tp": 0}
     assert cm.trainer_collectives(TINY, 4, 1, 2, True) == {"fsdp": 0, "tp": (8 + 4 + 4) * 4 + 7}
     assert cm.trainer_collectives(TINY, 4, 2, 2, False)["fsdp"] == 3 * 3 * 4 + 2 + 6
+    # one "model" unit: one all-gather + one reduce-scatter per step, whatever the micro-batches
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model") == {"fsdp": 2 + 1 + 6, "tp": 0}
 
 
 def test_step_time_formulas():

@@ -22,7 +22,8 @@ def build_trainer_model(cfg, meshes, path: str):
     return build_model(args, meshes.device, to_dtype(cfg.model.dtype),
                        parallelize=lambda m: parallelize_trainer(
                            m, meshes.trainer, activation_checkpointing=pcfg.activation_checkpointing,
-                           compile=pcfg.compile), path=path)
+                           compile=pcfg.compile, units=pcfg.fsdp_units),
+                       path=path)
 
 
 def run_trainer(cfg, meshes, tokenizer=None) -> None:

@@ -96,6 +96,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     prox = _prox_logps(model, batches, temp) if acfg.loss == "decoupled_ppo" else [None] * len(batches)
     stats = _zero_stats()
     for i in range(n_micro):
+        _sync_on_last(model, i == n_micro - 1)
         real = i < len(batches)
         batch = batches[i if real else 0]
         logp, logits = _policy_logp(model, batch, temp)
@@ -122,6 +123,15 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(stats, grad_norm, skipped=not finite)
+
+
+def _sync_on_last(model, last: bool) -> None:
+    """One FSDP2 unit for the whole model (parallel.fsdp_units = "model"): the parameters stay
+    gathered and the gradients accumulate unsharded until the last micro-batch, whose backward
+    reduce-scatters them once and reshards."""
+    if getattr(model, "fsdp_units", None) == "model":
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
 
 
 @torch.no_grad()
