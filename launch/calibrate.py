@@ -20,7 +20,8 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
     gradient-norm clip + AdamW step on DTensors, and the generator's TP collective: an engine
     decode step of a TP-sharded model minus the plain model's, at one prompt group, over its
     2L + 2 collectives (the training probe's backward and DTensor overheads would overcharge
-    decode, by about 2x here);
+    decode, by about 2x here); and the generator's hand-off per batch: its samples scored and
+    its groups shipped over a Link to the other rank;
   * on CPU, the slowdown of k busy processes on the shared cores (`concurrency_costs`).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
 through the slowdown curve.
@@ -280,7 +281,39 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     step = [decode_costs(m, wl, device, [wl.group_size], r1, r2, stat=statistics.median)
             ["decode_step"][0][1] for m in (sharded, plain)]
     res["tp_decode_excess"] = step[0] - step[1]
+    res["handoff"] = _handoff_time(rank, wl)
     return res
+
+
+def _handoff_time(rank: int, wl: Workload) -> float:
+    """A generator's per-batch work outside the decode loop, rank 0 generating for rank 1: score
+    the batch's B x n samples in the generator's RewardRunner (exact_match), then ship its B
+    groups over a Link until the trainer side has them all (rollout/worker.py's _collect and
+    _ship_scored, trainer/worker.py's _collect)."""
+    from rollout.data import PromptItem
+    from rollout.rewards import RewardRunner, exact_match
+    from trainer.batch import Group
+    from trainer.link import Link, Msg
+    groups = [g.to_dict() for g in synthetic_groups(wl, 64)]
+    link = Link(rank, [1 - rank], timeout_s=120)
+    items = [PromptItem(i, "1+1=", None, "2") for i in range(wl.seqs)]
+    runner = RewardRunner(exact_match, timeout_s=60) if rank == 0 else None
+
+    def batch():
+        if rank == 0:
+            runner.score_batch(items, ["2"] * wl.seqs, [[5]] * wl.seqs)
+            for d in groups:
+                link.send(1, Msg.TRAJECTORIES, 0, Group.from_dict(d).to_dict())
+            link.wait_for(Msg.ACK, "the calibration peer's receipt")
+        else:
+            for _ in groups:
+                Group.from_dict(link.wait_for(Msg.TRAJECTORIES, "calibration groups").payload)
+            link.send(0, Msg.ACK, 0)
+    t = timed(batch, reps=5, stat=statistics.median)
+    if runner is not None:
+        runner.close()
+    link.flush()
+    return t
 
 
 def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, float]:
@@ -382,7 +415,8 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         _collective_costs(prof, args, c)
         log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s, store rtt {prof.loop_overhead_s * 1e6:.0f} us; "
             f"per collective incl. DTensor: FSDP {prof.collective_s * 1e3:.2f} ms, TP "
-            f"{prof.tp_collective_s * 1e3:.2f} ms, TP decode {prof.tp_decode_collective_s * 1e3:.2f} ms; per step (grad norm + AdamW on DTensors): FSDP "
+            f"{prof.tp_collective_s * 1e3:.2f} ms, TP decode {prof.tp_decode_collective_s * 1e3:.2f} ms; generator hand-off "
+            f"{prof.gen_handoff_s * 1e3:.1f} ms per batch; per step (grad norm + AdamW on DTensors): FSDP "
             f"{prof.fsdp_step_s * 1e3:.1f} ms, TP {prof.tp_step_s * 1e3:.1f} ms")
     prof.notes["loadavg_end"] = os.getloadavg()[0]
     return prof
@@ -412,9 +446,10 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
     prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
     prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * L + 2))
+    prof.gen_handoff_s = c["handoff"]
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
     prof.tp_step_s = max(0.0, c["tp"]["step_excess"])
-    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp", "tp_decode_excess")}
+    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp", "tp_decode_excess", "handoff")}
 
 
 def model_args_from(spec: str) -> ModelArgs:

@@ -51,7 +51,7 @@ from model.args import ModelArgs
 from parallel.layout import dtype_bytes
 
 GB = 1e9
-LINK_POLL_S = 0.005  # expected hand-off delay of trainer.link.wait_for (sleep backoff capped at 10 ms)
+LINK_POLL_S = 1e-4  # hand-off delay of trainer.link.wait_for: it wakes on the message key (a store round trip)
 
 
 # ----- inputs ---------------------------------------------------------------------------------
@@ -351,7 +351,9 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
         # broadcast of the link poll (rollout/worker.py)
         step_comm = (2 * args.num_layers + 3) * prof.decode_collective_s * (gen_tp - 1)
         step = prof.decode_step_s(slots, gen_tp) + step_comm
-        prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp)
+        # the replica's share of the batch's hand-off (scoring, shipping), spread over its waves
+        prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp) \
+            + prof.gen_handoff_s * prompts / wl.prompts_per_step / waves
         comm = waves * wl.response_len * step_comm
     else:
         n_mm, ctx = matmul_params(args), wl.prompt_len + wl.response_len / 2
@@ -623,6 +625,7 @@ class Profile:
     collective_s: float = 0.0     # one trainer collective over 2 FSDP ranks, DTensor/hook cost included
     tp_collective_s: float = 0.0  # one TP collective over 2 ranks, likewise
     tp_decode_collective_s: float = 0.0  # one generator TP collective in a decode step, likewise
+    gen_handoff_s: float = 0.0    # per step's batch: rewards scored + groups shipped over the link
     fsdp_step_s: float = 0.0      # per step: grad-norm clip + AdamW on FSDP DTensors beyond plain
     tp_step_s: float = 0.0        # likewise on TP DTensors
     loop_overhead_s: float = 0.0  # per generator-loop iteration: link poll (a store round trip)
