@@ -219,6 +219,17 @@ def test_generator_tp_uses_the_decode_probe():
     assert g["comm"] == pytest.approx(10 * 7 * 1e-4)
 
 
+def test_generator_hand_off_is_shared_by_replicas():
+    """The profile's per-batch hand-off (scoring + shipping all B groups) is added to T_gen, each
+    replica paying its share of the groups."""
+    wl, cl, prof = cm.Workload(2, 4, 8, 10), cm.cpu_cluster(2, 2), _toy_profile()
+    base = {dp: cm.generation_time(TINY, cl, wl, 1, dp, 8, prof)["total"] for dp in (1, 2)}
+    prof.gen_handoff_s = 0.01
+    for dp, share in ((1, 0.01), (2, 0.005)):
+        got = cm.generation_time(TINY, cl, wl, 1, dp, 8, prof)["total"]
+        assert got == pytest.approx(base[dp] + share)
+
+
 def test_profile_fits_and_rings():
     assert cm.fit([[1, 3], [2, 5], [3, 7]]) == pytest.approx((1.0, 2.0))
     assert cm.fit([[1, 5], [2, 4]]) == (4.5,)  # a negative slope (noise) falls back to the mean
@@ -228,3 +239,17 @@ def test_profile_fits_and_rings():
     assert prof.allreduce_s(4, 1e6) == pytest.approx(3 * (1e-3 + 2 * 1e6 / 4 * 1e-9))
     prof.concurrency = [[1, 1.0], [2, 1.0], [4, 2.0]]
     assert prof.slowdown(3) == 1.5 and prof.slowdown(8) == 4.0
+
+
+def test_two_rank_probe_measures_every_cost():
+    """launch/calibrate.py's two-rank block on a tiny model (real gloo ranks): every quantity the
+    cost model reads is measured, and the ones that only add work come out positive."""
+    from launch.calibrate import comm_costs
+    wl = cm.Workload(2, 2, 4, 8)
+    c = comm_costs(TINY, torch.float32, wl, 64, 1)
+    assert {"p2p", "allreduce", "allgather", "store_rtt", "fsdp", "tp", "tp_decode_excess",
+            "handoff"} <= set(c)
+    assert c["handoff"] > 0 and c["store_rtt"] > 0
+    assert c["tp_decode_excess"] > 0  # 2L + 2 collectives per decode step on top of the compute
+    assert c["fsdp"]["units"] == "model" and c["fsdp"]["micro"] >= 1
+    assert all(t > 0 for _, t in c["p2p"] + c["allreduce"] + c["allgather"])
