@@ -288,7 +288,7 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
 def _handoff_time(rank: int, wl: Workload) -> float:
     """A generator's per-batch work outside the decode loop, rank 0 generating for rank 1: score
     the batch's B x n samples in the generator's RewardRunner (exact_match), then ship its B
-    groups over a Link until the trainer side has them all (rollout/worker.py's _collect and
+    groups in one Link message until the trainer side has them (rollout/worker.py's _collect and
     _ship_scored, trainer/worker.py's _collect)."""
     from rollout.data import PromptItem
     from rollout.rewards import RewardRunner, exact_match
@@ -302,12 +302,10 @@ def _handoff_time(rank: int, wl: Workload) -> float:
     def batch():
         if rank == 0:
             runner.score_batch(items, ["2"] * wl.seqs, [[5]] * wl.seqs)
-            for d in groups:
-                link.send(1, Msg.TRAJECTORIES, 0, Group.from_dict(d).to_dict())
+            link.send(1, Msg.TRAJECTORIES, 0, [Group.from_dict(d).to_dict() for d in groups])
             link.wait_for(Msg.ACK, "the calibration peer's receipt")
         else:
-            for _ in groups:
-                Group.from_dict(link.wait_for(Msg.TRAJECTORIES, "calibration groups").payload)
+            [Group.from_dict(d) for d in link.wait_for(Msg.TRAJECTORIES, "calibration groups").payload]
             link.send(0, Msg.ACK, 0)
     t = timed(batch, reps=5, stat=statistics.median)
     if runner is not None:

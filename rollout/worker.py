@@ -173,13 +173,17 @@ class GeneratorWorker:
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _ship_scored(self) -> None:
-        n = self.params.n
+        """Every fully scored group, all in one message: each message costs the trainer a gloo
+        receive (a hand-shake with this process's I/O thread, ~1 ms on busy cores) and 3 store
+        round trips, so 8 groups sent one by one kept it waiting 17-25 ms per step."""
+        n, groups = self.params.n, []
         for pid in [k for k, p in self.pending.items() if len(p.futures) == n and all(f.done() for f in p.futures)]:
             p = self.pending.pop(pid)
-            group = Group(pid, [_trajectory(c, f.result()) for c, f in zip(p.completions, p.futures)])
-            if self.link is not None:
-                self.link.send(self.trainer0, Msg.TRAJECTORIES, group.min_version, group.to_dict())
-            self.stats["groups_sent"] += 1
+            groups.append(Group(pid, [_trajectory(c, f.result()) for c, f in zip(p.completions, p.futures)]))
+        if groups and self.link is not None:
+            self.link.send(self.trainer0, Msg.TRAJECTORIES, min(g.min_version for g in groups),
+                           [g.to_dict() for g in groups])
+        self.stats["groups_sent"] += len(groups)
 
 
 def _trajectory(c: Completion, reward: float) -> Trajectory:

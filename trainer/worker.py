@@ -167,10 +167,11 @@ class TrainerWorker:
                                                 f"for step {self.step}", timeout_s=left))
 
     def _on_message(self, m) -> None:
-        if m.type == Msg.TRAJECTORIES:
-            group = Group.from_dict(m.payload)
-            if not self.buffer.try_put(group):
-                self.buffer.put(group, timeout=self.cfg.parallel.timeout_s)
+        if m.type == Msg.TRAJECTORIES:  # a list of whole groups
+            for d in m.payload:
+                group = Group.from_dict(d)
+                if not self.buffer.try_put(group):
+                    self.buffer.put(group, timeout=self.cfg.parallel.timeout_s)
         elif m.type == Msg.ACK:
             self.acks[m.version] = (m.payload or {}).get("seconds", 0.0)
         elif m.type == Msg.SHUTDOWN:
