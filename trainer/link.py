@@ -71,6 +71,7 @@ class Link:
         self._next_ticket = 1  # next of my tickets to read
         self._queue: deque[Message] = deque()
         self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()
+        self._waiter = None  # a second store connection for blocking waits (_waiter_store)
         self.bytes_sent = self.bytes_received = 0
 
     # ----- sending ----------------------------------------------------------------------------
@@ -151,10 +152,26 @@ class Link:
         its interval to every hand-off between the meshes."""
         if seconds <= 0:
             return
+        waiter = self._waiter_store()
+        if waiter is None:  # a store without clone(): poll
+            time.sleep(min(seconds, 1e-3))
+            return
         try:
-            self.store.wait([f"{self.rank}/{self._next_ticket}"], timedelta(seconds=seconds))
+            waiter.wait([f"{self.rank}/{self._next_ticket}"], timedelta(seconds=seconds))
         except dist.DistStoreError:
             pass
+
+    def _waiter_store(self):
+        """A clone of the store (its own connection) for the blocking waits only: a TCPStore
+        client serves one request at a time, so a wait on the shared one would hold up every
+        other thread's store call in this process (the CUDA-IPC sender's thread signals its
+        versions through it) until a message arrived."""
+        if self._waiter is None:
+            try:
+                self._waiter = self.store.clone()
+            except (RuntimeError, NotImplementedError):
+                self._waiter = False
+        return self._waiter or None
 
     def _wait(self, work, what: str) -> None:
         try:
