@@ -268,9 +268,16 @@ class _CallThread:
         self._calls.put((item, text, ids, result))
         return result
 
+    def stop(self) -> None:
+        """End the thread once its queue is empty (it is then idle: nothing is queued behind)."""
+        self._calls.put(None)
+
     def _loop(self) -> None:
         while not self.abandoned:
-            item, text, ids, result = self._calls.get()
+            call = self._calls.get()
+            if call is None:
+                return
+            item, text, ids, result = call
             try:
                 result.set_result(self.fn(item, text, ids))
             except BaseException as e:  # reported through the future, never raised here
@@ -297,6 +304,7 @@ class RewardRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "tandem-reward")
         self._lock = threading.Lock()
         self._local = threading.local()  # each supervisor's call thread
+        self._callers: list[_CallThread] = []  # every call thread started, to stop on close
         self._counts = {"calls": 0, "errors": 0, "timeouts": 0}
         self._abandoned: list[threading.Thread] = []
         self._name = getattr(fn, "__name__", repr(fn))
@@ -317,6 +325,8 @@ class RewardRunner:
         caller = getattr(self._local, "caller", None)
         if caller is None:
             caller = self._local.caller = _CallThread(self.fn)
+            with self._lock:
+                self._callers.append(caller)
         with self._lock:
             self._counts["calls"] += 1
         try:
@@ -355,8 +365,12 @@ class RewardRunner:
             return {**self._counts, "stuck": stuck}
 
     def close(self) -> None:
-        """Wait for running supervisors (each at most timeout_s); abandoned threads are left."""
+        """Wait for running supervisors (each at most timeout_s), then end the idle call threads;
+        abandoned ones end when their call returns."""
         self._pool.shutdown(wait=True)
+        with self._lock:
+            for caller in self._callers:
+                caller.stop()
 
     def __enter__(self):
         return self

@@ -3,6 +3,7 @@ import importlib.util
 import logging
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -189,6 +190,13 @@ def test_calls_reuse_their_threads_until_one_overruns():
             assert len(set(idents)) == 1 and idents[0] != threading.get_ident()
             assert runner.score_batch([_item("")] * 3, ["stuck", "ok", "ok"], [[]] * 3) == [0.0, 1.0, 1.0]
             assert idents[5] == idents[0] and idents[6] == idents[7] != idents[0]
+        # closed: the idle call thread has ended (the abandoned one ends with its call)
+        live = {t.ident for t in threading.enumerate()}
+        deadline = time.monotonic() + 5
+        while idents[6] in live and time.monotonic() < deadline:
+            time.sleep(0.01)
+            live = {t.ident for t in threading.enumerate()}
+        assert idents[6] not in live
     finally:
         release.set()
 
