@@ -316,9 +316,9 @@ class IpcSender:
     def wait_sent(self) -> None:
         """Block until the version in flight is staged (zero copy: read by every peer): the
         parameters may change after this."""
-        # the thread's own waits time out first, with the specific peer and version
-        self._inflight.join(self.timeout_s + 5, f"trainer rank {self.rank} has not staged it for "
-                                                f"generator ranks {sorted(self.peers)} (CUDA IPC)")
+        # the thread's own waits time out first (join adds a grace), naming the peer and version
+        self._inflight.join(self.timeout_s, f"trainer rank {self.rank} has not staged it for "
+                                            f"generator ranks {sorted(self.peers)} (CUDA IPC)")
 
     def _stage_all(self, version: int, after) -> None:
         t0, nbytes = time.perf_counter(), 0

@@ -70,7 +70,15 @@ def _wait(work, timeout_s: float, what: str) -> None:
 
 class VersionThread:
     """One version in flight in a background thread: `start` it (after the previous one is done),
-    `join` it before the parameters change. The thread's exception is re-raised by `join`."""
+    `join` it before the parameters change. The thread's exception is re-raised by `join`.
+
+    `join(timeout_s)` waits JOIN_GRACE_S longer than the thread's own waits (which use the same
+    timeout_s): a missing peer then surfaces as the thread's error naming that peer, after the
+    thread has ended. Joining for exactly timeout_s raced them: the caller could tear the process
+    group down while the thread still sat in a gloo wait, and the process aborted (SIGABRT,
+    "terminate called without an active exception"; tests/test_weights_sync.py)."""
+
+    JOIN_GRACE_S = 5.0
 
     def __init__(self):
         self._thread: threading.Thread | None = None
@@ -91,9 +99,10 @@ class VersionThread:
     def join(self, timeout_s: float, waiting_for: str) -> None:
         if self._thread is None:
             return
-        self._thread.join(timeout_s)
+        self._thread.join(timeout_s + self.JOIN_GRACE_S)
         if self._thread.is_alive():
-            raise TimeoutError(f"weights version {self.version}: {waiting_for} after {timeout_s:.0f}s")
+            raise TimeoutError(f"weights version {self.version}: {waiting_for} after "
+                               f"{timeout_s + self.JOIN_GRACE_S:.0f}s")
         self._thread = None
         if self.error is not None:
             raise self.error
