@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -51,7 +52,9 @@ import torch
 from torch import Tensor
 
 from model.kv_cache import KVCache
-from rollout.sampling import hashed_exponential_noise, mix32, process_logits, sample, stream_key
+from rollout import packed_linear
+from rollout.packed_linear import PackedLinears
+from rollout.sampling import hashed_uniform, mix32, process_logits, sample, stream_key
 
 KV_POLICIES = ("keep", "recompute")
 COMPILE_MODES = (False, True, "compile", "cudagraph")
@@ -169,7 +172,7 @@ class _SlotState:
         self.seq_len = torch.ones(S, **i64)  # prompt + generated tokens
         self.gen = torch.zeros(S, **i64)  # generated tokens
         self.max_new = torch.ones(S, **i64)
-        self.key = torch.zeros(S, **i64)  # noise key (rollout/sampling.py)
+        self.key = torch.zeros(S, **i64)  # sampling key (rollout/sampling.py)
         self.top_k = torch.zeros(S, **i64)
         self.temp = torch.ones(S, dtype=torch.float32, device=device)
         self.top_p = torch.ones(S, dtype=torch.float32, device=device)
@@ -208,12 +211,11 @@ def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, key_R, counter_R
     """Sampled token [R] and its mu [R]. Host flags pick the kernels: `truncate` (any row uses
     top-k/top-p) and `mode` ("greedy": every row, "sample": no row, "mixed")."""
     if truncate:
-        logp_RV = process_logits(logits_RV, temp_R, top_k_R, top_p_R)
-    else:
-        logp_RV = process_logits(logits_RV, temp_R)
-    noise = None if mode == "greedy" else hashed_exponential_noise(key_R, counter_R, logp_RV.shape[-1])
-    tok_R = sample(logp_RV, noise, {"greedy": True, "sample": False}.get(mode, greedy_R))
-    return tok_R, logp_RV.gather(1, tok_R[:, None])[:, 0]
+        x_RV = process_logits(logits_RV, temp_R, top_k_R, top_p_R)
+    else:  # sample() normalises: the tempered logits are enough
+        x_RV = logits_RV.float() / temp_R[:, None]
+    u_R = None if mode == "greedy" else hashed_uniform(key_R, counter_R)
+    return sample(x_RV, u_R, {"greedy": True, "sample": False}.get(mode, greedy_R))
 
 
 def _mode(n_sampling: int, n_rows: int) -> str:
@@ -225,19 +227,22 @@ class Engine:
 
     num_slots / max_len: KV-cache rows and positions (prompt + completion <= max_len).
     device / dtype: where the cache lives (the model's device) and its dtype (the model's).
-    seed: noise seed of requests without their own `SamplingParams.seed`.
+    seed: sampling seed of requests without their own `SamplingParams.seed`.
     kv_policy: "keep" | "recompute", what `load_weights` does to cached keys/values.
     sync_every: decode steps between device->host reads of the finished flags (1 on CPU, 8 on
         CUDA). compile_decode: False (eager), "cudagraph" (CUDA graph of the eager step), True or
         "compile" (torch.compile, plus a CUDA graph on CUDA).
     max_prefill_tokens: padded tokens per prefill forward. kv_bucket: decode reads the cache up to
         a multiple of this (each value is one CUDA graph); default 32, or max_len when compiled.
+    pack_weights: run the fp32 linears on oneDNN-prepacked weights while the engine computes
+        (rollout/packed_linear.py); None = on CPU where available (~1.6x faster matmuls there).
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
                  dtype: torch.dtype | None = None, *, seed: int = 0, kv_policy: str = "keep",
                  sync_every: int | None = None, compile_decode: bool | str = False,
-                 max_prefill_tokens: int = 4096, kv_bucket: int | None = None):
+                 max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
+                 pack_weights: bool | None = None):
         param = next(model.parameters())
         device = torch.device(device) if device is not None else param.device
         if param.device != device:
@@ -269,7 +274,7 @@ class Engine:
         self._finished: list[Completion] = []
         self._n_requests = self._steps = self._since_sync = 0
         self._bound_base = 0  # max over owned slots of (length at admission - admission step)
-        self._n_truncating = self._n_sampling = 0  # owned slots needing sort / noise kernels
+        self._n_truncating = self._n_sampling = 0  # owned slots needing sort / draw kernels
         self._decode_fn = self._decode_body
         if use_compile:
             self._decode_fn = torch.compile(self._decode_body, dynamic=False)
@@ -277,6 +282,7 @@ class Engine:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._param_ptrs = self._param_pointers()
+        self._packed = _packed_linears(model, device, pack_weights, use_compile)
 
     # ----- public API ---------------------------------------------------------------------------
     @property
@@ -285,8 +291,13 @@ class Engine:
 
     @version.setter
     def version(self, v: int) -> None:
+        """Set after new weights are in place (`load_weights` does it): it also drops the packed
+        weight copies, since a swap may write through `.data` or a flat buffer, which leaves the
+        parameters' version counters unchanged."""
         self._version = int(v)
         self.st.version_now.fill_(int(v))
+        if self._packed is not None:
+            self._packed.invalidate()
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
@@ -313,10 +324,11 @@ class Engine:
         self._since_sync += 1
         if self._since_sync >= self.sync_every or (self._queue and self._free):
             self._harvest()
-        if self._queue and self._free:
-            self._admit()
-        if len(self._free) < self.num_slots:
-            self._decode()
+        with self._packed.active() if self._packed else nullcontext():
+            if self._queue and self._free:
+                self._admit()
+            if len(self._free) < self.num_slots:
+                self._decode()
 
     def poll_finished(self) -> list[Completion]:
         out, self._finished = self._finished, []
@@ -348,7 +360,8 @@ class Engine:
             self._graphs.clear()
             self._param_ptrs = self._param_pointers()
         if policy == "recompute":
-            self._recompute()
+            with self._packed.active() if self._packed else nullcontext():
+                self._recompute()
 
     # ----- harvest ------------------------------------------------------------------------------
     def _harvest(self) -> None:
@@ -609,6 +622,23 @@ class Engine:
 
     def _param_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
+
+
+def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool | None,
+                    compiled: bool) -> PackedLinears | None:
+    """`pack_weights`: None = on CPU where oneDNN has the kernels and the decode step is not
+    compiled (inductor does its own packing, and cannot lower ours; rollout/packed_linear.py)."""
+    ok = device.type == "cpu" and packed_linear.available() and not compiled
+    if choice is None:
+        choice = ok
+    if not choice:
+        return None
+    if not ok:
+        raise ValueError(f"pack_weights=True needs an eager CPU engine and a torch build with "
+                         f"oneDNN (device {device}, compiled decode: {compiled}, oneDNN kernels "
+                         f"available: {packed_linear.available()}); leave pack_weights=None for "
+                         "the automatic choice")
+    return PackedLinears(model)
 
 
 def _chunks(sorted_lengths: list[int], max_tokens: int, max_waste: float = 0.1) -> list[list[int]]:

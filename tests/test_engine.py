@@ -11,8 +11,7 @@ import torch
 
 from model import load_pretrained
 from rollout.engine import Engine, Request, SamplingParams
-from rollout.sampling import (exponential_noise, hashed_exponential_noise, mix32, process_logits,
-                              sample, stream_key)
+from rollout.sampling import BLOCK, hashed_uniform, mix32, process_logits, sample, stream_key
 from tests import tiny
 
 PROMPT_LENS = [3, 9, 5, 14, 1, 7]
@@ -308,34 +307,64 @@ def test_sampling_frequencies_match_probs():
     logp = process_logits(P4.log().expand(N, 4), top_k=3)
     want = torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9
     key = torch.full((N,), stream_key(1234, 0))
-    for noise in (hashed_exponential_noise(key, torch.arange(N), 4),
-                  exponential_noise((N, 4), torch.Generator().manual_seed(0))):
-        tok = sample(logp, noise)
+    for u in (hashed_uniform(key, torch.arange(N)),
+              torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(0))):
+        tok, mu = sample(logp, u)
         freq = torch.bincount(tok, minlength=4).float() / N
         assert (freq - want).abs().max() < 0.015 and freq[3] == 0
-        assert noise.min() > 0 and torch.isfinite(noise).all()
-    assert abs(hashed_exponential_noise(key, torch.arange(N), 4).mean().item() - 1) < 0.02
+        assert torch.allclose(mu, logp.gather(1, tok[:, None])[:, 0])
     greedy = torch.tensor([True, False] * 4)
-    tok = sample(logp[:8], hashed_exponential_noise(key[:8], torch.arange(8), 4), greedy)
-    assert (tok[greedy] == 0).all()
-    assert (sample(logp[:8], None) == 0).all()
+    tok, _ = sample(logp[:8], hashed_uniform(key[:8], torch.arange(8)), greedy)
+    assert (tok[greedy] == 0).all() and (tok[~greedy] != 3).all()
+    tok, mu = sample(logp[:8], None)
+    assert (tok == 0).all() and torch.allclose(mu, logp[:8, 0])
 
 
-def test_hashed_noise_is_a_pure_function():
+def test_sampling_over_blocks_matches_softmax():
+    """A vocabulary of several blocks plus a ragged tail: frequencies follow softmax within 5
+    standard deviations, and mu is log_softmax of the unnormalised input at the drawn token."""
+    V, N = 2 * BLOCK + 37, 200000
+    x_V = torch.randn(V, generator=torch.Generator().manual_seed(1)) * 2 + 3  # unnormalised
+    u = torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    tok, mu = sample(x_V.expand(N, V), u)
+    p = x_V.softmax(-1)
+    freq = torch.bincount(tok, minlength=V).float() / N
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / N).sqrt() + 1e-6).all()
+    assert torch.allclose(mu, x_V.log_softmax(-1)[tok], atol=1e-6)
+
+
+def test_inverse_cdf_hand_computed_and_never_draws_masked():
+    """Mass 0.2 at token 1, 0.3 at token BLOCK + 6, 0.5 at the last token (in a ragged last block);
+    every other token is masked. Each u lands where the hand-computed CDF says, the extremes of
+    (0, 1) included, and no u ever picks a masked token."""
+    V = 2 * BLOCK + 2
+    x_V = torch.full((V,), float("-inf"))
+    x_V[[1, BLOCK + 6, V - 1]] = torch.tensor([0.2, 0.3, 0.5]).log()
+    u = torch.tensor([2.0 ** -53, 0.1, 0.1999, 0.2001, 0.49, 0.5001, 0.9, 1 - 2.0 ** -53],
+                     dtype=torch.float64)
+    tok, mu = sample(x_V.expand(len(u), V), u)
+    assert tok.tolist() == [1, 1, 1, BLOCK + 6, BLOCK + 6, V - 1, V - 1, V - 1]
+    assert torch.allclose(mu.exp(), torch.tensor([0.2] * 3 + [0.3] * 2 + [0.5] * 3))
+    u = torch.rand(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    tok, _ = sample(x_V.expand(5000, V), u)
+    assert set(tok.tolist()) == {1, BLOCK + 6, V - 1}
+
+
+def test_hashed_uniform_is_a_pure_function():
     key = torch.tensor([stream_key(5, 0), stream_key(5, 1), stream_key(6, 0)])
-    a = hashed_exponential_noise(key, torch.tensor([0, 0, 0]), 50)
-    assert torch.equal(a, hashed_exponential_noise(key, torch.tensor([0, 0, 0]), 50))
-    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
-    b = hashed_exponential_noise(key, torch.tensor([1, 1, 1]), 50)
-    assert not torch.equal(a[0], b[0])
-    # the [B, V] hash runs in wrapping int32 arithmetic: same bits as the plain 32-bit definition
+    a = hashed_uniform(key, torch.tensor([0, 0, 0]))
+    assert torch.equal(a, hashed_uniform(key, torch.tensor([0, 0, 0])))
+    assert len(set(a.tolist())) == 3
+    assert not torch.equal(a, hashed_uniform(key, torch.tensor([1, 1, 1])))
+    # the same bits as the plain 32-bit definition on Python ints
     key, counter = torch.tensor([stream_key(3, 1), 2**32 - 1]), torch.tensor([0, 9])
-    q = hashed_exponential_noise(key, counter, 40)
+    u = hashed_uniform(key, counter)
     for b in range(2):
-        row = mix32(key[b].item() ^ mix32(counter[b].item() * 2 + 1))
-        for v in range(40):
-            bits = mix32(row ^ mix32(v * 0x9E3779B9)) >> 9
-            assert math.isclose(q[b, v].item(), -math.log((bits + 0.5) * 2**-23), rel_tol=1e-6)
+        h1 = mix32(key[b].item() ^ mix32(counter[b].item() * 2 + 1))
+        bits = (h1 << 20) | (mix32(h1 ^ 0x9E3779B9) >> 12)
+        assert u[b].item() == (bits + 0.5) * 2.0 ** -52
+    many = hashed_uniform(torch.full((50000,), stream_key(7, 0)), torch.arange(50000))
+    assert 0 < many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.005
 
 
 def test_bad_sampling_params():

@@ -1,0 +1,127 @@
+"""oneDNN-prepacked linears (rollout/packed_linear.py) against the plain modules they stand in for,
+and the engine with and without them."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import load_pretrained
+from rollout import packed_linear
+from rollout.engine import Engine, Request, SamplingParams
+from rollout.packed_linear import PackedLinears
+from tests import tiny
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(),
+                                reason="this torch build has no oneDNN packed linear kernels")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases) with tied embeddings made explicit below."""
+    path = tmp_path_factory.mktemp("qwen2")
+    tiny.save_hf("qwen2", path)
+    return load_pretrained(path, dtype="float32").eval()
+
+
+def test_forward_matches_plain_linears_and_leaves_modules_alone(model):
+    ids = torch.randint(0, tiny.VOCAB, (3, 11), generator=torch.Generator().manual_seed(0))
+    packed = PackedLinears(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(packed.modules) == len(linears) > 0
+    with torch.no_grad():
+        ref = model(ids)
+        with packed.active(), torch.profiler.profile() as prof:
+            assert all("forward" in vars(m) for m in linears)
+            got = model(ids)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("mkldnn::_linear_pointwise") == len(linears)  # oneDNN really ran
+    assert "aten::linear" not in calls
+    assert (got - ref).abs().max() <= 1e-5
+    assert all("forward" not in vars(m) for m in linears)  # back to nn.Linear.forward
+    model(ids).sum().backward()  # autograd outside the block, as a trainer needs
+    assert all(m.weight.grad is not None for m in linears)
+    model.zero_grad(set_to_none=True)
+
+
+def test_repacks_only_changed_weights(model):
+    packed = PackedLinears(model)
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, lin.in_features)
+    with torch.no_grad():
+        with packed.active():
+            lin(x)
+        first = packed.repacks
+        assert first == len(packed.modules)  # one packed copy per weight
+        with packed.active():
+            lin(x)
+        assert packed.repacks == first  # unchanged weights are reused
+        lin.weight.mul_(2.0)  # an in-place update, as a weight swap does
+        with packed.active():
+            got = lin(x)
+        assert packed.repacks == first + 1
+        assert torch.allclose(got, F.linear(x, lin.weight), atol=1e-5)
+        lin.weight.div_(2.0)
+
+
+def test_tied_weight_is_packed_once():
+    m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    m[1].weight = m[0].weight
+    packed = PackedLinears(m)
+    with torch.no_grad(), packed.active():
+        m(torch.randn(2, 8))
+    assert packed.repacks == 1
+
+
+def test_refuses_grad_and_skips_other_dtypes():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    packed = PackedLinears(m)
+    assert packed.modules == [m[0]]  # only fp32 weights are packed
+    with packed.active(), pytest.raises(RuntimeError, match="no_grad"):
+        m[0](torch.randn(2, 8))
+
+
+def test_engine_same_tokens_and_logp_with_and_without_packing(model):
+    sp = SamplingParams(max_new_tokens=8, temperature=0.7, seed=5, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    reqs = [Request(i, torch.randint(0, tiny.VOCAB, (n,), generator=g).tolist(), sp)
+            for i, n in enumerate([4, 9, 2, 13])]
+    out = {}
+    for pack in (False, True):
+        engine = Engine(model, num_slots=3, max_len=32, pack_weights=pack)
+        assert (engine._packed is not None) == pack
+        out[pack] = engine.generate(reqs)
+    for a, b in zip(out[True], out[False]):
+        assert a.completion_ids == b.completion_ids
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+    with pytest.raises(ValueError, match="pack_weights=True needs an eager CPU engine"):
+        Engine(model, num_slots=2, max_len=8, pack_weights=True, compile_decode=True)
+
+
+def test_weights_written_through_data_are_repacked_on_a_version_change(tmp_path):
+    """Weight sync writes through `.data` (no version-counter bump): setting the engine's version,
+    directly (colocated) or through load_weights, must repack, or mu would come from old weights."""
+    tiny.save_hf("llama3", tmp_path / "a", seed=0)
+    tiny.save_hf("llama3", tmp_path / "b", seed=1)
+    model = load_pretrained(tmp_path / "a", dtype="float32").eval()
+    new = load_pretrained(tmp_path / "b", dtype="float32").eval()
+    sp = SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True)
+    reqs = [Request(i, [3 + i, 7, 11 + i], sp) for i in range(3)]
+    want = Engine(new, num_slots=3, max_len=16, pack_weights=False).generate(reqs)
+
+    def write_new():
+        for p, q in zip(model.parameters(), new.parameters()):
+            p.data.copy_(q.data)
+
+    for swap in ("version", "load_weights"):
+        engine = Engine(model, num_slots=3, max_len=16, pack_weights=True)
+        engine.generate(reqs)  # packs the old weights
+        if swap == "version":
+            write_new()
+            engine.version = 1
+        else:
+            engine.load_weights(write_new, 1)
+        got = engine.generate(reqs)
+        for a, b in zip(got, want):
+            assert a.completion_ids == b.completion_ids and a.token_versions == [1] * 6
+            assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+        model.load_state_dict(load_pretrained(tmp_path / "a", dtype="float32").state_dict())
