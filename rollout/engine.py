@@ -11,7 +11,8 @@ stop ids) lives in device tensors (`_SlotState`), so a decode step is a fixed se
 over all slots: `model(last_token[S, 1], positions=[S, 1], kv_cache)` with `slots=None` (no cache
 gather), sampling, and the state update. Slots that are free or finished compute garbage at
 position 0 that nobody reads. Decode attends only to the first `Lb` cache positions: a host-side
-upper bound on every live length (no sync needed), rounded up to `kv_bucket`.
+upper bound on every live length (no sync needed), rounded up to `kv_bucket` (on CPU: the whole
+cache once that passes half of it, `FULL_READ_ABOVE`).
 
 **One engine iteration (`step`).**
 1. Harvest, at most every `sync_every` steps (1 on CPU, where a sync is free; 8 on CUDA) or when
@@ -57,6 +58,11 @@ from rollout.packed_linear import PackedLinears
 from rollout.sampling import hashed_uniform, mix32, process_logits, sample, stream_key
 
 KV_POLICIES = ("keep", "recompute")
+# On CPU, decode reads the whole cache once the live bound passes max_len / this: a prefix of each
+# slot's [max_len, head_dim] block is a strided read that the batched matmuls take ~2x longer over
+# than a contiguous one of the same size (4 layers x 64 slots, 2-core EPYC: 1.74 ms at a 64-of-112
+# prefix, 0.85 ms for a contiguous 64, ~1.4 ms for all 112; BENCHMARKS.md "Generation").
+FULL_READ_ABOVE = 2
 COMPILE_MODES = (False, True, "compile", "cudagraph")
 
 
@@ -210,12 +216,13 @@ def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, key_R, counter_R
                  truncate: bool, mode: str):
     """Sampled token [R] and its mu [R]. Host flags pick the kernels: `truncate` (any row uses
     top-k/top-p) and `mode` ("greedy": every row, "sample": no row, "mixed")."""
+    temp = None
     if truncate:
         x_RV = process_logits(logits_RV, temp_R, top_k_R, top_p_R)
-    else:  # sample() normalises: the tempered logits are enough
-        x_RV = logits_RV.float() / temp_R[:, None]
+    else:  # sample() normalises and tempers in its one pass: the raw logits are enough
+        x_RV, temp = logits_RV.float(), temp_R
     u_R = None if mode == "greedy" else hashed_uniform(key_R, counter_R)
-    return sample(x_RV, u_R, {"greedy": True, "sample": False}.get(mode, greedy_R))
+    return sample(x_RV, u_R, {"greedy": True, "sample": False}.get(mode, greedy_R), temp)
 
 
 def _mode(n_sampling: int, n_rows: int) -> str:
@@ -554,6 +561,8 @@ class Engine:
         """Host-side choice of the decode kernels: (truncate, sampling mode, cache length read)."""
         bound = max(1, min(self.max_len, self._bound_base + self._steps))  # idle: a 1-long read
         Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
+        if self.device.type == "cpu" and Lb * FULL_READ_ABOVE > self.max_len:
+            Lb = self.max_len
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
         return self._n_truncating > 0, _mode(self._n_sampling, owned), Lb
 

@@ -6,10 +6,14 @@ Pipeline for one decode step over B rows (all pure tensor code, so a CUDA graph 
     u_B        = hashed_uniform(key_B, counter_B)       # one U(0, 1) per row (float64, 52 bits)
     tok_B, mu_B = sample(x_BV, u_B, greedy_B)           # inverse CDF of softmax(x); mu = its logp
 
+Without top-k/top-p, `sample(logits_BV, u_B, greedy_B, temperature_B)` tempers inside its own pass
+over the logits instead (one [B, V] buffer fewer per step).
+
 **Inverse-CDF sampling.** Token i is drawn when CDF(i-1) <= u * Z < CDF(i), with CDF the running
-sum of exp(x - max) and Z its total: an exact draw from softmax(x) for u ~ U(0, 1). The running
-sums are kept in float64 and taken in two levels (blocks of `BLOCK` tokens, then within the one
-block that holds u), so a row costs one exp pass over the vocabulary plus small float64 work:
+sum of exp(x - max) and Z its total: an exact draw from softmax(x) for u ~ U(0, 1) (up to ~1e-7
+relative rounding of fp32 block sums). The running sums are float64 and taken in two levels (blocks
+of `BLOCK` tokens, then within the one block that holds u), so a row costs one exp pass over the
+vocabulary plus small float64 work:
 on CPU ~2.2x cheaper than the exponential-race (Gumbel-max) draw it replaced, which needed a hash
 and two logs per (row, token). Tokens masked to -inf have no mass and are never drawn (the search
 is clamped to the last token with mass, so float64 rounding at the very end cannot pick one).
@@ -123,32 +127,41 @@ def process_logits(logits_BV: Tensor, temperature: float | Tensor = 1.0, top_k: 
 BLOCK = 64  # tokens per first-level block of the inverse-CDF search
 
 
-def sample(x_BV: Tensor, u_B: Tensor | None, greedy: bool | Tensor = False) -> tuple[Tensor, Tensor]:
-    """(token ids [B], their log-probs [B] under softmax(x_BV)): the inverse-CDF draw at u_B (see
-    the module docstring), or argmax for greedy rows (`greedy` is a bool or a bool tensor [B];
-    `u_B` may be None when every row is greedy). `x_BV` may be unnormalised. No host sync."""
+def sample(x_BV: Tensor, u_B: Tensor | None, greedy: bool | Tensor = False,
+           temperature_B: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(token ids [B], their log-probs [B] under softmax(x_BV / temperature_B)): the inverse-CDF
+    draw at u_B (see the module docstring), or argmax for greedy rows (`greedy` is a bool or a
+    bool tensor [B]; `u_B` may be None when every row is greedy). `x_BV` may be unnormalised and
+    is not modified; `temperature_B` None means 1. No host sync."""
     m_B1 = x_BV.amax(-1, keepdim=True)
-    e_BV = (x_BV - m_B1).exp_()  # -inf (masked) -> 0
+    e_BV = x_BV - m_B1  # the one [B, V] buffer: tempered, exponentiated in place
+    if temperature_B is not None:
+        e_BV.div_(temperature_B[:, None])
+    e_BV.exp_()  # -inf (masked) -> 0
     tok_B = x_BV.argmax(-1) if (u_B is None or greedy is not False) else None
     if u_B is None or greedy is True:
         logz_B = e_BV.sum(-1, dtype=torch.float64).log()
     else:
         drawn_B, logz_B = _inverse_cdf(e_BV, u_B)
         tok_B = drawn_B if tok_B is None else torch.where(greedy, tok_B, drawn_B)
-    logp_B = x_BV.gather(1, tok_B[:, None])[:, 0] - m_B1[:, 0] - logz_B.to(x_BV.dtype)
-    return tok_B, logp_B
+    top_B = x_BV.gather(1, tok_B[:, None])[:, 0] - m_B1[:, 0]
+    if temperature_B is not None:
+        top_B = top_B / temperature_B
+    return tok_B, top_B - logz_B.to(x_BV.dtype)
 
 
 def _inverse_cdf(e_BV: Tensor, u_B: Tensor) -> tuple[Tensor, Tensor]:
     """First index i with CDF(i) > u * Z over weights e_BV >= 0, and log Z. Two levels: block sums
     locate the block, a float64 running sum inside it locates the token; both searches are clamped
-    to the last entry with mass."""
+    to the last entry with mass. The block sums themselves are fp32 (a float64 copy of the whole
+    [B, V] would cost more than the rest of the draw): a block's fp32 sum and its float64 running
+    sum differ by ~1e-7 relative, which moves that much of the block's mass to its last token."""
     B, V = e_BV.shape
     nb = -(-V // BLOCK)
     if nb * BLOCK != V:
         e_BV = F.pad(e_BV, (0, nb * BLOCK - V))
     e_BNK = e_BV.view(B, nb, BLOCK)
-    cdf_BN = e_BNK.sum(-1, dtype=torch.float64).cumsum_(-1)
+    cdf_BN = e_BNK.sum(-1).double().cumsum_(-1)
     z_B1 = cdf_BN[:, -1:]
     t_B1 = u_B[:, None] * z_B1
     blk_B = torch.minimum((cdf_BN <= t_B1).sum(-1), (cdf_BN < z_B1).sum(-1))

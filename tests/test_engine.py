@@ -331,6 +331,13 @@ def test_sampling_over_blocks_matches_softmax():
     freq = torch.bincount(tok, minlength=V).float() / N
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / N).sqrt() + 1e-6).all()
     assert torch.allclose(mu, x_V.log_softmax(-1)[tok], atol=1e-6)
+    # tempered inside sample(): the same draw and mu as sampling x / T
+    T = torch.full((N,), 0.6)
+    tok_t, mu_t = sample(x_V.expand(N, V), u, temperature_B=T)
+    tok_r, mu_r = sample(x_V.expand(N, V) / 0.6, u)
+    same = tok_t == tok_r  # (x - max) / T and x / T - max / T round differently at ~1e-7
+    assert same.float().mean() > 0.999 and torch.allclose(mu_t[same], mu_r[same], atol=1e-6)
+    assert torch.allclose(mu_t, (x_V / 0.6).log_softmax(-1)[tok_t], atol=1e-6)
 
 
 def test_inverse_cdf_hand_computed_and_never_draws_masked():
