@@ -31,6 +31,24 @@ def hf_names(shape: dict) -> dict:
     return {rename.get(k, k): v for k, v in shape.items()}
 
 
+def fixed_malloc() -> bool:
+    """Pin glibc's allocator policy for this process (mmap threshold 32 MiB, no trimming), so that
+    two contenders timed alternately in one process cannot slow each other through it: glibc moves
+    its mmap threshold with the sizes freed so far, and 1-4 MiB tensors allocated every decode step
+    then either reuse heap memory or page-fault on fresh mmaps, depending on what ran before.
+    Measured (BENCHMARKS.md, "Generation"): HF generate took 1.09-1.37 s for the same work in one
+    process depending on that history. Returns False where glibc's mallopt is not available."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 def print_json(record: dict) -> None:
     """The machine-readable result: one line, printed last."""
     print(json.dumps(record, sort_keys=True), flush=True)

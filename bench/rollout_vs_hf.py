@@ -4,7 +4,9 @@ CPU section (always): a ~3.4M-parameter random Llama (hidden 256, 4 layers, 8 he
 vocab 4096), 64 prompts of 16-48 tokens (seeded), +64 sampled tokens each (temperature 1, no
 top-k/top-p, EOS ignored). Ours: Engine(num_slots=64). HF: one left-padded batch of all 64
 prompts with an attention mask, `generate(do_sample=True, use_cache=True)`. Both are warmed up
-once, then timed `--repeats` times alternately; the median is reported.
+once, then timed `--repeats` times alternately; the median is reported. The process pins glibc's
+malloc policy first (`common.fixed_malloc`): otherwise the two sides slow each other through its
+moving mmap threshold (`--default-malloc` to see it).
 
 GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shared/REFERENCES.md
 (hidden 2048, 16 layers, GQA 32/8, intermediate 8192, vocab 32000: 1.10B) in bf16, B=64, prompt 128,
@@ -22,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-from common import LLAMA_1B, hf_names, print_json  # also puts the repository root on sys.path
+from common import LLAMA_1B, fixed_malloc, hf_names, print_json  # also puts the repo on sys.path
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -199,8 +201,11 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,cudagraph",
                     help="GPU: our decode variants, of eager, cudagraph, compile (torch.compile "
                          "+ CUDA graph)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc policy as it is (see the module docstring)")
     a = ap.parse_args()
-    out = {"bench": "rollout_vs_hf"}
+    out = {"bench": "rollout_vs_hf",
+           "fixed_malloc": False if a.default_malloc else fixed_malloc()}
     if not a.no_cpu:
         out["cpu"] = cpu_section(a.repeats)
     if a.gpu:
