@@ -242,7 +242,8 @@ class Engine:
     max_prefill_tokens: padded tokens per prefill forward. kv_bucket: decode reads the cache up to
         a multiple of this (each value is one CUDA graph); default 32, or max_len when compiled.
     pack_weights: run the fp32 linears on oneDNN-prepacked weights while the engine computes
-        (rollout/packed_linear.py); None = on CPU where available (~1.6x faster matmuls there).
+        (rollout/packed_linear.py); None = on CPU where available, for linears of at least a
+        256 x 256 weight (1.2-1.6x faster there, slower below); True = all of them.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
@@ -636,10 +637,12 @@ class Engine:
 def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool | None,
                     compiled: bool) -> PackedLinears | None:
     """`pack_weights`: None = on CPU where oneDNN has the kernels and the decode step is not
-    compiled (inductor does its own packing, and cannot lower ours; rollout/packed_linear.py)."""
+    compiled (inductor does its own packing, and cannot lower ours), the linears large enough to
+    gain (`packed_linear.MIN_NUMEL`); True = every fp32 linear; False = none."""
     ok = device.type == "cpu" and packed_linear.available() and not compiled
     if choice is None:
-        choice = ok
+        packed = PackedLinears(model) if ok else None
+        return packed if packed is not None and packed.modules else None
     if not choice:
         return None
     if not ok:
@@ -647,7 +650,7 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
                          f"oneDNN (device {device}, compiled decode: {compiled}, oneDNN kernels "
                          f"available: {packed_linear.available()}); leave pack_weights=None for "
                          "the automatic choice")
-    return PackedLinears(model)
+    return PackedLinears(model, min_numel=0)
 
 
 def _chunks(sorted_lengths: list[int], max_tokens: int, max_waste: float = 0.1) -> list[list[int]]:

@@ -6,7 +6,7 @@ for [64, 256] x [256, 512] on 2 threads, where oneDNN's matmul over a weight reo
 its blocked layout reaches ~175 (BENCHMARKS.md, "Generation"). This is the prepacking that
 inductor's CPU backend does for inference; the engine does it without compiling anything:
 
-    packed = PackedLinears(model)          # finds the plain fp32 nn.Linear modules
+    packed = PackedLinears(model)          # finds the large plain fp32 nn.Linear modules
     with torch.no_grad(), packed.active():  # their forwards run on packed weights
         logits = model(...)
 
@@ -36,17 +36,26 @@ def available() -> bool:
             and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
 
 
-def _packable(m: nn.Module) -> bool:
+# A oneDNN call costs ~12 us more than MKL's before any arithmetic: below about a 256 x 256 weight
+# that overhead eats the gain (a 64-wide model generated 28% slower packed, a 256-wide one 1.2-1.6x
+# faster per large linear; BENCHMARKS.md, "Generation"). The engine's automatic choice packs only
+# weights of at least this many elements.
+MIN_NUMEL = 1 << 16
+
+
+def _packable(m: nn.Module, min_numel: int) -> bool:
     w = getattr(m, "weight", None)
     return (isinstance(m, nn.Linear) and isinstance(w, Tensor) and not hasattr(w, "to_local")
-            and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2)
+            and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and w.numel() >= min_numel)
 
 
 class PackedLinears:
-    """Packed forwards for every packable `nn.Linear` of `model` (see the module docstring)."""
+    """Packed forwards for the packable `nn.Linear`s of `model` with at least `min_numel` weight
+    elements (see the module docstring; 0 packs every one)."""
 
-    def __init__(self, model: nn.Module):
-        self.modules = [m for m in model.modules() if _packable(m)]
+    def __init__(self, model: nn.Module, min_numel: int = MIN_NUMEL):
+        self.modules = [m for m in model.modules() if _packable(m, min_numel)]
         self._cache: dict[int, tuple[int, int, Tensor]] = {}  # id(weight) -> (version, ptr, packed)
         self.repacks = 0  # packed copies made (tests check that an unchanged weight is reused)
 

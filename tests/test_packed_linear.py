@@ -25,7 +25,7 @@ def model(tmp_path_factory):
 
 def test_forward_matches_plain_linears_and_leaves_modules_alone(model):
     ids = torch.randint(0, tiny.VOCAB, (3, 11), generator=torch.Generator().manual_seed(0))
-    packed = PackedLinears(model)
+    packed = PackedLinears(model, min_numel=0)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert len(packed.modules) == len(linears) > 0
     with torch.no_grad():
@@ -44,7 +44,7 @@ def test_forward_matches_plain_linears_and_leaves_modules_alone(model):
 
 
 def test_repacks_only_changed_weights(model):
-    packed = PackedLinears(model)
+    packed = PackedLinears(model, min_numel=0)
     lin = model.model.layers[0].mlp.down_proj
     x = torch.randn(5, lin.in_features)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_repacks_only_changed_weights(model):
 def test_tied_weight_is_packed_once():
     m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
     m[1].weight = m[0].weight
-    packed = PackedLinears(m)
+    packed = PackedLinears(m, min_numel=0)
     with torch.no_grad(), packed.active():
         m(torch.randn(2, 8))
     assert packed.repacks == 1
@@ -74,7 +74,7 @@ def test_tied_weight_is_packed_once():
 
 def test_refuses_grad_and_skips_other_dtypes():
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
-    packed = PackedLinears(m)
+    packed = PackedLinears(m, min_numel=0)
     assert packed.modules == [m[0]]  # only fp32 weights are packed
     with packed.active(), pytest.raises(RuntimeError, match="no_grad"):
         m[0](torch.randn(2, 8))
@@ -125,3 +125,13 @@ def test_weights_written_through_data_are_repacked_on_a_version_change(tmp_path)
             assert a.completion_ids == b.completion_ids and a.token_versions == [1] * 6
             assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
         model.load_state_dict(load_pretrained(tmp_path / "a", dtype="float32").state_dict())
+
+
+def test_automatic_choice_skips_small_linears(model):
+    """Left to choose, the engine packs only weights of at least MIN_NUMEL elements (oneDNN's call
+    overhead makes small ones slower); this tiny model has none, so nothing is packed."""
+    assert max(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) < packed_linear.MIN_NUMEL
+    assert Engine(model, num_slots=2, max_len=8)._packed is None
+    assert len(Engine(model, num_slots=2, max_len=8, pack_weights=True)._packed.modules) > 0
+    big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255))
+    assert PackedLinears(big).modules == [big[0]]
