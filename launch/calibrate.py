@@ -22,7 +22,8 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
     2L + 2 collectives (the training probe's backward and DTensor overheads would overcharge
     decode, by about 2x here); and the generator's hand-off per batch: its samples scored and
     its groups shipped over a Link to the other rank;
-  * on CPU, the slowdown of k busy processes on the shared cores (`concurrency_costs`).
+  * on CPU, the slowdown of k busy ranks on the shared cores: k processes running this model's
+    decode steps and train steps at once (launch/core_share.py).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
 through the slowdown curve.
 Ranks are single-threaded (torchrun's OMP_NUM_THREADS=1), so the profile is too (--threads).
@@ -46,6 +47,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from launch.core_share import slowdown_curve  # noqa: E402
 from launch.cost_model import Profile, Workload, model_signature  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 
@@ -74,7 +76,7 @@ def wall_times(fn, reps: int, warmup: int = 1, device="cpu", before=None) -> lis
 def timed(fn, device="cpu", reps: int = 5, warmup: int = 1, stat=min) -> float:
     """`stat` (default: the minimum, i.e. the undisturbed cost) of the wall times of `reps` calls
     after `warmup` untimed ones. Load from other processes is accounted for separately, by the
-    measured slowdown curve (`concurrency_costs`)."""
+    measured slowdown curve (launch/core_share.py)."""
     return stat(wall_times(fn, reps, warmup, device))
 
 
@@ -185,9 +187,10 @@ def synthetic_groups(wl: Workload, vocab: int, seed: int = 0):
     return groups
 
 
-def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_group=None,
-                    seed: int = 0, stat=min) -> tuple[float, int, int]:
-    """(seconds of one real train_step on this rank, micro-batches, tokens per micro-batch)."""
+def train_step_fn(model, wl: Workload, device, micro_batch_tokens: int, dp_group=None,
+                  seed: int = 0) -> tuple:
+    """(a callable running one real train_step of synthetic groups on this rank, micro-batches,
+    tokens per micro-batch)."""
     from config import load_config
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.step import micro_batches, train_step
@@ -198,38 +201,15 @@ def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_gro
     sched = build_scheduler(opt, cfg.trainer)
     groups = synthetic_groups(wl, model.args.vocab_size, seed)
     mbs = micro_batches(groups, cfg.algo.advantage, micro_batch_tokens)
-    t = timed(lambda: train_step(model, opt, sched, groups, cfg, dp_group, device, 0), device,
-              reps=5, stat=stat)
-    return t, len(mbs), max(b.num_tokens for b in mbs)
+    return (lambda: train_step(model, opt, sched, groups, cfg, dp_group, device, 0), len(mbs),
+            max(b.num_tokens for b in mbs))
 
 
-# ----- sharing the cores -----------------------------------------------------------------------------
-_BUSY = "import sys, time\nt = float(sys.argv[1])\nwhile time.time() < t: pass\n" \
-        "t0 = time.perf_counter(); x = 0\nfor i in range({n}): x += i * i\n" \
-        "print(time.perf_counter() - t0)"
-
-
-def concurrency_costs(max_ranks: int, work: int = 5_000_000, rounds: int = 3) -> list:
-    """[[k, slowdown]]: k processes start the same CPU-bound loop at once; slowdown = the median
-    over `rounds` of their mean time, over the best time of one process alone. It includes
-    whatever else the machine is running (slowdown(1) > 1 on a loaded machine); rounds are
-    interleaved over k so that a burst of outside load does not land on one k only. The loop
-    runs ~0.25 s alone, many scheduler slices, so the fair share shows: with a ~50 ms loop, 3
-    processes on 2 cores measured 1.28-1.33 (some ran to completion before the third started;
-    RL ranks stay busy), with this one 1.48, near the 1.5 of a fair share."""
-    import subprocess
-
-    def run(k):
-        start = time.time() + 0.3  # every child is started and waiting before the clock hits this
-        procs = [subprocess.Popen([sys.executable, "-c", _BUSY.format(n=work), str(start)],
-                                  stdout=subprocess.PIPE, text=True) for _ in range(k)]
-        return statistics.mean(float(p.communicate()[0]) for p in procs)
-    times: dict[int, list] = {k: [] for k in range(1, max_ranks + 1)}
-    for _ in range(rounds):
-        for k in times:
-            times[k].append(run(k))
-    base = min(times[1])
-    return [[k, statistics.median(ts) / base] for k, ts in times.items()]
+def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_group=None,
+                    seed: int = 0, stat=min) -> tuple[float, int, int]:
+    """(seconds of one real train_step on this rank, micro-batches, tokens per micro-batch)."""
+    fn, micro, tokens = train_step_fn(model, wl, device, micro_batch_tokens, dp_group, seed)
+    return timed(fn, device, reps=5, stat=stat), micro, tokens
 
 
 # ----- two ranks: links, collectives, FSDP and TP train steps ---------------------------------------
@@ -380,7 +360,7 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
     batches = sorted({wl.group_size, max(wl.group_size, wl.seqs // 4), wl.seqs})
     model = build(args, dev, dtype)
     t0 = time.perf_counter()
-    conc = concurrency_costs(max_ranks, rounds=2) if cpu else []
+    conc = slowdown_curve(args, wl, mbt, max_ranks, rounds=2) if cpu else []
     first = _local_block(model, wl, dev, counts, batches, r2, mbt)
     log(f"  block 1: layers at {counts} tokens, decode at batches {batches}, train_step "
         f"({time.perf_counter() - t0:.1f}s)")
@@ -391,7 +371,7 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         log(f"  two ranks: links, FSDP and TP overheads ({time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     if cpu:
-        conc = _pool_concurrency(conc, concurrency_costs(max_ranks, rounds=1))
+        conc = _pool_concurrency(conc, slowdown_curve(args, wl, mbt, max_ranks, rounds=1))
         log(f"  cores: slowdown of k busy ranks {[(k, round(v, 2)) for k, v in conc]}")
     local = _min_block(first, _local_block(model, wl, dev, counts, batches, r2, mbt))
     log(f"  block 2 ({time.perf_counter() - t0:.1f}s)")

@@ -253,3 +253,22 @@ def test_two_rank_probe_measures_every_cost():
     assert c["tp_decode_excess"] > 0  # 2L + 2 collectives per decode step on top of the compute
     assert c["fsdp"]["units"] == "model" and c["fsdp"]["micro"] >= 1
     assert all(t > 0 for _, t in c["p2p"] + c["allreduce"] + c["allgather"])
+
+
+def test_core_sharing_probe_runs_rank_work():
+    """launch/core_share.py on a tiny model: two probe processes run engine decode steps and real
+    train steps, alone then together; the curve starts at 1 and cannot fall below it."""
+    from launch.core_share import slowdown_curve
+    curve = slowdown_curve(TINY, cm.Workload(2, 2, 4, 8), 64, max_ranks=2, seconds=0.05, rounds=1)
+    assert [k for k, _ in curve] == [1, 2] and curve[0][1] == 1.0
+    assert 1.0 <= curve[1][1] < float("inf")
+
+
+def test_core_sharing_probe_that_dies_is_named():
+    """A probe process that fails while warming up ends the curve with an error that says how to
+    see why, instead of a hang on its pipe."""
+    import dataclasses
+    from launch.core_share import slowdown_curve
+    bad = dataclasses.replace(TINY, vocab_size=3)  # its prompts' token ids are out of range
+    with pytest.raises(RuntimeError, match="probe process exited.*python -m launch.core_share"):
+        slowdown_curve(bad, cm.Workload(2, 2, 4, 8), 64, max_ranks=2, seconds=0.05, rounds=1)

@@ -1,0 +1,138 @@
+"""How much k busy ranks slow each other on shared CPU cores, measured with the ranks' own work.
+
+    curve = slowdown_curve(args, workload, micro_batch_tokens, max_ranks=4)  # [[k, slowdown]]
+
+`max_ranks` probe processes start once (torch is imported once each) and build the profiled model.
+On command, a process runs what a rank runs for a fixed wall-clock window: engine decode steps
+("gen", one step's samples in flight, refilled as they finish) or real train steps ("train"), and
+reports its rate. slowdown(k) = the mean over k processes of (its kind's rate alone) / (its rate
+beside the others), kinds alternating gen, train, gen, ... as in a split job. All k stop at the
+same deadline, so none runs its tail alone.
+
+Why the ranks' own work: a pure-Python loop (this probe's first version) lives in L1 and misses
+what time-sharing costs real ranks. At 4 processes on 2 cores it measured 1.89-1.97 where 4-rank
+RL runs spent ~1.3x their alone-time of CPU per step (BENCHMARKS.md, "Planner").
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+KINDS = ("gen", "train")
+
+
+def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: float = 0.6,
+                   rounds: int = 2, timeout_s: float = 120.0) -> list:
+    """[[k, slowdown]] for k = 1..max_ranks (module docstring); slowdown(1) is 1 by definition
+    here: the alone rates are the best of the rounds, so other users' load enters where it
+    lowers the contended rates."""
+    import dataclasses
+    spec = json.dumps({"args": dataclasses.asdict(args), "wl": dataclasses.asdict(wl),
+                       "mbt": micro_batch_tokens})
+    procs = [_Probe(spec, timeout_s) for _ in range(max_ranks)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        alone = {kind: 0.0 for kind in KINDS}
+        together: dict[int, list] = {k: [] for k in range(2, max_ranks + 1)}  # rates per round
+        for _ in range(rounds):  # interleaved, so a burst of outside load does not hit one k only
+            for kind in KINDS:
+                alone[kind] = max(alone[kind], _run(procs[:1], [kind], seconds)[0])
+            for k in together:
+                together[k].append(_run(procs[:k], [KINDS[i % 2] for i in range(k)], seconds))
+        curve = [[1, 1.0]]
+        for k, runs in together.items():
+            kinds = [KINDS[i % 2] for i in range(k)]
+            per_round = [statistics.mean(alone[kd] / r for kd, r in zip(kinds, rates)) for rates in runs]
+            curve.append([k, max(1.0, statistics.median(per_round))])
+        return curve
+    finally:
+        for p in procs:
+            p.close()
+
+
+def _run(procs, kinds, seconds: float) -> list[float]:
+    for p, kind in zip(procs, kinds):  # all commands first: they start within microseconds
+        p.send(f"{kind} {seconds}")
+    return [p.rate() for p in procs]
+
+
+class _Probe:
+    def __init__(self, spec: str, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch.core_share", spec],
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def _line(self, what: str) -> str:
+        line = self.proc.stdout.readline()  # the probe answers within seconds or has died
+        if not line:
+            raise RuntimeError(f"a core-sharing probe process exited (code {self.proc.poll()}) "
+                               f"before {what}; run `python -m launch.core_share` to see why")
+        return line.strip()
+
+    def wait_ready(self) -> None:
+        if self._line("it was ready") != "ready":
+            raise RuntimeError("a core-sharing probe process did not start as expected")
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def rate(self) -> float:
+        return float(self._line("reporting its rate"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def _worker(spec: str) -> None:
+    """A probe process: build the model, then serve "<kind> <seconds>" commands from stdin."""
+    import torch
+
+    from launch.calibrate import build, train_step_fn
+    from launch.cost_model import Workload
+    from model.args import ModelArgs
+    from rollout.engine import Engine, Request, SamplingParams
+    torch.set_num_threads(1)  # as the ranks (torchrun's OMP_NUM_THREADS=1)
+    d = json.loads(spec)
+    args, wl = ModelArgs(**d["args"]), Workload(**d["wl"])
+    model = build(args, torch.device("cpu"), torch.float32)
+    train, _, _ = train_step_fn(model, wl, "cpu", d["mbt"])
+    engine = Engine(model, num_slots=wl.seqs, max_len=wl.prompt_len + wl.response_len + 1)
+    prompt = [3 + i % max(1, args.vocab_size - 3) for i in range(wl.prompt_len)]
+    params = SamplingParams(n=wl.group_size, max_new_tokens=wl.response_len, ignore_eos=True)
+
+    def gen():
+        if not engine.has_work():
+            engine.add_requests([Request(i, prompt, params) for i in range(wl.prompts_per_step)])
+        engine.step()
+        engine.poll_finished()
+    work = {"gen": gen, "train": train}
+    for fn in work.values():
+        fn()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        kind, seconds = line.split()
+        t0 = time.perf_counter()
+        deadline, n = t0 + float(seconds), 0
+        while time.perf_counter() < deadline:
+            work[kind]()
+            n += 1
+        print(n / (time.perf_counter() - t0), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m launch.core_share '<json spec>' (started by slowdown_curve)")
+    _worker(sys.argv[1])
