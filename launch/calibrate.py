@@ -249,10 +249,8 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         res[name] = {"fwd_bwd_excess": fb - t_fb, "step_excess": step - t_step}
         if name == "fsdp":  # the real step on each rank's share, against one rank doing that share
             share = replace_wl(wl, max(1, -(-wl.prompts_per_step // world)))
-            t_fsdp, micro, _ = train_step_time(model, share, device, mbt,
-                                               mesh["fsdp"].get_group(), stat=statistics.median)
-            t_alone = train_step_time(plain, share, device, mbt, stat=statistics.median)[0]
-            res[name].update(train_excess=t_fsdp - t_alone, micro=micro, units=model.fsdp_units)
+            excess, micro = _paired_excess(model, plain, share, device, mbt, mesh["fsdp"].get_group())
+            res[name].update(train_excess=excess, micro=micro, units=model.fsdp_units)
     # the generator's TP: one decode step of the real engine on a TP-sharded model, against the
     # plain model, at the smallest batch (one prompt group), where the collectives dominate
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
@@ -312,6 +310,25 @@ def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, 
     step = timed(lambda: (clip_grad_norm(params, 1.0), opt.step()), device, reps=reps,
                  stat=statistics.median)
     return fb, step
+
+
+def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, group, pairs: int = 7) -> tuple:
+    """(median over `pairs` of (sharded step - plain step), micro-batches): each pair runs back to
+    back, so a change of machine speed between two blocks of repetitions cannot enter the
+    difference (blocks of 5 gave per-collective costs of 1.1 or 1.9 ms from one calibration to the
+    next). Every rank runs the plain step at the same time, each on its own core."""
+    import torch.distributed as dist
+    fsdp_step, micro, _ = train_step_fn(sharded, wl, device, mbt, group)
+    plain_step = train_step_fn(plain, wl, device, mbt)[0]
+    diffs = []
+    for i in range(pairs + 1):
+        t = []
+        for fn in (fsdp_step, plain_step):
+            dist.barrier(group=group)
+            t.append(timed(fn, device, reps=1, warmup=0))
+        if i:  # the first pair warms up
+            diffs.append(t[0] - t[1])
+    return statistics.median(diffs), micro
 
 
 def replace_wl(wl: Workload, prompts: int) -> Workload:

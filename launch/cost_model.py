@@ -349,7 +349,8 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     if prof is not None and prof.matches(args):
         # per decode step: 2 all-reduces per layer, embedding + head, and the TP followers'
         # broadcast of the link poll (rollout/worker.py)
-        step_comm = (2 * args.num_layers + 3) * prof.decode_collective_s * (gen_tp - 1)
+        step_comm = ((2 * args.num_layers + 3) * (prof.decode_collective_s + prof.ring_steps_s(gen_tp))
+                     if gen_tp > 1 else 0.0)
         step = prof.decode_step_s(slots, gen_tp) + step_comm
         # the replica's share of the batch's hand-off (scoring, shipping), spread over its waves
         prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp) \
@@ -417,17 +418,19 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     fsdp_bytes = n / tp * ((cb + 4) if cl.fsdp_units == "model" else micro * (2 * cb + 4))
     if prof is not None and prof.matches(args):
         compute = micro * prof.train_microbatch_s(mb_tokens, tp, ac) + prof.train_overhead_s(fsdp, tp)
-        # measured per collective (incl. DTensor overhead) and per step (grad norm + AdamW),
-        # ring-scaled by (k - 1); the grad-norm reductions are in the per-step part
+        # measured per collective (incl. DTensor overhead) and per step (grad norm + AdamW) on 2
+        # ranks, plus one wire latency per extra ring step on k ranks (`ring_steps_s`); the
+        # grad-norm reductions are in the per-step part
         per_step = norm_reductions(fsdp, tp)
         fsdp_comm = tp_comm = 0.0
         if fsdp > 1:
-            fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s) * (fsdp - 1)
+            fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s
+                         + n_coll["fsdp"] * prof.ring_steps_s(fsdp))
             if prof.allgather:
                 fsdp_comm += prof.gather_bytes_s(fsdp, fsdp_bytes)
         if tp > 1:
-            tp_comm = ((n_coll["tp"] - (per_step if fsdp == 1 else 0)) * prof.tp_collective_s
-                       + prof.tp_step_s) * (tp - 1)
+            n_tp = n_coll["tp"] - (per_step if fsdp == 1 else 0)
+            tp_comm = n_tp * prof.tp_collective_s + prof.tp_step_s + n_coll["tp"] * prof.ring_steps_s(tp)
         optimizer = 0.0  # measured inside train_overhead_s
     else:
         q = args.num_heads * args.head_dim
@@ -689,6 +692,16 @@ class Profile:
             return 0.0
         a, b = (self._c("allgather", 1) + (0.0,))[:2]
         return (k - 1) * (a + 2 * full_bytes / k * b)
+
+    def ring_steps_s(self, k: int) -> float:
+        """What a collective measured on 2 ranks costs more on k: one wire latency (the 2-rank
+        all-reduce fit's intercept) per extra ring step. Not (k - 1) times the 2-rank cost: that
+        is mostly per-call CPU work (DTensor, FSDP2 bookkeeping, waiting for the peer), the same
+        on any k; scaled by k - 1 it overpredicted the 3- and 4-rank FSDP trainers by 5-40%
+        (BENCHMARKS.md, "Planner")."""
+        if k <= 2 or not self.allreduce:
+            return 0.0
+        return (k - 2) * max(0.0, self._c("allreduce", 1)[0])
 
     def gather_bytes_s(self, k: int, full_bytes: float) -> float:
         """The bandwidth part of a ring all-gather (no latency): (k-1) * 2*B/k * b."""

@@ -204,9 +204,10 @@ def test_plan_writes_a_loadable_config(tmp_path, capsys):
 
 
 def test_generator_tp_uses_the_decode_probe():
-    """Per decode step, a TP generator pays (2L + 3) collectives x (tp - 1): 2 all-reduces per
-    layer, embedding, head and the link-poll broadcast, at the decode probe's cost; a profile
-    written before that probe existed falls back to the training TP collective."""
+    """Per decode step, a TP generator pays (2L + 3) collectives: 2 all-reduces per layer,
+    embedding, head and the link-poll broadcast, at the decode probe's cost (plus a wire latency
+    per extra ring step beyond 2 ranks); a profile written before that probe existed falls back
+    to the training TP collective."""
     wl = cm.Workload(2, 4, 8, 10)
     cl = cm.cpu_cluster(2, 2)
     prof = _toy_profile()  # tp_collective_s = 1e-4, decode 1e-4 s per sequence, no fixed part
@@ -217,6 +218,24 @@ def test_generator_tp_uses_the_decode_probe():
     prof.tp_decode_collective_s = 0.0
     g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof)
     assert g["comm"] == pytest.approx(10 * 7 * 1e-4)
+
+
+def test_collectives_beyond_two_ranks_add_wire_latency_only():
+    """The 2-rank probe's per-collective cost is per-call work; each extra ring step on k ranks
+    adds the 2-rank all-reduce's intercept. Hand-computed: FSDP "model" units, 1 micro-batch:
+    2 + (1 + 6) = 9 collectives; on 2 ranks (9 - 1) * c + step; on 4 ranks + 9 * 2 * a."""
+    prof = _toy_profile()
+    prof.collective_s, prof.fsdp_step_s = 1e-3, 5e-4
+    prof.allreduce = [[1000, 2e-4], [2000, 3e-4]]  # intercept a = 1e-4 s
+    assert prof.ring_steps_s(2) == 0.0 and prof.ring_steps_s(4) == pytest.approx(2e-4)
+    cl = cm.cpu_cluster(4, 2)
+    wl = cm.Workload(4, 2, 4, 8)
+    t = {k: cm.train_time(TINY, cl, wl, k, 1, False, 10_000, prof) for k in (2, 4)}
+    assert t[2]["micro_batches"] == t[4]["micro_batches"] == 1
+    assert t[2]["fsdp_comm"] == pytest.approx(8 * 1e-3 + 5e-4)
+    assert t[4]["fsdp_comm"] == pytest.approx(8 * 1e-3 + 5e-4 + 9 * 2e-4)
+    prof.allreduce = []  # no link measurements: no extra latency known
+    assert prof.ring_steps_s(4) == 0.0
 
 
 def test_generator_hand_off_is_shared_by_replicas():
