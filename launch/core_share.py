@@ -16,9 +16,11 @@ RL runs spent ~1.3x their alone-time of CPU per step (BENCHMARKS.md, "Planner").
 from __future__ import annotations
 
 import json
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,21 +65,34 @@ def _run(procs, kinds, seconds: float) -> list[float]:
 
 
 class _Probe:
+    """One probe process; its stdout is read by a thread, so that every wait has a timeout."""
+
     def __init__(self, spec: str, timeout_s: float):
         self.timeout_s = timeout_s
         self.proc = subprocess.Popen([sys.executable, "-m", "launch.core_share", spec],
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)  # end of output: the process exited
 
     def _line(self, what: str) -> str:
-        line = self.proc.stdout.readline()  # the probe answers within seconds or has died
-        if not line:
-            raise RuntimeError(f"a core-sharing probe process exited (code {self.proc.poll()}) "
-                               f"before {what}; run `python -m launch.core_share` to see why")
-        return line.strip()
+        try:
+            line = self.lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"a core-sharing probe process (pid {self.proc.pid}) sent nothing "
+                               f"within {self.timeout_s:g} s while {what} was due") from None
+        if line is None:
+            raise RuntimeError(f"a core-sharing probe process exited (code {self.proc.wait()}) "
+                               f"before sending {what}; its traceback is above (stderr)")
+        return line
 
     def wait_ready(self) -> None:
-        if self._line("it was ready") != "ready":
+        if self._line("its ready line") != "ready":
             raise RuntimeError("a core-sharing probe process did not start as expected")
 
     def send(self, command: str) -> None:
@@ -85,7 +100,7 @@ class _Probe:
         self.proc.stdin.flush()
 
     def rate(self) -> float:
-        return float(self._line("reporting its rate"))
+        return float(self._line("its rate"))
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import pytest
@@ -289,5 +290,25 @@ def test_core_sharing_probe_that_dies_is_named():
     import dataclasses
     from launch.core_share import slowdown_curve
     bad = dataclasses.replace(TINY, vocab_size=3)  # its prompts' token ids are out of range
-    with pytest.raises(RuntimeError, match="probe process exited.*python -m launch.core_share"):
+    with pytest.raises(RuntimeError, match="probe process exited .* before sending its ready line"):
         slowdown_curve(bad, cm.Workload(2, 2, 4, 8), 64, max_ranks=2, seconds=0.05, rounds=1)
+
+
+def test_core_sharing_probe_that_hangs_times_out():
+    """Every wait on a probe has a timeout that names what it waited for."""
+    import queue
+    import subprocess
+    import threading
+    from launch.core_share import _Probe
+    probe = _Probe.__new__(_Probe)  # a silent process in place of a real probe
+    probe.timeout_s = 0.2
+    probe.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    probe.lines = queue.Queue()
+    threading.Thread(target=probe._read, daemon=True).start()
+    try:
+        with pytest.raises(TimeoutError, match=r"sent nothing within 0.2 s while its rate was due"):
+            probe.rate()
+    finally:
+        probe.proc.kill()
+        probe.proc.wait()
