@@ -15,6 +15,7 @@ RL runs spent ~1.3x their alone-time of CPU per step (BENCHMARKS.md, "Planner").
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import statistics
@@ -33,11 +34,12 @@ def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: f
     """[[k, slowdown]] for k = 1..max_ranks (module docstring); slowdown(1) is 1 by definition
     here: the alone rates are the best of the rounds, so other users' load enters where it
     lowers the contended rates."""
-    import dataclasses
     spec = json.dumps({"args": dataclasses.asdict(args), "wl": dataclasses.asdict(wl),
                        "mbt": micro_batch_tokens})
-    procs = [_Probe(spec, timeout_s) for _ in range(max_ranks)]
+    procs: list[_Probe] = []
     try:
+        for _ in range(max_ranks):
+            procs.append(_Probe(spec, timeout_s))
         for p in procs:
             p.wait_ready()
         alone = {kind: 0.0 for kind in KINDS}
