@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from model.args import ModelArgs
+from parallel.dims import resolve_fsdp_units
 from parallel.layout import dtype_bytes
 
 GB = 1e9
@@ -75,7 +76,7 @@ class Cluster:
     mem_headroom: float = 0.90     # allocator fragmentation, CUDA context, workspaces
     compute_bytes: int = 2         # bf16 compute (GPU); 4 on CPU
     shared_cores: int = 0          # > 0: all ranks share this many CPU cores (time dilation)
-    fsdp_units: str = "layer"      # parallel.fsdp_units as "auto" resolves it here: "model" on CPU
+    fsdp_units: str = "layer"      # parallel.fsdp_units as resolved here (parallel.dims)
     name: str = "h100"
 
     @property
@@ -101,7 +102,8 @@ def cpu_cluster(ranks: int, cores: int, mem_gb: float = 16.0) -> Cluster:
     return Cluster(nodes=1, gpus_per_node=ranks, gpu_mem_gb=mem_gb / max(ranks, 1), flops=20e9,
                    hbm_gbps=10.0, intra_gbps=2.0, inter_gbps=2.0, link_latency_s=200e-6,
                    mfu_train=1.0, mfu_prefill=1.0, mfu_decode=1.0, hbm_eff=1.0, link_eff=1.0,
-                   overlap=0.0, compute_bytes=4, shared_cores=cores, fsdp_units="model", name="cpu")
+                   overlap=0.0, compute_bytes=4, shared_cores=cores,
+                   fsdp_units=resolve_fsdp_units("auto", "cpu"), name="cpu")
 
 
 @dataclass(frozen=True)

@@ -116,13 +116,13 @@ def dry_run(cfg) -> int:
 
 def _print_memory(cfg, args, dims) -> None:
     from launch import cost_model as cm
+    from parallel.dims import resolve_fsdp_units
     g, t = cfg.generator, cfg.trainer
     max_len = cfg.data.max_prompt_len + g.max_new_tokens
     wl = cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
                      cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype)
     print("memory per rank (launch/cost_model.py; bf16 compute):")
-    from parallel.sharding import fsdp_units
-    units = fsdp_units(cfg.parallel.fsdp_units, "cuda")
+    units = resolve_fsdp_units(cfg.parallel.fsdp_units, "cuda")
     for name in ("h100", "h200"):
         cl = cm.gpu_cluster(name, 1, fsdp_units=units)
         cap = cl.mem_headroom * cl.gpu_mem_gb * GB

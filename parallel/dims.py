@@ -20,6 +20,24 @@ from dataclasses import dataclass
 from functools import cached_property
 
 
+FSDP_UNITS = ("auto", "layer", "model")
+
+
+def resolve_fsdp_units(policy: str, device_type: str) -> str:
+    """`parallel.fsdp_units`. "layer": one FSDP2 unit per decoder layer plus a root unit, each
+    resharded after its forward and gathered again in backward, gradients reduce-scattered per
+    micro-batch (least memory: ZeRO-3). "model": one unit for the whole model, gathered once per
+    step and kept until the last micro-batch's backward, gradients accumulated unsharded and
+    reduce-scattered once per step (peak = full parameters + full gradients, as ZeRO-2; 2
+    collectives per step instead of 3 per unit and micro-batch). "auto" = "model" on CPU, where
+    gloo collectives are slow and host memory is large (fsdp=2 train step 463 -> 419-438 ms,
+    BENCHMARKS.md), "layer" on GPUs. Applied by parallel/sharding.py, costed by
+    launch/cost_model.py."""
+    if policy not in FSDP_UNITS:
+        raise ValueError(f"fsdp_units must be 'auto', 'layer' or 'model', got {policy!r}")
+    return policy if policy != "auto" else ("model" if device_type == "cpu" else "layer")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int

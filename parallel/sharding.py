@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model import Transformer
 from model.hf_io import CheckpointReader, check_tensors, expected_tensors
+from parallel.dims import resolve_fsdp_units
 from parallel.layout import local_box
 
 
@@ -89,23 +90,9 @@ class AllToAllReduceScatter:
         return None
 
 
-def fsdp_units(policy: str, device_type: str) -> str:
-    """`parallel.fsdp_units`. "layer": one FSDP2 unit per decoder layer plus a root unit, each
-    resharded after its forward and gathered again in backward, gradients reduce-scattered per
-    micro-batch (least memory: ZeRO-3). "model": one unit for the whole model, gathered once per
-    step and kept until the last micro-batch's backward, gradients accumulated unsharded and
-    reduce-scattered once per step (peak = full parameters + full gradients, as ZeRO-2; 2
-    collectives per step instead of 3 per unit and micro-batch). "auto" = "model" on CPU, where
-    gloo collectives are slow and host memory is large (fsdp=2 train step 463 -> 419-438 ms,
-    BENCHMARKS.md), "layer" on GPUs."""
-    if policy not in ("auto", "layer", "model"):
-        raise ValueError(f"fsdp_units must be 'auto', 'layer' or 'model', got {policy!r}")
-    return policy if policy != "auto" else ("model" if device_type == "cpu" else "layer")
-
-
 def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None,
                units: str = "layer") -> None:
-    """FSDP2 units as `fsdp_units` describes: per decoder layer plus a root unit (embeddings,
+    """FSDP2 units as `parallel.dims.resolve_fsdp_units` describes: per decoder layer plus a root unit (embeddings,
     final norm, head), or one root unit. On CPU (gloo) the gradient reduce-scatter is an
     all-to-all plus a sum (`AllToAllReduceScatter`). `model.fsdp_units` tells the train step
     whether to accumulate gradients unsharded ("model")."""
@@ -135,7 +122,7 @@ def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_chec
     if mesh["fsdp"].size() > 1:
         compute = torch.bfloat16 if mesh.device_type == "cuda" else None
         apply_fsdp(model, mesh["fsdp"], compute,  # FSDP2 composes with TP DTensors into 2-D
-                   fsdp_units(units, mesh.device_type))
+                   resolve_fsdp_units(units, mesh.device_type))
     return model
 
 

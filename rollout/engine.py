@@ -251,19 +251,7 @@ class Engine:
                  sync_every: int | None = None, compile_decode: bool | str = False,
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
                  pack_weights: bool | None = None):
-        param = next(model.parameters())
-        device = torch.device(device) if device is not None else param.device
-        if param.device != device:
-            raise ValueError(f"the model is on {param.device} but the engine was asked for "
-                             f"{device}; move the model first")
-        if num_slots < 1 or max_len < 2:
-            raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
-        if kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy={kv_policy!r}; choose one of {KV_POLICIES}")
-        if compile_decode not in COMPILE_MODES:
-            raise ValueError(f"compile_decode={compile_decode!r}; choose one of {COMPILE_MODES}")
-        if compile_decode == "cudagraph" and device.type != "cuda":
-            raise ValueError("compile_decode='cudagraph' needs a CUDA device")
+        device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
         # decode reads the cache up to a length bucket; each bucket is one graph (and, compiled,
         # one compilation), so a compiled engine reads the whole cache by default
@@ -632,6 +620,25 @@ class Engine:
 
     def _param_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
+
+
+def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
+                    compile_decode) -> torch.device:
+    """The engine's device (the model's unless given), after checking the engine's arguments."""
+    param = next(model.parameters())
+    device = torch.device(device) if device is not None else param.device
+    if param.device != device:
+        raise ValueError(f"the model is on {param.device} but the engine was asked for "
+                         f"{device}; move the model first")
+    if num_slots < 1 or max_len < 2:
+        raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
+    if kv_policy not in KV_POLICIES:
+        raise ValueError(f"kv_policy={kv_policy!r}; choose one of {KV_POLICIES}")
+    if compile_decode not in COMPILE_MODES:
+        raise ValueError(f"compile_decode={compile_decode!r}; choose one of {COMPILE_MODES}")
+    if compile_decode == "cudagraph" and device.type != "cuda":
+        raise ValueError("compile_decode='cudagraph' needs a CUDA device")
+    return device
 
 
 def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool | None,
