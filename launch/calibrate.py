@@ -22,8 +22,9 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
     2L + 2 collectives (the training probe's backward and DTensor overheads would overcharge
     decode, by about 2x here); and the generator's hand-off per batch: its samples scored and
     its groups shipped over a Link to the other rank;
-  * on CPU, the slowdown of k busy ranks on the shared cores: k processes running this model's
-    decode steps and train steps at once (launch/core_share.py).
+  * on CPU, the slowdown of k busy ranks on the shared cores, and how much a phase's duration
+    varies among them (cv): k processes running this model's decode steps (with the generator
+    loop's link poll) and train steps at once (launch/core_share.py).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
 through the slowdown curve.
 Ranks are single-threaded (torchrun's OMP_NUM_THREADS=1), so the profile is too (--threads).
@@ -388,8 +389,8 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         log(f"  two ranks: links, FSDP and TP overheads ({time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     if cpu:
-        conc = _pool_concurrency(conc, slowdown_curve(args, wl, mbt, max_ranks, rounds=1))
-        log(f"  cores: slowdown of k busy ranks {[(k, round(v, 2)) for k, v in conc]}")
+        conc = _pool_concurrency(conc, slowdown_curve(args, wl, mbt, max_ranks, rounds=2))
+        log(f"  cores: slowdown, phase cv of k busy ranks {[(k, round(v, 2), round(c, 2)) for k, v, c in conc]}")
     local = _min_block(first, _local_block(model, wl, dev, counts, batches, r2, mbt))
     log(f"  block 2 ({time.perf_counter() - t0:.1f}s)")
     (t_step, micro, mb_tok) = local.pop("train_step")
@@ -418,12 +419,12 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
 
 
 def _pool_concurrency(a: list, b: list) -> list:
-    """Average two slowdown curves (rounds taken apart in time) and make the result
+    """Average two [[k, slowdown, cv]] curves (rounds taken apart in time); the slowdown is made
     non-decreasing in k: more busy ranks can never be faster."""
     out, prev = [], 1.0
-    for (k, sa), (_, sb) in zip(a, b):
+    for (k, sa, ca), (_, sb, cb) in zip(a, b):
         prev = max(prev, (sa + sb) / 2)
-        out.append([k, prev])
+        out.append([k, prev, (ca + cb) / 2])
     return out
 
 

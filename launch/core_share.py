@@ -1,13 +1,22 @@
 """How much k busy ranks slow each other on shared CPU cores, measured with the ranks' own work.
 
-    curve = slowdown_curve(args, workload, micro_batch_tokens, max_ranks=4)  # [[k, slowdown]]
+    curve = slowdown_curve(args, workload, micro_batch_tokens, max_ranks=4)  # [[k, slowdown, cv]]
 
 `max_ranks` probe processes start once (torch is imported once each) and build the profiled model.
 On command, a process runs what a rank runs for a fixed wall-clock window: engine decode steps
-("gen", one step's samples in flight, refilled as they finish) or real train steps ("train"), and
-reports its rate. slowdown(k) = the mean over k processes of (its kind's rate alone) / (its rate
+("gen", one step's samples in flight, refilled as they finish, and before each decode step the
+generator loop's link poll: a round trip to a TCPStore that this process hosts, as torchrun's
+agent hosts the job's) or real train steps ("train"), and reports its rate. slowdown(k) = the mean over k processes of (its kind's rate alone) / (its rate
 beside the others), kinds alternating gen, train, gen, ... as in a split job. All k stop at the
 same deadline, so none runs its tail alone.
+
+cv(k) is the spread of a phase's duration among k busy ranks: a phase is one generation batch
+(from admitting the step's prompts to the next admission) or one train step, and cv is the root
+mean square of (phase / mean phase of its kind in that window - 1) over the phases that ended
+by the deadline. Time-sharing serves the processes unevenly (at 3 ranks on 2 cores one of them
+often holds a core alone for a whole window), so a phase of fixed work ends early or late;
+where ranks wait for each other (the staleness gate, a batch from several generator replicas)
+that spread lengthens the step (launch/pipeline.py).
 
 Why the ranks' own work: a pure-Python loop (this probe's first version) lives in L1 and misses
 what time-sharing costs real ranks. At 4 processes on 2 cores it measured 1.89-1.97 where 4-rank
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import queue
 import statistics
 import subprocess
@@ -34,8 +44,10 @@ def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: f
     """[[k, slowdown]] for k = 1..max_ranks (module docstring); slowdown(1) is 1 by definition
     here: the alone rates are the best of the rounds, so other users' load enters where it
     lowers the contended rates."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     spec = json.dumps({"args": dataclasses.asdict(args), "wl": dataclasses.asdict(wl),
-                       "mbt": micro_batch_tokens})
+                       "mbt": micro_batch_tokens, "store_port": store.port})
     procs: list[_Probe] = []
     try:
         for _ in range(max_ranks):
@@ -43,27 +55,49 @@ def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: f
         for p in procs:
             p.wait_ready()
         alone = {kind: 0.0 for kind in KINDS}
+        spread: dict[int, list] = {k: [] for k in range(1, max_ranks + 1)}  # relative deviations
         together: dict[int, list] = {k: [] for k in range(2, max_ranks + 1)}  # rates per round
         for _ in range(rounds):  # interleaved, so a burst of outside load does not hit one k only
             for kind in KINDS:
-                alone[kind] = max(alone[kind], _run(procs[:1], [kind], seconds)[0])
+                ((rate, phases),) = _run(procs[:1], [kind], seconds)
+                alone[kind] = max(alone[kind], rate)
+                spread[1] += _deviations([phases])
             for k in together:
-                together[k].append(_run(procs[:k], [KINDS[i % 2] for i in range(k)], seconds))
-        curve = [[1, 1.0]]
+                kinds = [KINDS[i % 2] for i in range(k)]
+                runs = _run(procs[:k], kinds, seconds)
+                together[k].append([rate for rate, _ in runs])
+                for kind in KINDS:
+                    spread[k] += _deviations([ph for kd, (_, ph) in zip(kinds, runs) if kd == kind])
+        curve = [[1, 1.0, _rms(spread[1])]]
         for k, runs in together.items():
             kinds = [KINDS[i % 2] for i in range(k)]
             per_round = [statistics.mean(alone[kd] / r for kd, r in zip(kinds, rates)) for rates in runs]
-            curve.append([k, max(1.0, statistics.median(per_round))])
+            curve.append([k, max(1.0, statistics.median(per_round)), _rms(spread[k])])
         return curve
     finally:
         for p in procs:
             p.close()
 
 
-def _run(procs, kinds, seconds: float) -> list[float]:
+def _deviations(per_process: list) -> list:
+    """Each phase's relative deviation from the mean phase of all processes of one kind in one
+    window: a process that the scheduler serves less than its peers counts as late."""
+    phases = [x for ph in per_process for x in ph]
+    if len(phases) < 2:
+        return []
+    mean = statistics.mean(phases)
+    return [x / mean - 1 for x in phases] if mean > 0 else []
+
+
+def _rms(devs: list) -> float:
+    return math.sqrt(sum(d * d for d in devs) / len(devs)) if devs else 0.0
+
+
+def _run(procs, kinds, seconds: float) -> list[tuple[float, list]]:
+    """(rate, complete phase durations) per process."""
     for p, kind in zip(procs, kinds):  # all commands first: they start within microseconds
         p.send(f"{kind} {seconds}")
-    return [p.rate() for p in procs]
+    return [p.result() for p in procs]
 
 
 class _Probe:
@@ -101,8 +135,9 @@ class _Probe:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
 
-    def rate(self) -> float:
-        return float(self._line("its rate"))
+    def result(self) -> tuple[float, list]:
+        d = json.loads(self._line("its rate"))
+        return d["rate"], d["phases"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -116,6 +151,7 @@ class _Probe:
 def _worker(spec: str) -> None:
     """A probe process: build the model, then serve "<kind> <seconds>" commands from stdin."""
     import torch
+    import torch.distributed as dist
 
     from launch.calibrate import build, train_step_fn
     from launch.cost_model import Workload
@@ -130,23 +166,41 @@ def _worker(spec: str) -> None:
     prompt = [3 + i % max(1, args.vocab_size - 3) for i in range(wl.prompt_len)]
     params = SamplingParams(n=wl.group_size, max_new_tokens=wl.response_len, ignore_eos=True)
 
-    def gen():
-        if not engine.has_work():
+    store = dist.TCPStore("127.0.0.1", d["store_port"], is_master=False)
+
+    def gen() -> bool:  # True where a phase (a generation batch) begins
+        new = not engine.has_work()
+        if new:
             engine.add_requests([Request(i, prompt, params) for i in range(wl.prompts_per_step)])
+        store.add("tickets", 0)  # the generator loop's link poll (trainer/link.py)
         engine.step()
         engine.poll_finished()
-    work = {"gen": gen, "train": train}
+        return new
+
+    def train_phase() -> bool:
+        train()
+        return True
+    work = {"gen": gen, "train": train_phase}
     for fn in work.values():
         fn()
+    while engine.has_work():  # so that the first window starts on a phase boundary
+        gen()
     print("ready", flush=True)
     for line in sys.stdin:
         kind, seconds = line.split()
         t0 = time.perf_counter()
-        deadline, n = t0 + float(seconds), 0
+        deadline, n, starts = t0 + float(seconds), 0, []
         while time.perf_counter() < deadline:
-            work[kind]()
+            now = time.perf_counter()
+            if work[kind]():
+                starts.append(now)
             n += 1
-        print(n / (time.perf_counter() - t0), flush=True)
+        end = time.perf_counter()
+        if kind == "train":
+            starts.append(end)  # a train phase is one call
+        # phases that ended by the deadline: the last one ran partly alone
+        phases = [b - a for a, b in zip(starts, starts[1:]) if b <= deadline]
+        print(json.dumps({"rate": n / (end - t0), "phases": phases}), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,13 +40,17 @@ of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time` use
              peers compete for the cores with the other ranks' compute
   async    : a*s(G+T) + (b-a)*s(ranks of b) (+ T_sync on the trainer's side),  a <= b the two
              whole phases, communication included: it competes with the other mesh's compute
-which reduce to the formulas above when s = 1.
+which reduce to the formulas above when s = 1. Time-sharing also makes each phase's duration
+vary (cv(k), measured with s(k)); the step is then the mean of launch/pipeline.py's recurrence
+(staleness gate, the slowest of the gen_dp replicas) over phases drawn around those means, which
+exceeds the max where the phases balance. With cv = 0 (GPUs) it is exactly the formulas above.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 
+from launch.pipeline import mean_step_s
 from model.args import ModelArgs
 from parallel.dims import resolve_fsdp_units
 from parallel.layout import dtype_bytes
@@ -518,18 +522,31 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     (b), which then runs alone (processor sharing): cpu = a*s(G+T) + (b-a)*s(ranks of b), and
         step = max(cpu + sync if b trains, a*s(G+T) + sync if a trains)
     With s = 1 both are the formulas of the module docstring. E.g. 2 shared cores, G = 1, T = 2,
-    T_gen = 0.1, T_train = 0.2, no sync: a = 0.1, b = 0.2: 0.1*1.5 + 0.1*1.0 = 0.25 s."""
+    T_gen = 0.1, T_train = 0.2, no sync: a = 0.1, b = 0.2: 0.1*1.5 + 0.1*1.0 = 0.25 s.
+    These are the phases' means. Where the profile measured how much a phase's duration varies
+    among busy ranks (cv), the step is launch/pipeline.py's mean over phases that vary so: a
+    step waits for the latest of the generator replicas and the trainer, and time-sharing's
+    spread made the balanced 4-rank layouts slower than their max (BENCHMARKS.md, "Planner")."""
     g, t = (p.world, p.world) if p.mode == "colocated" else (p.generator_ranks, p.trainer_ranks)
     s = lambda k: slowdown(k, cl, prof)  # noqa: E731
+    cv = lambda k: phase_cv(k, prof)  # noqa: E731
     cg, ct = t_gen - gen_comm, t_train - train_comm
     if p.mode == "colocated":
-        return (t_gen + t_train) * s(p.world) + t_sync
+        return mean_step_s(t_gen * s(p.world), t_train * s(p.world) + t_sync, 0, p.gen_dp,
+                           cv(p.world), cv(p.world))
     if eta == 0:
-        return cg * s(g) + gen_comm + ct * s(t) + train_comm + t_sync + 2 * LINK_POLL_S
-    (a, xa), (b, xb, kb) = (((t_gen, 0.0), (t_train, t_sync, t)) if t_train >= t_gen
-                            else ((t_train, t_sync), (t_gen, 0.0, g)))
-    cpu = a * s(g + t) + (b - a) * s(kb)
-    return max(cpu + xb, a * s(g + t) + xa)
+        return mean_step_s(cg * s(g) + gen_comm, ct * s(t) + train_comm + t_sync + 2 * LINK_POLL_S,
+                           0, p.gen_dp, cv(g), cv(t))
+    shared = min(t_gen, t_train) * s(g + t)
+    alone = abs(t_gen - t_train) * s(t if t_train >= t_gen else g)
+    gen, train = (shared, shared + alone) if t_train >= t_gen else (shared + alone, shared)
+    return mean_step_s(gen, train + t_sync, eta, p.gen_dp, cv(g + t), cv(g + t))
+
+
+def phase_cv(k: int, prof=None) -> float:
+    """The spread (cv) of a phase's duration among k busy ranks sharing cores: the profile's
+    measurement (launch/core_share.py), else 0 (a device per rank: GPUs)."""
+    return prof.phase_cv(k) if prof is not None and getattr(prof, "concurrency", None) else 0.0
 
 
 def estimate(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, prof=None,
@@ -604,6 +621,14 @@ def fit(points, degree: int = 1) -> tuple[float, ...]:
     return tuple(max(c, 0.0) if i == 0 else c for i, c in enumerate(coef))
 
 
+def _interpolate(pts, x: float) -> float:
+    """Linear interpolation in sorted [[x, y]] points, x within their range."""
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
 def poly(coef, x: float) -> float:
     return sum(c * x ** i for i, c in enumerate(coef))
 
@@ -634,7 +659,7 @@ class Profile:
     fsdp_step_s: float = 0.0      # per step: grad-norm clip + AdamW on FSDP DTensors beyond plain
     tp_step_s: float = 0.0        # likewise on TP DTensors
     loop_overhead_s: float = 0.0  # per generator-loop iteration: link poll (a store round trip)
-    concurrency: list = field(default_factory=list)  # [[k, slowdown]] of k busy ranks vs one
+    concurrency: list = field(default_factory=list)  # [[k, slowdown, phase cv]] of k busy ranks
     notes: dict = field(default_factory=dict)
 
     # ----- I/O
@@ -712,13 +737,20 @@ class Profile:
 
     def slowdown(self, k: int) -> float:
         """Measured slowdown of k busy ranks, interpolated; beyond the last point it grows as k."""
-        pts = sorted(self.concurrency)
+        pts = sorted(row[:2] for row in self.concurrency)
         if k <= pts[0][0]:
             return max(1.0, pts[0][1]) if k >= 1 else 1.0
-        for (k0, s0), (k1, s1) in zip(pts, pts[1:]):
-            if k <= k1:
-                return max(1.0, s0 + (s1 - s0) * (k - k0) / (k1 - k0))
-        return max(1.0, pts[-1][1] * k / pts[-1][0])
+        if k > pts[-1][0]:
+            return max(1.0, pts[-1][1] * k / pts[-1][0])
+        return max(1.0, _interpolate(pts, k))
+
+    def phase_cv(self, k: int) -> float:
+        """Measured spread (cv) of a phase's duration among k busy ranks, interpolated and held
+        beyond the ends; 0 for profiles written before it was measured."""
+        pts = sorted((row[0], row[2]) for row in self.concurrency if len(row) > 2)
+        if not pts:
+            return 0.0
+        return _interpolate(pts, min(max(k, pts[0][0]), pts[-1][0]))
 
     @property
     def decode_collective_s(self) -> float:
