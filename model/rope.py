@@ -47,9 +47,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """Rotate x (layout [B, T, H, D]) by the half-split convention used by HF checkpoints."""
-    cos, sin = cos_BTD.unsqueeze(-2), sin_BTD.unsqueeze(-2)  # broadcast over heads
-    half = x_BTHD.shape[-1] // 2
-    rotated = torch.cat((-x_BTHD[..., half:], x_BTHD[..., :half]), dim=-1)
-    return x_BTHD * cos + rotated * sin
+def rope_tables(cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
+    """What `apply_rope` takes, made once per forward: cos and the sin with its first half
+    negated, both [B, T, 1, D] to broadcast over heads."""
+    half = sin_BTD.shape[-1] // 2
+    signed = torch.cat((-sin_BTD[..., :half], sin_BTD[..., half:]), dim=-1)
+    return cos_BTD.unsqueeze(-2), signed.unsqueeze(-2)
+
+
+def apply_rope(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, signed_sin_BT1D: torch.Tensor) -> torch.Tensor:
+    """Rotate x (layout [B, T, H, D]) by the half-split convention used by HF checkpoints:
+    x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1). Here cat(x2, x1) is a roll by D/2
+    and the sign sits in the sin (`rope_tables`): bitwise the same products and sums, in 4 ops
+    instead of 9 (15 vs 23 us at a decode step's [64, 1, 8, 32])."""
+    return x_BTHD * cos_BT1D + x_BTHD.roll(x_BTHD.shape[-1] // 2, -1) * signed_sin_BT1D

@@ -25,7 +25,7 @@ from torch import nn
 from model import attention as attn
 from model.args import ModelArgs
 from model.kv_cache import KVCache
-from model.rope import apply_rope, inv_frequencies, rope_cos_sin
+from model.rope import apply_rope, inv_frequencies, rope_cos_sin, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +45,8 @@ class RMSNorm(nn.Module):
 class _Context:
     """Everything attention needs besides q/k/v, computed once per forward."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor  # rope_tables: [B, T, 1, head_dim]
+    sin: torch.Tensor  # the same, first half negated
     mask: torch.Tensor | None = None  # keep-mask [B, T, S] or None for plain causal
     kv_cache: KVCache | None = None
     slots: torch.Tensor | None = None
@@ -206,7 +206,7 @@ class Transformer(nn.Module):
             if kv_cache is not None:
                 raise ValueError("a KV-cache forward needs explicit `positions` [B, T]")
             positions = torch.arange(T, device=dev).expand(B, T)
-        cos, sin = rope_cos_sin(positions, inv_frequencies(self.args, dev), x.dtype)
+        cos, sin = rope_tables(*rope_cos_sin(positions, inv_frequencies(self.args, dev), x.dtype))
         ctx = _Context(cos, sin, window=window, backend=self.attn_backend)
         if kv_cache is not None:
             ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions

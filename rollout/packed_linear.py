@@ -50,23 +50,57 @@ def _packable(m: nn.Module, min_numel: int) -> bool:
             and w.numel() >= min_numel)
 
 
-class PackedLinears:
-    """Packed forwards for the packable `nn.Linear`s of `model` with at least `min_numel` weight
-    elements (see the module docstring; 0 packs every one)."""
+# Linears that a module always calls on the same input, one after the other (model/transformer.py:
+# attention's projections, the MLP's gate and up). One oneDNN call over their stacked weights
+# does the work of all: at 64 rows, q|k|v of a 256-wide model with 4 of 8 kv heads took 97 us
+# against 140 us for three calls, gate|up 175 against 200-210 (BENCHMARKS.md, "Generation").
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-    def __init__(self, model: nn.Module, min_numel: int = MIN_NUMEL):
-        self.modules = [m for m in model.modules() if _packable(m, min_numel)]
-        self._cache: dict[int, tuple[int, int, Tensor]] = {}  # id(weight) -> (version, ptr, packed)
+
+def sibling_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """The packable sibling linears of `model` (SIBLINGS) that can share one packed weight: same
+    input width, and biases on all or none."""
+    groups = []
+    for parent in model.modules():
+        for names in SIBLINGS:
+            mods = tuple(getattr(parent, n, None) for n in names)
+            if (all(isinstance(m, nn.Module) and _packable(m, 0) for m in mods)
+                    and len({m.in_features for m in mods}) == 1
+                    and len({m.bias is None for m in mods}) == 1):
+                groups.append(mods)
+    return groups
+
+
+class PackedLinears:
+    """Packed forwards for the packable `nn.Linear`s of `model` (see the module docstring).
+    Sibling linears (SIBLINGS) run as one call over their stacked weights when `fuse`; a linear
+    or a group of siblings is packed when its weight has at least `min_numel` elements (0 packs
+    every one)."""
+
+    def __init__(self, model: nn.Module, min_numel: int = MIN_NUMEL, fuse: bool = True):
+        groups = sibling_groups(model) if fuse else []
+        self.groups = [g for g in groups if sum(m.weight.numel() for m in g) >= min_numel]
+        grouped = {id(m) for g in groups for m in g}
+        self.singles = [m for m in model.modules()
+                        if _packable(m, min_numel) and id(m) not in grouped]
+        self.modules = self.singles + [m for g in self.groups for m in g]  # every one served
+        self._cache: dict[tuple, tuple] = {}  # ids of the tensors -> (their stamps, packed)
         self.repacks = 0  # packed copies made (tests check that an unchanged weight is reused)
 
-    def _packed(self, w: Tensor) -> Tensor:
-        key, stamp = id(w), (w._version, w.data_ptr())
+    def _packed(self, weights: tuple, biases: tuple = ()) -> tuple[Tensor, Tensor | None]:
+        """The packed stack of `weights` and the stacked biases (None without), made again when
+        any of them changed (version) or was replaced (data pointer)."""
+        tensors = weights + biases
+        key, stamp = tuple(map(id, tensors)), tuple((t._version, t.data_ptr()) for t in tensors)
         hit = self._cache.get(key)
-        if hit is None or hit[:2] != stamp:
-            hit = (*stamp, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        if hit is None or hit[0] != stamp:
+            w = weights[0] if len(weights) == 1 else torch.cat(weights)
+            b = (biases[0] if len(biases) == 1 else torch.cat(biases)) if biases else None
+            hit = (stamp, torch.ops.mkldnn._reorder_linear_weight(w.detach()),
+                   None if b is None else b.detach())
             self._cache[key] = hit
             self.repacks += 1
-        return hit[2]
+        return hit[1], hit[2]
 
     def invalidate(self) -> None:
         """Forget every packed copy: the next `active()` packs again. For weights written without
@@ -77,8 +111,14 @@ class PackedLinears:
     def active(self) -> Iterator[None]:
         """Within this block (under no_grad) the packable modules run oneDNN on packed weights."""
         # through __dict__: nn.Module.__setattr__/__delattr__ would cost ~3 us a module a step
-        for m in self.modules:
-            vars(m)["forward"] = _packed_forward(self._packed(m.weight), m.bias)
+        for m in self.singles:
+            vars(m)["forward"] = _packed_forward(self._packed((m.weight,))[0], m.bias)
+        for g in self.groups:
+            biases = tuple(m.bias for m in g) if g[0].bias is not None else ()
+            shared = _SharedCall(*self._packed(tuple(m.weight for m in g), biases),
+                                 [m.out_features for m in g])
+            for i, m in enumerate(g):
+                vars(m)["forward"] = shared.member(i)
         try:
             yield
         finally:
@@ -86,11 +126,39 @@ class PackedLinears:
                 vars(m).pop("forward", None)  # back to nn.Linear.forward
 
 
+def _check_inference(x: Tensor) -> None:
+    if x.dtype != torch.float32 or torch.is_grad_enabled():  # not what was packed for
+        raise RuntimeError("PackedLinears.active() serves fp32 inference only; call the "
+                           "model outside it (or under torch.no_grad()) for anything else")
+
+
 def _packed_forward(w_packed: Tensor, bias: Tensor | None):
     def forward(x: Tensor) -> Tensor:
-        if x.dtype != torch.float32 or torch.is_grad_enabled():  # not what was packed for
-            raise RuntimeError("PackedLinears.active() serves fp32 inference only; call the "
-                               "model outside it (or under torch.no_grad()) for anything else")
+        _check_inference(x)
         return torch.ops.mkldnn._linear_pointwise(x, w_packed, bias, "none", [], "")
     return forward
 
+
+class _SharedCall:
+    """One oneDNN call for a group of sibling linears. The first member called on an input
+    computes every member's output; each sibling then takes its own columns (a view) for that
+    same input tensor, and the last one releases them. A member called again, or on another
+    input, computes afresh: the result is right in any order, and one call in the usual one.
+    The input must not change in place between the siblings' calls (the model's code does not)."""
+
+    def __init__(self, w_packed: Tensor, bias: Tensor | None, sizes: list[int]):
+        self.w, self.bias, self.sizes = w_packed, bias, sizes
+        self.x: Tensor | None = None
+        self.outs: list = [None] * len(sizes)
+
+    def member(self, i: int):
+        def forward(x: Tensor) -> Tensor:
+            _check_inference(x)
+            if x is not self.x or self.outs[i] is None:
+                y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.bias, "none", [], "")
+                self.x, self.outs = x, list(y.split(self.sizes, -1))
+            out, self.outs[i] = self.outs[i], None
+            if all(o is None for o in self.outs):
+                self.x = None
+            return out
+        return forward

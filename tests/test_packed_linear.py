@@ -34,7 +34,9 @@ def test_forward_matches_plain_linears_and_leaves_modules_alone(model):
             assert all("forward" in vars(m) for m in linears)
             got = model(ids)
     calls = {e.key: e.count for e in prof.key_averages()}
-    assert calls.get("mkldnn::_linear_pointwise") == len(linears)  # oneDNN really ran
+    # oneDNN really ran: one call per single linear and one per group of siblings (q|k|v, gate|up)
+    assert [len(g) for g in packed.groups] == [3, 2] * model.args.num_layers
+    assert calls.get("mkldnn::_linear_pointwise") == len(packed.singles) + len(packed.groups)
     assert "aten::linear" not in calls
     assert (got - ref).abs().max() <= 1e-5
     assert all("forward" not in vars(m) for m in linears)  # back to nn.Linear.forward
@@ -51,7 +53,7 @@ def test_repacks_only_changed_weights(model):
         with packed.active():
             lin(x)
         first = packed.repacks
-        assert first == len(packed.modules)  # one packed copy per weight
+        assert first == len(packed.singles) + len(packed.groups)  # one packed copy per weight or stack
         with packed.active():
             lin(x)
         assert packed.repacks == first  # unchanged weights are reused
@@ -61,6 +63,38 @@ def test_repacks_only_changed_weights(model):
         assert packed.repacks == first + 1
         assert torch.allclose(got, F.linear(x, lin.weight), atol=1e-5)
         lin.weight.div_(2.0)
+
+
+def test_siblings_called_in_any_order_or_on_other_inputs(model):
+    """A group's shared call serves its members on one input; a member called again, out of
+    order, or on another tensor still gets its own linear of its own input."""
+    packed = PackedLinears(model, min_numel=0)
+    attn = model.model.layers[1].self_attn
+    x, y = torch.randn(2, 3, attn.q_proj.in_features), torch.randn(4, attn.q_proj.in_features)
+    calls = [(attn.v_proj, x), (attn.q_proj, y), (attn.k_proj, x), (attn.q_proj, x),
+             (attn.v_proj, x), (attn.k_proj, y), (attn.v_proj, y)]
+    with torch.no_grad():
+        want = [F.linear(inp, m.weight, m.bias) for m, inp in calls]
+        with packed.active():
+            got = [m(inp) for m, inp in calls]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5
+
+
+def test_changed_bias_repacks_its_group(model):
+    packed = PackedLinears(model, min_numel=0)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(5, attn.k_proj.in_features)
+    with torch.no_grad():
+        with packed.active():
+            attn.k_proj(x)
+        first = packed.repacks
+        attn.k_proj.bias.add_(1.0)
+        with packed.active():
+            got = attn.k_proj(x)
+        assert packed.repacks == first + 1  # the q|k|v stack, bias included, packed again
+        assert (got - F.linear(x, attn.k_proj.weight, attn.k_proj.bias)).abs().max() <= 1e-5
+        attn.k_proj.bias.sub_(1.0)
 
 
 def test_tied_weight_is_packed_once():
