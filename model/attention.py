@@ -38,22 +38,34 @@ def sdpa(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor | None, causal: bool) ->
     return out.transpose(1, 2)
 
 
-def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor) -> torch.Tensor:
+def additive_mask(mask_BTS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The keep-mask as 0 / -inf to add to scores: made once per forward, it replaces an
+    inversion and a masked fill in every layer (`sdpa_grouped` on CPU)."""
+    return torch.zeros(mask_BTS.shape, dtype=dtype, device=mask_BTS.device).masked_fill_(
+        ~mask_BTS, float("-inf"))
+
+
+def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
+                 bias_BTS: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention for grouped-query heads without repeating k/v: the G query heads that
     share a kv head are folded into the query axis ([B, Hkv, T*G, D]), so every backend sees
     plain multi-head attention with Hkv heads. For decode (T = 1) the fold is a free view; SDPA's
-    `enable_gqa` would instead fall back to kernels that copy k/v G times or ignore the mask."""
+    `enable_gqa` would instead fall back to kernels that copy k/v G times or ignore the mask.
+    `bias_BTS` (`additive_mask` of the mask) spares the CPU path making it in every layer."""
     B, T, Hq, D = q_BTHD.shape
     S, Hkv = k_BSHD.shape[1], k_BSHD.shape[2]
     G = Hq // Hkv
     q = q_BTHD.view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
-    mask = mask_BTS[:, None, :, None, :].expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
     k, v = k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)
+
+    def fold(m_BTS):  # [B, T, S] -> [B, 1, T*G, S], every query head of a group alike
+        return m_BTS[:, None, :, None, :].expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
     if q.is_cuda:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=fold(mask_BTS))
     else:  # CPU: two batched matmuls beat SDPA's CPU kernel ~2x at decode sizes (BENCHMARKS.md)
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5)
-        out = torch.matmul(scores.masked_fill_(~mask, float("-inf")).softmax(-1), v)
+        bias = fold(bias_BTS if bias_BTS is not None else additive_mask(mask_BTS, q.dtype))
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(bias)
+        out = torch.matmul(scores.softmax(-1), v)
     return out.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
 
 

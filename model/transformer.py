@@ -48,6 +48,7 @@ class _Context:
     cos: torch.Tensor  # rope_tables: [B, T, 1, head_dim]
     sin: torch.Tensor  # the same, first half negated
     mask: torch.Tensor | None = None  # keep-mask [B, T, S] or None for plain causal
+    bias: torch.Tensor | None = None  # the KV-cache mask as 0 / -inf, for CPU attention
     kv_cache: KVCache | None = None
     slots: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -61,7 +62,7 @@ class _Context:
         if self.kv_cache is not None:
             self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
             k, v = self.kv_cache.read(layer, self.slots)
-            return attn.sdpa_grouped(q, k, v, self.mask)
+            return attn.sdpa_grouped(q, k, v, self.mask, self.bias)
         elif self.cu_seqlens is not None:
             out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window)
             return out[None]
@@ -212,6 +213,7 @@ class Transformer(nn.Module):
             ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions
             keys = torch.arange(kv_cache.max_len, device=dev).expand(B, -1)
             ctx.mask = attn.causal_mask(positions, keys, window)
+            ctx.bias = None if x.is_cuda else attn.additive_mask(ctx.mask, x.dtype)
         elif seq_ids is not None and attn.use_flash(x, self.attn_backend):
             ctx.cu_seqlens = F.pad(seq_lens.to(dev).cumsum(0), (1, 0)).to(torch.int32)
             ctx.max_len = int(seq_lens.max())
