@@ -3,12 +3,14 @@
     curve = slowdown_curve(args, workload, micro_batch_tokens, max_ranks=4)  # [[k, slowdown, cv]]
 
 `max_ranks` probe processes start once (torch is imported once each) and build the profiled model.
-On command, a process runs what a rank runs for a fixed wall-clock window: engine decode steps
-("gen", one step's samples in flight, refilled as they finish, and before each decode step the
-generator loop's link poll: a round trip to a TCPStore that this process hosts, as torchrun's
-agent hosts the job's) or real train steps ("train"), and reports its rate. slowdown(k) = the mean over k processes of (its kind's rate alone) / (its rate
-beside the others), kinds alternating gen, train, gen, ... as in a split job. All k stop at the
-same deadline, so none runs its tail alone.
+On command, a process runs what a rank runs for a fixed wall-clock window, and reports its rate:
+  * "gen": engine decode steps, one step's samples in flight, refilled as they finish; before each
+    step the generator loop's link poll, a round trip to a TCPStore that the calling process
+    hosts (as torchrun's agent hosts the job's);
+  * "train": real train steps.
+slowdown(k) = the mean over k processes of (its kind's rate alone) / (its rate beside the others),
+kinds alternating gen, train, gen, ... as in a split job. All k stop at the same deadline, so none
+runs its tail alone.
 
 cv(k) is the spread of a phase's duration among k busy ranks: a phase is one generation batch
 (from admitting the step's prompts to the next admission) or one train step, and cv is the root
@@ -41,9 +43,9 @@ KINDS = ("gen", "train")
 
 def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: float = 0.6,
                    rounds: int = 2, timeout_s: float = 120.0) -> list:
-    """[[k, slowdown]] for k = 1..max_ranks (module docstring); slowdown(1) is 1 by definition
-    here: the alone rates are the best of the rounds, so other users' load enters where it
-    lowers the contended rates."""
+    """[[k, slowdown, cv]] for k = 1..max_ranks (module docstring); slowdown(1) is 1 by
+    definition here: the alone rates are the best of the rounds, so other users' load enters
+    where it lowers the contended rates."""
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     spec = json.dumps({"args": dataclasses.asdict(args), "wl": dataclasses.asdict(wl),
