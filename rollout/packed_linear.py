@@ -11,8 +11,9 @@ inductor's CPU backend does for inference; the engine does it without compiling 
         logits = model(...)
 
 The weights stay the model's own (no second model definition): a packed copy is made per weight
-tensor (tied weights share one) and made again when the weight changed since (in-place updates bump
-`Tensor._version`; a replaced tensor has a new data pointer).
+tensor (tied weights share one), or per stack of sibling weights that the model always applies to
+one input (q|k|v, gate|up: `SIBLINGS`, one call for the group), and made again when a weight
+changed since (in-place updates bump `Tensor._version`; a replaced tensor has a new data pointer).
 Outside `active()` the modules are untouched, so a trainer sharing the model in the same process
 keeps autograd and MKL. Writes through `.data` or through a flat buffer the parameters view do not
 bump the version counter: whoever writes that way calls `invalidate()` (the engine does whenever
