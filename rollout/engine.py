@@ -59,9 +59,10 @@ from rollout.sampling import hashed_uniform, mix32, process_logits, sample, stre
 
 KV_POLICIES = ("keep", "recompute")
 # On CPU, decode reads the whole cache once the live bound passes max_len / this: a prefix of each
-# slot's [max_len, head_dim] block is a strided read that the batched matmuls take ~2x longer over
-# than a contiguous one of the same size (4 layers x 64 slots, 2-core EPYC: 1.74 ms at a 64-of-112
-# prefix, 0.85 ms for a contiguous 64, ~1.4 ms for all 112; BENCHMARKS.md "Generation").
+# slot's [max_len, head_dim] block is a strided read, which the batched matmuls took ~2x longer
+# over than a contiguous one of the same size when this was set (2-core EPYC, 1.74 vs 0.85 ms).
+# Under inference_mode the two came out even (a run within 0.3% either way; BENCHMARKS.md
+# "Generation"), so this is kept as the measured-safe choice, not a gain.
 FULL_READ_ABOVE = 2
 COMPILE_MODES = (False, True, "compile", "cudagraph")
 

@@ -85,20 +85,29 @@ class PackedLinears:
         self.singles = [m for m in model.modules()
                         if _packable(m, min_numel) and id(m) not in grouped]
         self.modules = self.singles + [m for g in self.groups for m in g]  # every one served
-        self._cache: dict[tuple, tuple] = {}  # ids of the tensors -> (their stamps, packed)
+        self._units = [(m,) for m in self.singles] + self.groups
+        # ids of a unit's weights and biases -> (their stamps, its members' forwards, its shared call)
+        self._cache: dict[tuple, tuple] = {}
         self.repacks = 0  # packed copies made (tests check that an unchanged weight is reused)
 
-    def _packed(self, weights: tuple, biases: tuple = ()) -> tuple[Tensor, Tensor | None]:
-        """The packed stack of `weights` and the stacked biases (None without), made again when
-        any of them changed (version) or was replaced (data pointer)."""
-        tensors = weights + biases
+    def _forwards(self, unit: tuple) -> tuple[list, "_SharedCall | None"]:
+        """The forwards of one linear or sibling group over its packed weights, made again when
+        any weight or bias changed (version) or was replaced (data pointer), else reused: a
+        decode step only checks the stamps."""
+        params = [m._parameters for m in unit]  # not m.weight: nn.Module.__getattr__ is ~1 us
+        tensors = [p["weight"] for p in params] + [p["bias"] for p in params if p["bias"] is not None]
         key, stamp = tuple(map(id, tensors)), tuple((t._version, t.data_ptr()) for t in tensors)
         hit = self._cache.get(key)
         if hit is None or hit[0] != stamp:
-            w = weights[0] if len(weights) == 1 else torch.cat(weights)
-            b = (biases[0] if len(biases) == 1 else torch.cat(biases)) if biases else None
-            hit = (stamp, torch.ops.mkldnn._reorder_linear_weight(w.detach()),
-                   None if b is None else b.detach())
+            w = torch.cat(tensors[:len(unit)]) if len(unit) > 1 else tensors[0]
+            b = torch.cat(tensors[len(unit):]) if len(tensors) > len(unit) else None
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            b = None if b is None else b.detach()
+            if len(unit) == 1:
+                hit = (stamp, [_packed_forward(packed, b)], None)
+            else:
+                shared = _SharedCall(packed, b, [m.out_features for m in unit])
+                hit = (stamp, [shared.member(i) for i in range(len(unit))], shared)
             self._cache[key] = hit
             self.repacks += 1
         return hit[1], hit[2]
@@ -111,20 +120,20 @@ class PackedLinears:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Within this block (under no_grad) the packable modules run oneDNN on packed weights."""
-        # through __dict__: nn.Module.__setattr__/__delattr__ would cost ~3 us a module a step
-        for m in self.singles:
-            vars(m)["forward"] = _packed_forward(self._packed((m.weight,))[0], m.bias)
-        for g in self.groups:
-            biases = tuple(m.bias for m in g) if g[0].bias is not None else ()
-            shared = _SharedCall(*self._packed(tuple(m.weight for m in g), biases),
-                                 [m.out_features for m in g])
-            for i, m in enumerate(g):
-                vars(m)["forward"] = shared.member(i)
+        shared_calls = []
+        for unit in self._units:  # through __dict__: nn.Module.__setattr__ costs ~3 us a module
+            forwards, shared = self._forwards(unit)
+            for m, fn in zip(unit, forwards):
+                vars(m)["forward"] = fn
+            if shared is not None:
+                shared_calls.append(shared)
         try:
             yield
         finally:
             for m in self.modules:
                 vars(m).pop("forward", None)  # back to nn.Linear.forward
+            for shared in shared_calls:
+                shared.release()
 
 
 def _check_inference(x: Tensor) -> None:
@@ -163,3 +172,7 @@ class _SharedCall:
                 self.x = None
             return out
         return forward
+
+    def release(self) -> None:
+        """Drop the input and outputs held for siblings not yet called."""
+        self.x, self.outs = None, [None] * len(self.sizes)
