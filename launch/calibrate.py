@@ -390,7 +390,8 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
     t0 = time.perf_counter()
     if cpu:
         conc = _pool_concurrency(conc, slowdown_curve(args, wl, mbt, max_ranks, rounds=2))
-        log(f"  cores: slowdown, phase cv of k busy ranks {[(k, round(v, 2), round(c, 2)) for k, v, c in conc]}")
+        curve = [(k, round(v, 2), round(c, 2)) for k, v, c in conc]
+        log(f"  cores: slowdown, phase cv of k busy ranks {curve}")
     local = _min_block(first, _local_block(model, wl, dev, counts, batches, r2, mbt))
     log(f"  block 2 ({time.perf_counter() - t0:.1f}s)")
     (t_step, micro, mb_tok) = local.pop("train_step")

@@ -92,8 +92,8 @@ class AllToAllReduceScatter:
 
 def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dtype | None,
                units: str = "layer") -> None:
-    """FSDP2 units as `parallel.dims.resolve_fsdp_units` describes: per decoder layer plus a root unit (embeddings,
-    final norm, head), or one root unit. On CPU (gloo) the gradient reduce-scatter is an
+    """FSDP2 units as `parallel.dims.resolve_fsdp_units` describes: per decoder layer plus a root
+    unit (embeddings, final norm, head), or one root unit. On CPU (gloo) the gradient reduce-scatter is an
     all-to-all plus a sum (`AllToAllReduceScatter`). `model.fsdp_units` tells the train step
     whether to accumulate gradients unsharded ("model")."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
