@@ -218,6 +218,25 @@ def generator_weight_bytes(args: ModelArgs, tp: int, gen_bytes: int) -> float:
     return args.num_params() * gen_bytes / tp
 
 
+def packed_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -> float:
+    """Bytes of the engine's oneDNN-packed weight copies (rollout/packed_linear.py), which sit
+    beside the model's own weights: on CPU, fp32, tp 1, one per linear or sibling stack (q|k|v,
+    gate|up) of at least MIN_NUMEL elements, biases stacked with their weights, and the LM head.
+    0 elsewhere (GPUs, TP shards, other dtypes). SmolLM2-135M (hidden 576, 30 layers, 9/3 heads of
+    64, intermediate 1536, vocab 49152): per layer 576*960 + 576*576 + 2*576*1536 + 1536*576 =
+    3.54M, head 28.3M: (30*3.54M + 28.3M) * 4 B = 538 MB."""
+    from rollout.packed_linear import MIN_NUMEL
+    if not cl.shared_cores or wl.gen_dtype != "float32" or gen_tp > 1:
+        return 0.0
+    h, q, kv, inter = (args.hidden_size, args.num_heads * args.head_dim,
+                       args.num_kv_heads * args.head_dim, args.intermediate_size)
+    bias = q + 2 * kv if args.attention_bias else 0  # stacked with q|k|v, not counted for the size
+    layer = [(h * (q + 2 * kv), bias), (q * h, 0), (2 * h * inter, 0), (inter * h, 0)]
+    per_layer = sum(w + b for w, b in layer if w >= MIN_NUMEL)
+    head = args.vocab_size * h
+    return 4.0 * (args.num_layers * per_layer + (head if head >= MIN_NUMEL else 0))
+
+
 def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:
     """Static KV cache: 2 * L * (kv_heads/tp) * head_dim * bytes * slots * max_len.
     Llama-3-8B bf16, tp 1, 256 slots x 2560 positions: 131072 * 256 * 2560 = 85.9 GB."""
@@ -240,7 +259,7 @@ def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, ge
     capped at the replica's sequences per step; `reserved` is memory already taken (colocated)."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     gb = dtype_bytes(wl.gen_dtype)
-    weights = generator_weight_bytes(args, gen_tp, gb)
+    weights = generator_weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
     per_slot = kv_bytes_per_token(args, gb, gen_tp) * wl.seq_len
     seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
     free = cap - reserved - weights

@@ -69,6 +69,31 @@ def test_memory_hand_computed():
     assert not why and mbt == 1 << (fit.bit_length() - 1) == 16384
 
 
+def test_packed_copies_count_in_cpu_generator_memory():
+    """The CPU engine's packed weight copies (rollout/packed_linear.py) are generator memory: hand
+    computed for SmolLM2-135M, and equal to what PackedLinears packs for a model whose down-sized
+    head falls below the size threshold."""
+    from rollout.packed_linear import MIN_NUMEL, PackedLinears
+    smol = ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                     num_heads=9, num_kv_heads=3, tie_word_embeddings=True)
+    cpu, wl = cm.cpu_cluster(3, 2), cm.Workload(8, 8, 16, 32, gen_dtype="float32")
+    assert cm.packed_copy_bytes(smol, cpu, wl, 1) == (30 * 3_538_944 + 28_311_552) * 4
+    assert cm.packed_copy_bytes(smol, cpu, wl, 2) == 0  # TP shards keep their own forward
+    assert cm.packed_copy_bytes(smol, cm.gpu_cluster("h100", 1), wl, 1) == 0
+    assert cm.packed_copy_bytes(smol, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16"), 1) == 0
+    args = ModelArgs(vocab_size=200, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=8, num_kv_heads=4, attention_bias=True)
+    assert 200 * 256 < MIN_NUMEL <= 256 * 256  # the head is too small, every layer linear large enough
+    torch.manual_seed(0)
+    packed = PackedLinears(Transformer(args))
+    real = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+               for unit in packed._units for m in unit)
+    assert cm.packed_copy_bytes(args, cpu, wl, 1) == 4 * real
+    plain = cm.generator_memory(args, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16"), 1, 1)[0]
+    used = cm.generator_memory(args, cpu, wl, 1, 1)[0]
+    assert used - 2 * plain == pytest.approx(4 * real)  # bf16 -> fp32 doubles the rest
+
+
 def test_generation_time_hand_computed():
     """The docstring example: 8B on one H100, tp 1, 16 slots, P 512, R 2048."""
     cl = cm.gpu_cluster("h100", 1)
