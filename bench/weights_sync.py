@@ -109,20 +109,13 @@ def _meshes(n_trainer: int, device_type: str = "cpu"):
 
 def _build(rank, n_trainer, args, device, trainer_dtype, gen_dtype, tmesh, gmesh, tgroup, ggroup):
     """This rank's model and the plan of the trainer -> generator sync."""
-    from parallel.layout import Layout
     from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
-    from weights_sync.plan import plan
-    from weights_sync.sync import exchange_layouts, transfer_specs
-    if rank < n_trainer:
-        model = build_model(args, device, trainer_dtype, seed=0,
-                            parallelize=lambda m: parallelize_trainer(m, tmesh))
-        layout = Layout.from_module(model, group=tgroup)
-    else:
-        model = build_model(args, device, gen_dtype, seed=rank,
-                            parallelize=lambda m: parallelize_generator(m, gmesh))
-        layout = Layout.from_module(model, group=ggroup)
-    src, dst = exchange_layouts(layout, rank == 0, rank == n_trainer)
-    return model, plan(src, dst, transfer_specs(src, dst))
+    from weights_sync.sync import plan_between_meshes
+    trains = rank < n_trainer
+    model = build_model(args, device, trainer_dtype if trains else gen_dtype, seed=0 if trains else rank,
+                        parallelize=lambda m: (parallelize_trainer(m, tmesh) if trains
+                                               else parallelize_generator(m, gmesh)))
+    return model, plan_between_meshes(model, tgroup if trains else ggroup, rank == 0, rank == n_trainer)
 
 
 def _timed(fn) -> float:

@@ -148,17 +148,19 @@ class ParallelDims:
         lines = [self.describe()]
         lines.append(f"  trainer   mesh (fsdp={self.trainer_fsdp}, tp={self.trainer_tp}): "
                      f"{_ranges(self.trainer_rank_list)}")
-        for i, row in enumerate(self.trainer_mesh_ranks()[:4]):
-            lines.append(f"    fsdp {i}: tp group {_ranges(row)}")
-        if self.trainer_fsdp > 4:
-            lines.append(f"    ... {self.trainer_fsdp - 4} more fsdp shards")
+        lines += _tp_groups(self.trainer_mesh_ranks(), "fsdp", "fsdp shards")
         lines.append(f"  generator mesh (dp={self.gen_dp}, tp={self.gen_tp}): "
                      f"{_ranges(self.generator_rank_list)}")
-        for i, row in enumerate(self.generator_mesh_ranks()[:4]):
-            lines.append(f"    replica {i}: tp group {_ranges(row)}")
-        if self.gen_dp > 4:
-            lines.append(f"    ... {self.gen_dp - 4} more replicas")
+        lines += _tp_groups(self.generator_mesh_ranks(), "replica", "replicas")
         return "\n".join(lines)
+
+
+def _tp_groups(rows: list, label: str, plural: str, shown: int = 4) -> list[str]:
+    """rank_map's lines for the TP groups of one mesh: the first `shown`, then a count."""
+    lines = [f"    {label} {i}: tp group {_ranges(row)}" for i, row in enumerate(rows[:shown])]
+    if len(rows) > shown:
+        lines.append(f"    ... {len(rows) - shown} more {plural}")
+    return lines
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from model.hf_io import load_model_args, to_dtype
-from parallel.layout import Layout
 from parallel.sharding import build_model, parallelize_generator
 from rollout.data import PromptSource, filter_by_length, load_prompts, render_prompt
 from rollout.engine import Engine, decode_mode
@@ -10,8 +9,7 @@ from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
 from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link
-from weights_sync.plan import plan_cached
-from weights_sync.sync import exchange_layouts, make_receiver, transfer_specs
+from weights_sync.sync import make_receiver, plan_between_meshes
 
 
 def load_items(cfg, tokenizer):
@@ -36,10 +34,9 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     dims, rank = meshes.dims, meshes.rank
     replica, tp_rank = dims.generator_coord(rank)
     model = build_generator_model(cfg, meshes)
-    layout = Layout.from_module(model, group=meshes.generator_group)
-    src, dst = exchange_layouts(layout, is_src_leader=False,
-                                is_dst_leader=rank == dims.generator_rank_list[0])
-    receiver = make_receiver(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
+    plan = plan_between_meshes(model, meshes.generator_group, is_src_leader=False,
+                               is_dst_leader=rank == dims.generator_rank_list[0])
+    receiver = make_receiver(model, plan, rank,
                              meshes.weights_group, cfg.parallel.timeout_s, meshes.gpu_of)
     items, skipped, encode = load_items(cfg, tokenizer)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,

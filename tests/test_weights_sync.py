@@ -15,10 +15,8 @@ def _setup(rank, folder, n_trainer, gen_tp=1, device="cpu", gen_dtype=GEN_DTYPE)
     this rank's model, the weight-sync plan, the weights group and the trainer group."""
     from torch.distributed.device_mesh import DeviceMesh
     from model.hf_io import load_model_args
-    from parallel.layout import Layout
     from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
-    from weights_sync.plan import plan
-    from weights_sync.sync import exchange_layouts, transfer_specs
+    from weights_sync.sync import plan_between_meshes
 
     world = dist.get_world_size()
     gen = list(range(n_trainer, world))
@@ -30,13 +28,11 @@ def _setup(rank, folder, n_trainer, gen_tp=1, device="cpu", gen_dtype=GEN_DTYPE)
     if rank < n_trainer:
         model = build_model(args, dev, torch.float32, path=folder,
                             parallelize=lambda m: parallelize_trainer(m, tmesh))
-        layout = Layout.from_module(model, group=tgroup)
     else:
         model = build_model(args, dev, gen_dtype, seed=rank,
                             parallelize=lambda m: parallelize_generator(m, gmesh))
-        layout = Layout.from_module(model, group=ggroup)
-    src, dst = exchange_layouts(layout, rank == 0, rank == n_trainer)
-    return model, plan(src, dst, transfer_specs(src, dst)), wgroup, tgroup
+    group = tgroup if rank < n_trainer else ggroup
+    return model, plan_between_meshes(model, group, rank == 0, rank == n_trainer), wgroup, tgroup
 
 
 def _full_params(model, group):

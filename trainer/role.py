@@ -5,15 +5,13 @@ from pathlib import Path
 
 
 from model.hf_io import load_model_args, to_dtype
-from parallel.layout import Layout
 from parallel.sharding import build_model, parallelize_trainer
 from trainer.checkpointing import mark_complete, read_extra, resume_path
 from trainer.link import Link
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.worker import TrainerWorker
-from weights_sync.plan import plan_cached
-from weights_sync.sync import exchange_layouts, make_sender, transfer_specs
+from weights_sync.sync import make_sender, plan_between_meshes
 
 
 def build_trainer_model(cfg, meshes, path: str):
@@ -32,10 +30,9 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     model = build_trainer_model(cfg, meshes, cfg.model.path)
     ref = build_trainer_model(cfg, meshes, cfg.model.ref_path).requires_grad_(False) \
         if cfg.model.ref_path else None
-    layout = Layout.from_module(model, group=meshes.trainer_group)
-    src, dst = exchange_layouts(layout, is_src_leader=owner, is_dst_leader=False)
+    plan = plan_between_meshes(model, meshes.trainer_group, is_src_leader=owner, is_dst_leader=False)
     # CUDA IPC to a generator on this GPU, else NCCL/gloo
-    sender = make_sender(model, plan_cached(src, dst, transfer_specs(src, dst)), rank,
+    sender = make_sender(model, plan, rank,
                          to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s,
                          meshes.gpu_of, ipc_buffers=cfg.parallel.ipc_buffers)
     leaders = [row[0] for row in dims.generator_mesh_ranks()]

@@ -368,6 +368,16 @@ def exchange_layouts(layout, is_src_leader: bool, is_dst_leader: bool):
     return found["src"], found["dst"]
 
 
+def plan_between_meshes(model, group, is_src_leader: bool, is_dst_leader: bool):
+    """Start-up of one rank of either mesh: its mesh's layout from the model's real DTensors (over
+    the mesh's own `group`), both layouts exchanged (`exchange_layouts`, a world collective), and
+    the plan of the parameters that move, from `plan_cached`."""
+    from parallel.layout import Layout
+    from weights_sync.plan import plan_cached
+    src, dst = exchange_layouts(Layout.from_module(model, group=group), is_src_leader, is_dst_leader)
+    return plan_cached(src, dst, transfer_specs(src, dst))
+
+
 def transfer_specs(src, dst):
     """Parameters that move: the generator's parameters (a tied head is shared, so stored once)."""
     names = {s.name for s in dst.specs}
