@@ -290,6 +290,7 @@ def _handoff_time(rank: int, wl: Workload) -> float:
     if runner is not None:
         runner.close()
     link.flush()
+    link.close()
     return t
 
 

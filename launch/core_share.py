@@ -4,9 +4,8 @@
 
 `max_ranks` probe processes start once (torch is imported once each) and build the profiled model.
 On command, a process runs what a rank runs for a fixed wall-clock window, and reports its rate:
-  * "gen": engine decode steps, one step's samples in flight, refilled as they finish; before each
-    step the generator loop's link poll, a round trip to a TCPStore that the calling process
-    hosts (as torchrun's agent hosts the job's);
+  * "gen": engine decode steps, one step's samples in flight, refilled as they finish (the
+    generator loop's link poll costs nothing while no message came: trainer/link.py's watcher);
   * "train": real train steps.
 slowdown(k) = the mean over k processes of (its kind's rate alone) / (its rate beside the others),
 kinds alternating gen, train, gen, ... as in a split job. All k stop at the same deadline, so none
@@ -46,10 +45,8 @@ def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: f
     """[[k, slowdown, cv]] for k = 1..max_ranks (module docstring); slowdown(1) is 1 by
     definition here: the alone rates are the best of the rounds, so other users' load enters
     where it lowers the contended rates."""
-    import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     spec = json.dumps({"args": dataclasses.asdict(args), "wl": dataclasses.asdict(wl),
-                       "mbt": micro_batch_tokens, "store_port": store.port})
+                       "mbt": micro_batch_tokens})
     procs: list[_Probe] = []
     try:
         for _ in range(max_ranks):
@@ -153,7 +150,6 @@ class _Probe:
 def _worker(spec: str) -> None:
     """A probe process: build the model, then serve "<kind> <seconds>" commands from stdin."""
     import torch
-    import torch.distributed as dist
 
     from launch.calibrate import build, train_step_fn
     from launch.cost_model import Workload
@@ -168,13 +164,10 @@ def _worker(spec: str) -> None:
     prompt = [3 + i % max(1, args.vocab_size - 3) for i in range(wl.prompt_len)]
     params = SamplingParams(n=wl.group_size, max_new_tokens=wl.response_len, ignore_eos=True)
 
-    store = dist.TCPStore("127.0.0.1", d["store_port"], is_master=False)
-
     def gen() -> bool:  # True where a phase (a generation batch) begins
         new = not engine.has_work()
         if new:
             engine.add_requests([Request(i, prompt, params) for i in range(wl.prompts_per_step)])
-        store.add("tickets", 0)  # the generator loop's link poll (trainer/link.py)
         engine.step()
         engine.poll_finished()
         return new

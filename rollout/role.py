@@ -66,3 +66,5 @@ def run_generator(cfg, meshes, tokenizer) -> None:
         raise
     finally:
         rewards.close()
+        if link is not None:
+            link.close()

@@ -88,3 +88,40 @@ def test_a_blocked_wait_does_not_hold_up_other_threads_store_calls():
     assert time.perf_counter() - t0 < 0.5
     waiter.join()
     assert len(errors) == 1 and "an ack that never comes" in str(errors[0])
+
+
+def _quiet_polls(rank, world):
+    link = Link(rank, [1 - rank], timeout_s=30)
+    if rank == 0:
+        link.wait_for(Msg.STATS, "the peer's idle polls")
+        link.send(1, Msg.TRAJECTORIES, 4, [1, 2])
+        link.wait_for(Msg.ACK, "the peer's ack")
+        link.close()
+        return {}
+    import time
+    reads = []
+    receive = link._receive_published
+    link._receive_published = lambda: (reads.append(1), receive())[1]
+    for _ in range(50):
+        assert link.poll() == []
+        time.sleep(0.001)
+    idle_reads = len(reads)
+    link.send(0, Msg.STATS, 0)
+    deadline, got = time.monotonic() + 20, []
+    while not got and time.monotonic() < deadline:
+        got = link.poll()
+    link.close()
+    watcher_alive = link._watcher.is_alive()
+    link.send(0, Msg.ACK, 4)
+    link.flush()
+    return {"idle_reads": idle_reads, "got": [(int(m.type), m.version, m.payload) for m in got],
+            "reads": len(reads), "watcher_alive": watcher_alive}
+
+
+def test_polls_read_the_store_only_after_the_bell():
+    """50 polls with nothing sent make no store round trip; the message that comes is read after
+    its bell; close() ends the watcher thread."""
+    res = run_ranks(_quiet_polls, 2, timeout=60)[1]
+    assert res["idle_reads"] == 0
+    assert res["got"] == [(int(Msg.TRAJECTORIES), 4, [1, 2])]
+    assert 1 <= res["reads"] <= 3 and not res["watcher_alive"]

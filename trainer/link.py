@@ -8,9 +8,16 @@ Wire format of one message from `src` to `dst`:
     body    uint8[nbytes] = UTF-8 JSON, sent first with gloo `isend` (tag TAG_BODY)
     header  a ticket n = store.add("<dst>/tickets", 1), then store key "<dst>/<n>" =
             JSON {type, version, src, nbytes}, in the job's TCPStore
+    bell    store key "<dst>/bell", set after the header
 The store gives receivers a truly non-blocking poll (gloo's `Work.is_completed()` only turns true
 inside `wait()`, so an irecv cannot be polled): a receiver reads its ticket counter, and for each
-published header posts a receive for a body that is already on its way. Tickets from one sender are
+published header posts a receive for a body that is already on its way. A watcher thread blocks
+in the store (its own connection) on the bell, deletes it and flags the arrival, so `poll()` costs
+nothing while nothing came: the generator polls before every decode step, and a store round trip
+took 0.5-0.7 ms when 4 ranks shared 2 cores (its server, in torchrun's agent, waits for a core),
+~15% of a generator's wall time (BENCHMARKS.md, "Planner"). A ring that lands between the
+watcher's wake-up and its delete is not lost: its header was written before it, so the receive
+that the flag triggers reads it. Tickets from one sender are
 increasing in its send order, and gloo matches messages of one (src, tag) in order, so bodies pair
 with their headers. JSON (not pickle) means a corrupt peer cannot execute code, and it is exact for
 ints and Python floats (repr round-trips), which is all a trajectory holds.
@@ -20,9 +27,12 @@ awaited. Messages that arrive while waiting for something else are queued, not l
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +43,18 @@ import torch
 import torch.distributed as dist
 
 TAG_BODY = 12
+# The watcher's store wait. Long: every timed-out wait logs a c10d warning; `close()` rings the
+# bell to end it.
+WATCH_S = 24 * 3600.0
+_WATCHED: "weakref.WeakSet[Link]" = weakref.WeakSet()  # links whose watcher runs
+
+
+@atexit.register
+def _close_watched() -> None:
+    """A watcher still blocked in the store when the interpreter tears down aborts the process
+    (SIGABRT, seen in 1 of 6 runs of tests/test_link.py): end every one first."""
+    for link in list(_WATCHED):
+        link.close()
 
 
 class Msg(IntEnum):
@@ -71,7 +93,10 @@ class Link:
         self._next_ticket = 1  # next of my tickets to read
         self._queue: deque[Message] = deque()
         self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()
-        self._waiter = None  # a second store connection for blocking waits (_waiter_store)
+        self._waiter = None  # a second store connection, the watcher's (_waiter_store)
+        self._watcher: threading.Thread | bool | None = None  # started on the first receive
+        self._arrived = threading.Event()  # the bell rang since the last receive
+        self._closed = False
         self.bytes_sent = self.bytes_received = 0
 
     # ----- sending ----------------------------------------------------------------------------
@@ -82,6 +107,7 @@ class Link:
         ticket = self.store.add(f"{dst}/tickets", 1)
         header = {"type": int(type), "version": version, "src": self.rank, "nbytes": body.numel()}
         self.store.set(f"{dst}/{ticket}", json.dumps(header))
+        self.store.set(f"{dst}/bell", "1")
         self._sends.append((work, body, dst, type))
         self.bytes_sent += body.numel()
         while len(self._sends) > self.max_in_flight:
@@ -114,8 +140,11 @@ class Link:
             self._queue.append(Message(Msg(header["type"]), header["version"], src, payload))
 
     def poll(self) -> list[Message]:
-        """Every message that has arrived (queued first), without blocking on new ones."""
-        self._receive_published()
+        """Every message that has arrived (queued first), without blocking on new ones. No store
+        round trip unless the watcher saw the bell (or there is no watcher)."""
+        if not self._watching() or self._arrived.is_set():
+            self._arrived.clear()
+            self._receive_published()
         out = list(self._queue)
         self._queue.clear()
         return out
@@ -130,6 +159,7 @@ class Link:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         while True:
+            self._arrived.clear()
             self._receive_published()
             for m in list(self._queue):
                 if m.type == Msg.SHUTDOWN and Msg.SHUTDOWN not in types:
@@ -146,23 +176,54 @@ class Link:
             self._await_next_header(deadline - time.monotonic())
 
     def _await_next_header(self, seconds: float) -> None:
-        """Block in the store until the header of this rank's next message is published, or
-        `seconds` pass (then the caller's deadline check names what it waited for). Waking on
-        the key itself, not polling: a sleep-and-poll loop (0.1 ms doubling to 10 ms) added up to
-        its interval to every hand-off between the meshes."""
+        """Block until the bell rings (the watcher flags it), or `seconds` pass (then the caller's
+        deadline check names what it waited for). Waking on the bell, not polling: a
+        sleep-and-poll loop (0.1 ms doubling to 10 ms) added up to its interval to every hand-off
+        between the meshes."""
         if seconds <= 0:
             return
-        waiter = self._waiter_store()
-        if waiter is None:  # a store without clone(): poll
+        if self._watching():
+            self._arrived.wait(seconds)
+        else:  # a store without clone(): poll
             time.sleep(min(seconds, 1e-3))
-            return
-        try:
-            waiter.wait([f"{self.rank}/{self._next_ticket}"], timedelta(seconds=seconds))
-        except dist.DistStoreError:
-            pass
+
+    def _watching(self) -> bool:
+        """Start the watcher once (module docstring); False where the store cannot be cloned or
+        the watcher stopped."""
+        if self._watcher is None:
+            waiter = self._waiter_store()
+            self._watcher = waiter is not None and threading.Thread(
+                target=self._watch, args=(waiter,), name=f"link-watcher-{self.rank}", daemon=True)
+            if self._watcher:
+                _WATCHED.add(self)
+                self._watcher.start()
+        return bool(self._watcher) and not self._closed
+
+    def _watch(self, waiter) -> None:
+        bell = f"{self.rank}/bell"
+        while not self._closed:
+            try:
+                waiter.wait([bell], timedelta(seconds=WATCH_S))
+                waiter.delete_key(bell)
+            except dist.DistStoreError:
+                continue  # no ring within WATCH_S
+            except Exception:  # the store is gone (the job is ending): receive on every poll
+                self._closed = True
+            self._arrived.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the watcher: ring this rank's own bell and wait for the thread to end (before the
+        interpreter shuts down under it). Later polls read the store themselves."""
+        self._closed = True
+        if isinstance(self._watcher, threading.Thread):
+            try:
+                self.store.set(f"{self.rank}/bell", "1")
+            except Exception:
+                pass  # the store is gone: the watcher's wait has failed already
+            self._watcher.join(timeout_s)
 
     def _waiter_store(self):
-        """A clone of the store (its own connection) for the blocking waits only: a TCPStore
+        """A clone of the store (its own connection) for the watcher's blocking waits: a TCPStore
         client serves one request at a time, so a wait on the shared one would hold up every
         other thread's store call in this process (the CUDA-IPC sender's thread signals its
         versions through it) until a message arrived."""

@@ -53,6 +53,8 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     finally:
         if logger is not None:
             logger.close()
+        if link is not None:
+            link.close()
     finish_run(cfg, meshes, model, tokenizer, worker.version, owner)
 
 
