@@ -57,6 +57,7 @@ class GeneratorWorker:
         self.version = 0  # weights applied; the initial checkpoint is version 0
         self.started = 0  # groups started by this replica
         self.pending: dict[int, _Pending] = {}
+        self.generated: list[int] = []  # pending groups whose n completions are all in, being scored
         self.stop = False
         g = cfg.generator
         self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
@@ -161,13 +162,15 @@ class GeneratorWorker:
             p.completions.append(c)
             text = self.tok.decode(c.completion_ids)
             p.futures.append(self.rewards.submit(p.item, text, c.completion_ids))
+            if len(p.futures) == self.params.n:
+                self.generated.append(c.request_id)
             self.stats["gen_tokens"] += len(c.completion_ids)
 
     def _await_rewards(self, timeout_s: float = 0.002) -> None:
         """Nothing to decode, groups still being scored: block on their rewards for a moment
         instead of spinning through the loop, whose Python holds the GIL that the reward threads
         need (spinning, a batch of 64 fixed-length completions took ~30 ms to score)."""
-        futures = [f for p in self.pending.values() for f in p.futures if not f.done()]
+        futures = [f for pid in self.generated for f in self.pending[pid].futures if not f.done()]
         if futures:
             concurrent.futures.wait(futures, timeout=timeout_s,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -176,8 +179,11 @@ class GeneratorWorker:
         """Every fully scored group, all in one message: each message costs the trainer a gloo
         receive (a hand-shake with this process's I/O thread, ~1 ms on busy cores) and 3 store
         round trips, so 8 groups sent one by one kept it waiting 17-25 ms per step."""
-        n, groups = self.params.n, []
-        for pid in [k for k, p in self.pending.items() if len(p.futures) == n and all(f.done() for f in p.futures)]:
+        # only the generated groups, not every pending one: this runs after every decode step
+        done = {pid for pid in self.generated if all(f.done() for f in self.pending[pid].futures)}
+        self.generated = [pid for pid in self.generated if pid not in done]
+        groups = []
+        for pid in sorted(done, key=lambda k: self.pending[k].index):  # in the order admitted
             p = self.pending.pop(pid)
             groups.append(Group(pid, [_trajectory(c, f.result()) for c, f in zip(p.completions, p.futures)]))
         if groups and self.link is not None:
