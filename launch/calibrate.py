@@ -237,8 +237,6 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         full = torch.empty(nbytes // 4 // world * world, device=device)
         res["allgather"].append([nbytes, timed(lambda: dist.all_gather_into_tensor(
             full, x[:full.numel() // world]), device, reps=9)])
-    store = dist.distributed_c10d._get_default_store()
-    res["store_rtt"] = timed(lambda: [store.add("profile/rtt", 0) for _ in range(20)], reps=3) / 20
     # FSDP/TP costs where they dominate: one short sequence (compute ~0), many repetitions
     args, wl = ModelArgs(**args_d), Workload(**wl_d)
     plain = build(args, device, dtype)
@@ -260,38 +258,44 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     step = [decode_costs(m, wl, device, [wl.group_size], r1, r2, stat=statistics.median)
             ["decode_step"][0][1] for m in (sharded, plain)]
     res["tp_decode_excess"] = step[0] - step[1]
-    res["handoff"] = _handoff_time(rank, wl)
+    res["handoff"] = _handoff_times(rank, wl, sorted({1, wl.prompts_per_step}))
     return res
 
 
-def _handoff_time(rank: int, wl: Workload) -> float:
-    """A generator's per-batch work outside the decode loop, rank 0 generating for rank 1: score
-    the batch's B x n samples in the generator's RewardRunner (exact_match), then ship its B
-    groups in one Link message until the trainer side has them (rollout/worker.py's _collect and
-    _ship_scored, trainer/worker.py's _collect)."""
+def _handoff_times(rank: int, wl: Workload, prompt_counts: list[int]) -> list:
+    """[[prompts, s]]: a generator's work outside the decode loop for a batch of that many
+    prompt groups, rank 0 generating for rank 1: score its samples in the generator's
+    RewardRunner (exact_match), then ship the groups in one Link message until the trainer side
+    has them (rollout/worker.py's _collect and _ship_scored, trainer/worker.py's _collect).
+    Measured at one group and at the step's batch: a message has a fixed cost (the receive's
+    hand-shake, store round trips), so half a batch costs more than half (2026-11-30: 2.0-2.3,
+    3.8-4.3 and 5.6-7.6 ms for 1, 4 and 8 groups of 8)."""
     from rollout.data import PromptItem
     from rollout.rewards import RewardRunner, exact_match
     from trainer.batch import Group
     from trainer.link import Link, Msg
-    groups = [g.to_dict() for g in synthetic_groups(wl, 64)]
     link = Link(rank, [1 - rank], timeout_s=120)
-    items = [PromptItem(i, "1+1=", None, "2") for i in range(wl.seqs)]
     runner = RewardRunner(exact_match, timeout_s=60) if rank == 0 else None
+    out = []
+    for prompts in prompt_counts:
+        part = replace_wl(wl, prompts)
+        groups = [g.to_dict() for g in synthetic_groups(part, 64)]
+        items = [PromptItem(i, "1+1=", None, "2") for i in range(part.seqs)]
 
-    def batch():
-        if rank == 0:
-            runner.score_batch(items, ["2"] * wl.seqs, [[5]] * wl.seqs)
-            link.send(1, Msg.TRAJECTORIES, 0, [Group.from_dict(d).to_dict() for d in groups])
-            link.wait_for(Msg.ACK, "the calibration peer's receipt")
-        else:
-            [Group.from_dict(d) for d in link.wait_for(Msg.TRAJECTORIES, "calibration groups").payload]
-            link.send(0, Msg.ACK, 0)
-    t = timed(batch, reps=5, stat=statistics.median)
+        def batch():
+            if rank == 0:
+                runner.score_batch(items, ["2"] * len(items), [[5]] * len(items))
+                link.send(1, Msg.TRAJECTORIES, 0, [Group.from_dict(d).to_dict() for d in groups])
+                link.wait_for(Msg.ACK, "the calibration peer's receipt")
+            else:
+                [Group.from_dict(d) for d in link.wait_for(Msg.TRAJECTORIES, "calibration groups").payload]
+                link.send(0, Msg.ACK, 0)
+        out.append([prompts, timed(batch, reps=5, stat=statistics.median)])
     if runner is not None:
         runner.close()
     link.flush()
     link.close()
-    return t
+    return out
 
 
 def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, float]:
@@ -409,12 +413,12 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         f"{prof.decode_step_s(batches[-1]) * 1e3:.2f} ms")
     if c is not None:
         prof.p2p, prof.allreduce, prof.allgather = c["p2p"], c["allreduce"], c["allgather"]
-        prof.loop_overhead_s = c["store_rtt"]
         _collective_costs(prof, args, c)
-        log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s, store rtt {prof.loop_overhead_s * 1e6:.0f} us; "
+        log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s; "
             f"per collective incl. DTensor: FSDP {prof.collective_s * 1e3:.2f} ms, TP "
             f"{prof.tp_collective_s * 1e3:.2f} ms, TP decode {prof.tp_decode_collective_s * 1e3:.2f} ms; generator hand-off "
-            f"{prof.gen_handoff_s * 1e3:.1f} ms per batch; per step (grad norm + AdamW on DTensors): FSDP "
+            f"{prof.handoff_s(wl.prompts_per_step) * 1e3:.1f} ms per batch, "
+            f"{prof.handoff_s(1) * 1e3:.1f} ms per group alone; per step (grad norm + AdamW on DTensors): FSDP "
             f"{prof.fsdp_step_s * 1e3:.1f} ms, TP {prof.tp_step_s * 1e3:.1f} ms")
     prof.notes["loadavg_end"] = os.getloadavg()[0]
     return prof
@@ -444,7 +448,7 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
     prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
     prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * L + 2))
-    prof.gen_handoff_s = c["handoff"]
+    prof.handoff = c["handoff"]
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
     prof.tp_step_s = max(0.0, c["tp"]["step_excess"])
     prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp", "tp_decode_excess", "handoff")}

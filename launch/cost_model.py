@@ -379,7 +379,7 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
         step = prof.decode_step_s(slots, gen_tp) + step_comm
         # the replica's share of the batch's hand-off (scoring, shipping), spread over its waves
         prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp) \
-            + prof.gen_handoff_s * prompts / wl.prompts_per_step / waves
+            + prof.handoff_s(prompts, wl.prompts_per_step) / waves
         comm = waves * wl.response_len * step_comm
     else:
         n_mm, ctx = matmul_params(args), wl.prompt_len + wl.response_len / 2
@@ -674,10 +674,10 @@ class Profile:
     collective_s: float = 0.0     # one trainer collective over 2 FSDP ranks, DTensor/hook cost included
     tp_collective_s: float = 0.0  # one TP collective over 2 ranks, likewise
     tp_decode_collective_s: float = 0.0  # one generator TP collective in a decode step, likewise
-    gen_handoff_s: float = 0.0    # per step's batch: rewards scored + groups shipped over the link
+    gen_handoff_s: float = 0.0    # profiles before `handoff`: the step's batch, shared pro rata
+    handoff: list = field(default_factory=list)  # [[prompts, s]] rewards scored + groups shipped in one message
     fsdp_step_s: float = 0.0      # per step: grad-norm clip + AdamW on FSDP DTensors beyond plain
     tp_step_s: float = 0.0        # likewise on TP DTensors
-    loop_overhead_s: float = 0.0  # per generator-loop iteration: link poll (a store round trip)
     concurrency: list = field(default_factory=list)  # [[k, slowdown, phase cv]] of k busy ranks
     notes: dict = field(default_factory=dict)
 
@@ -721,7 +721,15 @@ class Profile:
         return self.train_overhead / fsdp  # per-trajectory work and optimizer shards split over fsdp
 
     def decode_step_s(self, batch: int, tp: int = 1) -> float:
-        return self._split("decode_step", 1, batch, tp) + self.loop_overhead_s
+        return self._split("decode_step", 1, batch, tp)
+
+    def handoff_s(self, prompts: int, per_step: int = 0) -> float:
+        """A replica's hand-off of `prompts` groups in one message: the fit through `handoff`
+        (a fixed part plus one per group), or, for a profile that has only `gen_handoff_s`,
+        that batch's time shared pro rata over `per_step` groups."""
+        if self.handoff:
+            return poly(fit(self.handoff, 1), prompts)
+        return self.gen_handoff_s * prompts / per_step if per_step else 0.0
 
     def gen_fixed_s(self, prompts: int, tp: int = 1) -> float:
         return self._split("gen_fixed", 1, prompts, tp)
