@@ -254,10 +254,7 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     # plain model, at the smallest batch (one prompt group), where the collectives dominate
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
     sharded = build_model(args, device, dtype, parallelize=lambda m: parallelize_generator(m, mesh))
-    r1, r2 = 4, max(8, min(wl.response_len, 32))
-    step = [decode_costs(m, wl, device, [wl.group_size], r1, r2, stat=statistics.median)
-            ["decode_step"][0][1] for m in (sharded, plain)]
-    res["tp_decode_excess"] = step[0] - step[1]
+    res["tp_decode_excess"] = _paired_decode_excess(sharded, plain, wl, device, mesh["tp"].get_group())
     res["handoff"] = _handoff_times(rank, wl, sorted({1, wl.prompts_per_step}))
     return res
 
@@ -335,6 +332,31 @@ def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, group, pairs:
         if i:  # the first pair warms up
             diffs.append(t[0] - t[1])
     return statistics.median(diffs), micro
+
+
+def _paired_decode_excess(sharded, plain, wl: Workload, device, group, pairs: int = 7) -> float:
+    """A decode step's excess on the TP-sharded model over the plain one, one prompt group: the
+    median over `pairs` of ((sharded - plain) at r2 tokens - (sharded - plain) at r1) / (r2 - r1),
+    the four generations of a pair back to back, for the reason `_paired_excess` gives (two
+    blocks of medians gave 2.8-3.6 ms per collective from one calibration to the next, and the
+    generator-TP layouts followed it: bench/plan_vs_measured.py, 2026-11-30)."""
+    import torch.distributed as dist
+    from rollout.engine import Engine, Request, SamplingParams
+    r1, r2 = 4, max(8, min(wl.response_len, 32))
+    ids = torch.randint(3, plain.args.vocab_size, (wl.prompt_len,), generator=torch.Generator().manual_seed(0))
+    engines = [Engine(m, num_slots=wl.group_size, max_len=wl.prompt_len + r2 + 1, device=device)
+               for m in (sharded, plain)]
+
+    def gen(eng, r):
+        dist.barrier(group=group)
+        req = Request(0, ids.tolist(), SamplingParams(n=wl.group_size, max_new_tokens=r, ignore_eos=True))
+        return timed(lambda: eng.generate([req]), device, reps=1, warmup=0)
+    diffs = []
+    for i in range(pairs + 1):
+        t = {(e, r): gen(eng, r) for r in (r2, r1) for e, eng in enumerate(engines)}
+        if i:  # the first pair warms up
+            diffs.append(((t[0, r2] - t[1, r2]) - (t[0, r1] - t[1, r1])) / (r2 - r1))
+    return statistics.median(diffs)
 
 
 def replace_wl(wl: Workload, prompts: int) -> Workload:
