@@ -11,16 +11,17 @@ Wire format of one message from `src` to `dst`:
     bell    store key "<dst>/bell", set after the header
 The store gives receivers a truly non-blocking poll (gloo's `Work.is_completed()` only turns true
 inside `wait()`, so an irecv cannot be polled): a receiver reads its ticket counter, and for each
-published header posts a receive for a body that is already on its way. A watcher thread blocks
-in the store (its own connection) on the bell, deletes it and flags the arrival, so `poll()` costs
-nothing while nothing came: the generator polls before every decode step, and a store round trip
-took 0.5-0.7 ms when 4 ranks shared 2 cores (its server, in torchrun's agent, waits for a core),
-~15% of a generator's wall time (BENCHMARKS.md, "Planner"). A ring that lands between the
-watcher's wake-up and its delete is not lost: its header was written before it, so the receive
-that the flag triggers reads it. Tickets from one sender are
-increasing in its send order, and gloo matches messages of one (src, tag) in order, so bodies pair
-with their headers. JSON (not pickle) means a corrupt peer cannot execute code, and it is exact for
-ints and Python floats (repr round-trips), which is all a trajectory holds.
+published header posts a receive for a body that is already on its way. Tickets from one sender
+are increasing in its send order, and gloo matches messages of one (src, tag) in order, so bodies
+pair with their headers. JSON (not pickle) means a corrupt peer cannot execute code, and it is
+exact for ints and Python floats (repr round-trips), which is all a trajectory holds.
+
+The bell makes an idle poll free. A watcher thread blocks in the store (over its own connection)
+on this rank's bell, deletes it and flags the arrival; `poll()` reads the store only after that.
+The generator polls before every decode step, and a store round trip took 0.5-0.7 ms when 4 ranks
+shared 2 cores (its server, in torchrun's agent, waits for a core): ~15% of a generator's wall
+time (BENCHMARKS.md, "Planner"). A ring that lands between the watcher's wake-up and its delete is
+not lost: its header was written before it, so the receive that the flag triggers reads it.
 
 Blocking waits (`wait_for`) always have a timeout, and the error names the peer and what was
 awaited. Messages that arrive while waiting for something else are queued, not lost.
