@@ -23,8 +23,8 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
     decode, by about 2x here); and the generator's hand-off per batch: its samples scored and
     its groups shipped over a Link to the other rank;
   * on CPU, the slowdown of k busy ranks on the shared cores, and how much a phase's duration
-    varies among them (cv): k processes running this model's decode steps (with the generator
-    loop's link poll) and train steps at once (launch/core_share.py).
+    varies among them (cv): k processes running this model's decode steps and train steps at
+    once (launch/core_share.py).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
 through the slowdown curve.
 Ranks are single-threaded (torchrun's OMP_NUM_THREADS=1), so the profile is too (--threads).
@@ -320,18 +320,25 @@ def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, group, pairs:
     back, so a change of machine speed between two blocks of repetitions cannot enter the
     difference (blocks of 5 gave per-collective costs of 1.1 or 1.9 ms from one calibration to the
     next). Every rank runs the plain step at the same time, each on its own core."""
-    import torch.distributed as dist
     fsdp_step, micro, _ = train_step_fn(sharded, wl, device, mbt, group)
     plain_step = train_step_fn(plain, wl, device, mbt)[0]
-    diffs = []
+    times = _paired_times([fsdp_step, plain_step], device, group, pairs)
+    return statistics.median(t[0] - t[1] for t in times), micro
+
+
+def _paired_times(fns: list, device, group, pairs: int) -> list[list[float]]:
+    """[[wall time of each of `fns`] per pair]: the calls of a pair back to back, each after a
+    barrier of `group` (every rank runs the same calls), after one untimed warm-up pair."""
+    import torch.distributed as dist
+    out = []
     for i in range(pairs + 1):
         t = []
-        for fn in (fsdp_step, plain_step):
+        for fn in fns:
             dist.barrier(group=group)
             t.append(timed(fn, device, reps=1, warmup=0))
-        if i:  # the first pair warms up
-            diffs.append(t[0] - t[1])
-    return statistics.median(diffs), micro
+        if i:
+            out.append(t)
+    return out
 
 
 def _paired_decode_excess(sharded, plain, wl: Workload, device, group, pairs: int = 7) -> float:
@@ -340,23 +347,17 @@ def _paired_decode_excess(sharded, plain, wl: Workload, device, group, pairs: in
     the four generations of a pair back to back, for the reason `_paired_excess` gives (two
     blocks of medians gave 2.8-3.6 ms per collective from one calibration to the next, and the
     generator-TP layouts followed it: bench/plan_vs_measured.py, 2026-11-30)."""
-    import torch.distributed as dist
     from rollout.engine import Engine, Request, SamplingParams
     r1, r2 = 4, max(8, min(wl.response_len, 32))
     ids = torch.randint(3, plain.args.vocab_size, (wl.prompt_len,), generator=torch.Generator().manual_seed(0))
-    engines = [Engine(m, num_slots=wl.group_size, max_len=wl.prompt_len + r2 + 1, device=device)
-               for m in (sharded, plain)]
 
-    def gen(eng, r):
-        dist.barrier(group=group)
+    def gen(model, r):
+        eng = Engine(model, num_slots=wl.group_size, max_len=wl.prompt_len + r2 + 1, device=device)
         req = Request(0, ids.tolist(), SamplingParams(n=wl.group_size, max_new_tokens=r, ignore_eos=True))
-        return timed(lambda: eng.generate([req]), device, reps=1, warmup=0)
-    diffs = []
-    for i in range(pairs + 1):
-        t = {(e, r): gen(eng, r) for r in (r2, r1) for e, eng in enumerate(engines)}
-        if i:  # the first pair warms up
-            diffs.append(((t[0, r2] - t[1, r2]) - (t[0, r1] - t[1, r1])) / (r2 - r1))
-    return statistics.median(diffs)
+        return lambda: eng.generate([req])
+    times = _paired_times([gen(sharded, r2), gen(plain, r2), gen(sharded, r1), gen(plain, r1)],
+                          device, group, pairs)
+    return statistics.median(((s2 - p2) - (s1 - p1)) / (r2 - r1) for s2, p2, s1, p1 in times)
 
 
 def replace_wl(wl: Workload, prompts: int) -> Workload:
