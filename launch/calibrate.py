@@ -13,18 +13,17 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
   * the trainer's per-step overhead beyond forward/backward: a real `train_step` (optimizer,
     packing, statistics) minus what the layer fits predict for it;
   * between two spawned ranks (gloo on CPU, NCCL with 2+ GPUs): p2p one-way time (half a
-    ping-pong), all-reduce and all-gather times at a few sizes, the store round trip that every
-    generator-loop iteration pays to poll the link, and the cost of one FSDP2 / TP collective with
-    its DTensor overhead: a 2-rank forward/backward minus the plain one, on one short sequence so
-    that the collectives dominate, divided by their number; likewise the per-step excess of the
-    gradient-norm clip + AdamW step on DTensors, and the generator's TP collective: an engine
-    decode step of a TP-sharded model minus the plain model's, at one prompt group, over its
-    2L + 2 collectives (the training probe's backward and DTensor overheads would overcharge
-    decode, by about 2x here); and the generator's hand-off per batch: its samples scored and
-    its groups shipped over a Link to the other rank;
+    ping-pong), all-reduce and all-gather times at a few sizes, and the cost of one FSDP2 / TP
+    collective with its DTensor overhead: a real 2-rank train step minus the plain one, over
+    their number; the per-step excess of the gradient-norm clip + AdamW step on DTensors; the
+    generator's TP collective: an engine decode step of a TP-sharded model minus the plain
+    model's, at one prompt group, over its 2L + 2 collectives (the training probe's backward and
+    DTensor overheads would overcharge decode, by about 2x here); and the generator's hand-off
+    per batch: its samples scored and its groups shipped over a Link to the other rank;
   * on CPU, the slowdown of k busy ranks on the shared cores, and how much a phase's duration
     varies among them (cv): k processes running this model's decode steps and train steps at
-    once (launch/core_share.py).
+    once; and the slowdown of k/2 generator TP pairs decoding at once, which wait on each other
+    more than they compute (launch/core_share.py).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
 through the slowdown curve.
 Ranks are single-threaded (torchrun's OMP_NUM_THREADS=1), so the profile is too (--threads).
@@ -48,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from launch.core_share import slowdown_curve  # noqa: E402
+from launch.core_share import slowdown_curve, tp_pair_curve  # noqa: E402
 from launch.cost_model import Profile, Workload, model_signature  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 
@@ -248,8 +247,11 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         res[name] = {"fwd_bwd_excess": fb - t_fb, "step_excess": step - t_step}
         if name == "fsdp":  # the real step on each rank's share, against one rank doing that share
             share = replace_wl(wl, max(1, -(-wl.prompts_per_step // world)))
-            excess, micro = _paired_excess(model, plain, share, device, mbt, mesh["fsdp"].get_group())
+            excess, micro, _ = _paired_excess(model, plain, share, device, mbt, mesh["fsdp"].get_group())
             res[name].update(train_excess=excess, micro=micro, units=model.fsdp_units)
+        else:  # TP ranks train the whole batch, each on its half of every layer
+            excess, micro, tokens = _paired_excess(model, plain, wl, device, mbt, None)
+            res[name].update(train_excess=excess, micro=micro, tokens=tokens)
     # the generator's TP: one decode step of the real engine on a TP-sharded model, against the
     # plain model, at the smallest batch (one prompt group), where the collectives dominate
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
@@ -315,15 +317,17 @@ def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, 
     return fb, step
 
 
-def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, group, pairs: int = 7) -> tuple:
-    """(median over `pairs` of (sharded step - plain step), micro-batches): each pair runs back to
-    back, so a change of machine speed between two blocks of repetitions cannot enter the
-    difference (blocks of 5 gave per-collective costs of 1.1 or 1.9 ms from one calibration to the
-    next). Every rank runs the plain step at the same time, each on its own core."""
-    fsdp_step, micro, _ = train_step_fn(sharded, wl, device, mbt, group)
+def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, dp_group, pairs: int = 7) -> tuple:
+    """(median over `pairs` of (sharded step - plain step), micro-batches, tokens per micro-batch)
+    of real train steps, `dp_group` the sharded model's data-parallel group (None: TP only):
+    each pair runs back to back, so a change of machine speed between two blocks of repetitions
+    cannot enter the difference (blocks of 5 gave per-collective costs of 1.1 or 1.9 ms from one
+    calibration to the next). Every rank runs the plain step at the same time, each on its own
+    core."""
+    sharded_step, micro, tokens = train_step_fn(sharded, wl, device, mbt, dp_group)
     plain_step = train_step_fn(plain, wl, device, mbt)[0]
-    times = _paired_times([fsdp_step, plain_step], device, group, pairs)
-    return statistics.median(t[0] - t[1] for t in times), micro
+    times = _paired_times([sharded_step, plain_step], device, dp_group, pairs)
+    return statistics.median(t[0] - t[1] for t in times), micro, tokens
 
 
 def _paired_times(fns: list, device, group, pairs: int) -> list[list[float]]:
@@ -420,13 +424,16 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         conc = _pool_concurrency(conc, slowdown_curve(args, wl, mbt, max_ranks, rounds=2))
         curve = [(k, round(v, 2), round(c, 2)) for k, v, c in conc]
         log(f"  cores: slowdown, phase cv of k busy ranks {curve}")
+    pairs = tp_pair_curve(args, wl, max_ranks, rounds=4) if cpu and comm else []
+    if pairs:
+        log(f"  cores: slowdown of generator TP pairs decoding at once {[(k, round(v, 2)) for k, v in pairs]}")
     local = _min_block(first, _local_block(model, wl, dev, counts, batches, r2, mbt))
     log(f"  block 2 ({time.perf_counter() - t0:.1f}s)")
     (t_step, micro, mb_tok) = local.pop("train_step")
     prof = Profile(device=str(dev) if cpu else torch.cuda.get_device_name(dev),
                    dtype=str(dtype).removeprefix("torch."), threads=threads,
                    model=model_signature(args), **local, train_overhead=0.0,
-                   p2p=[], allreduce=[], allgather=[], concurrency=conc,
+                   p2p=[], allreduce=[], allgather=[], concurrency=conc, tp_concurrency=pairs,
                    notes={"workload": dataclasses.asdict(wl), "micro_batch_tokens": mbt,
                           "torch": torch.__version__, "loadavg": os.getloadavg()[0]})
     prof.train_overhead = max(0.0, t_step - micro * prof.train_microbatch_s(mb_tok))
@@ -461,15 +468,24 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     """Per-collective cost. FSDP: the real 2-rank train step's excess over one rank doing the
     same share, less the per-step excess of the gradient-norm clip and AdamW on DTensors, over
     the step's collectives (cost_model.trainer_collectives, the norm's reductions excluded): what a
-    collective costs amid real micro-batches, waits for the peer included. TP: the 2-rank
-    forward/backward's excess over the plain model's on one short sequence, / its collectives
-    (2 per layer each way + 4). The per-step excesses are kept as they are."""
+    collective costs amid real micro-batches, waits for the peer included. TP likewise: the
+    real 2-rank step of the whole batch against one rank's, plus the compute TP saves as the
+    layer fits model it, less the per-step excess, over its collectives (2 per layer each way +
+    4 per micro-batch, 6 per step). The probe before it, one short sequence's forward/backward
+    (kept for profiles without the real step), overpredicted the trainer-TP layouts by 3-15% at
+    2.9 ms per collective and by 24-36% once it came out 3.6 (bench/plan_vs_measured.py,
+    2026-11-30). The per-step excesses are kept as they are."""
     from launch.cost_model import norm_reductions, trainer_collectives
     L = args.num_layers
-    f = c["fsdp"]
+    f, t = c["fsdp"], c["tp"]
     n = trainer_collectives(args, f["micro"], 2, 1, False, f["units"])["fsdp"] - norm_reductions(2, 1)
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
-    prof.tp_collective_s = max(0.0, c["tp"]["fwd_bwd_excess"] / (4 * L + 4))
+    if "train_excess" in t:  # the real step's excess, plus the compute TP saves as modelled
+        saved = t["micro"] * (prof.train_microbatch_s(t["tokens"]) - prof.train_microbatch_s(t["tokens"], 2))
+        n = trainer_collectives(args, t["micro"], 1, 2, False)["tp"] - norm_reductions(1, 2)
+        prof.tp_collective_s = max(0.0, (t["train_excess"] + saved - max(0.0, t["step_excess"])) / n)
+    else:
+        prof.tp_collective_s = max(0.0, t["fwd_bwd_excess"] / (4 * L + 4))
     prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * L + 2))
     prof.handoff = c["handoff"]
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])

@@ -19,6 +19,13 @@ often holds a core alone for a whole window), so a phase of fixed work ends earl
 where ranks wait for each other (the staleness gate, a batch from several generator replicas)
 that spread lengthens the step (launch/pipeline.py).
 
+Generator TP pairs (`tp_pair_curve`) are measured apart: k/2 pairs of real gloo ranks decode on a
+TP=2 model at once, against one pair alone. A TP decode step is mostly waiting on its peer in the
+all-reduces (2 ranks, 2 cores: ~3 ms per collective, ~0.6 ms of compute per step), and a waiting
+rank leaves its core to the others, so two pairs slow each other ~1.6-1.9x where k compute-bound
+ranks measure s(4) = 2.3-2.5; with s(4), colocated gen 2x2 / train 2x2 came out +30-39%
+(bench/plan_vs_measured.py, 2026-11-30: its generation phase ran 1.79x its alone time).
+
 Why the ranks' own work: a pure-Python loop (this probe's first version) lives in L1 and misses
 what time-sharing costs real ranks. At 4 processes on 2 cores it measured 1.89-1.97 where 4-rank
 RL runs spent ~1.3x their alone-time of CPU per step (BENCHMARKS.md, "Planner").
@@ -76,6 +83,93 @@ def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: f
     finally:
         for p in procs:
             p.close()
+
+
+def tp_pair_curve(args, wl, max_ranks: int, rounds: int = 3, steps: int = 0,
+                  timeout_s: float = 300.0) -> list:
+    """[[k, slowdown]] of generator TP=2 pairs, k = 2, 4, .. max_ranks (module docstring): the
+    colocated generator's mesh (max_ranks // 2 replicas of TP 2) on real gloo ranks; each
+    replica decodes its share of the step's prompts (`steps` decode steps, default one batch's
+    response length). slowdown(2) = 1: one pair alone, the case the two-rank TP probe measures
+    (launch/calibrate.py). [] where there is nothing to measure: fewer than two pairs, or tied
+    embeddings (no TP)."""
+    pairs = max_ranks // 2
+    if pairs < 2 or args.tie_word_embeddings:
+        return []
+    from parallel.spawn import run_ranks
+    steps = steps or wl.response_len
+    runs = run_ranks(_pair_rank, 2 * pairs, dataclasses.asdict(args), dataclasses.asdict(wl),
+                     steps, rounds, timeout=timeout_s)
+    return pair_slowdowns([r["runs"] for r in runs], pairs, rounds)
+
+
+def pair_slowdowns(runs: list, pairs: int, rounds: int) -> list:
+    """The curve from each rank's [[round, active pairs, start, [step end times]]]. Per round, the
+    first pair's rate alone against each active rank's rate in the window where every active
+    rank was running (none is timed while it runs alone), taken between the first and the last
+    step that ended inside it; the median over rounds. Alone and together are compared within
+    one round: the machine's speed drifts by 10-30% between rounds (an alone step took 16-22 ms
+    over six rounds of one run)."""
+    curve = [[2, 1.0]]
+    for j in range(2, pairs + 1):
+        per_round = []
+        for rnd in range(rounds):
+            alone = statistics.mean(len(ends) / (ends[-1] - t0) for r in runs[:2]
+                                    for rd, jj, t0, ends in r if (rd, jj) == (rnd, 1))
+            mine = [(t0, ends) for r in runs[:2 * j] for rd, jj, t0, ends in r if (rd, jj) == (rnd, j)]
+            lo, hi = max(t0 for t0, _ in mine), min(ends[-1] for _, ends in mine)
+            per_round.append(statistics.mean(alone / _rate_within(ends, lo, hi) for _, ends in mine))
+        curve.append([2 * j, max(1.0, statistics.median(per_round))])
+    return curve
+
+
+def _rate_within(ends: list, lo: float, hi: float) -> float:
+    """Steps per second between the first and the last of `ends` inside [lo, hi]."""
+    inside = [e for e in ends if lo <= e <= hi]
+    if len(inside) < 2:
+        raise RuntimeError(f"the TP pairs overlapped for {hi - lo:.3f} s, too short to time a step; "
+                           "raise the probe's steps")
+    return (len(inside) - 1) / (inside[-1] - inside[0])
+
+
+def _pair_rank(rank: int, world: int, args_d: dict, wl_d: dict, steps: int, rounds: int) -> dict:
+    """One rank of `tp_pair_curve`: for each round and each count j of active pairs, the first j
+    pairs decode `steps` steps while the others wait on the store (blocked in a socket read: a
+    rank waiting inside gloo used CPU for ~2/3 of an all-reduce's wall time here, which would
+    take cores from the pairs being timed)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from launch.cost_model import Workload
+    from model.args import ModelArgs
+    from parallel.sharding import build_model, parallelize_generator
+    args, wl = ModelArgs(**args_d), Workload(**wl_d)
+    pairs = world // 2
+    mesh = init_device_mesh("cpu", (pairs, 2), mesh_dim_names=("dp", "tp"))
+    model = build_model(args, torch.device("cpu"), torch.float32,
+                        parallelize=lambda m: parallelize_generator(m, mesh))
+    gen, engine = _decoder(model, args, wl, -(-wl.prompts_per_step // pairs))
+    gen()
+    while engine.has_work():  # warm-up: one whole batch
+        gen()
+    store, out = dist.distributed_c10d._get_default_store(), []
+    for rnd in range(rounds):
+        for j in range(1, pairs + 1):
+            dist.barrier()
+            key = f"tp_pairs/{rnd}/{j}"
+            if rank < 2 * j:
+                t0, ends = time.perf_counter(), []
+                for _ in range(steps):
+                    gen()
+                    ends.append(time.perf_counter())
+                out.append([rnd, j, t0, ends])
+                if store.add(key, 1) == 2 * j:
+                    store.set(key + "/all", "1")
+            store.wait([key + "/all"], timedelta(seconds=120))
+    return {"runs": out}
 
 
 def _deviations(per_process: list) -> list:
@@ -147,6 +241,24 @@ class _Probe:
                 self.proc.kill()
 
 
+def _decoder(model, args, wl, prompts: int):
+    """(a callable running one engine step, refilling the batch of `prompts` groups when it is
+    done and returning True where a new batch (a phase) begins; the engine)."""
+    from rollout.engine import Engine, Request, SamplingParams
+    engine = Engine(model, num_slots=prompts * wl.group_size, max_len=wl.prompt_len + wl.response_len + 1)
+    prompt = [3 + i % max(1, args.vocab_size - 3) for i in range(wl.prompt_len)]
+    params = SamplingParams(n=wl.group_size, max_new_tokens=wl.response_len, ignore_eos=True)
+
+    def gen() -> bool:
+        new = not engine.has_work()
+        if new:
+            engine.add_requests([Request(i, prompt, params) for i in range(prompts)])
+        engine.step()
+        engine.poll_finished()
+        return new
+    return gen, engine
+
+
 def _worker(spec: str) -> None:
     """A probe process: build the model, then serve "<kind> <seconds>" commands from stdin."""
     import torch
@@ -154,23 +266,12 @@ def _worker(spec: str) -> None:
     from launch.calibrate import build, train_step_fn
     from launch.cost_model import Workload
     from model.args import ModelArgs
-    from rollout.engine import Engine, Request, SamplingParams
     torch.set_num_threads(1)  # as the ranks (torchrun's OMP_NUM_THREADS=1)
     d = json.loads(spec)
     args, wl = ModelArgs(**d["args"]), Workload(**d["wl"])
     model = build(args, torch.device("cpu"), torch.float32)
     train, _, _ = train_step_fn(model, wl, "cpu", d["mbt"])
-    engine = Engine(model, num_slots=wl.seqs, max_len=wl.prompt_len + wl.response_len + 1)
-    prompt = [3 + i % max(1, args.vocab_size - 3) for i in range(wl.prompt_len)]
-    params = SamplingParams(n=wl.group_size, max_new_tokens=wl.response_len, ignore_eos=True)
-
-    def gen() -> bool:  # True where a phase (a generation batch) begins
-        new = not engine.has_work()
-        if new:
-            engine.add_requests([Request(i, prompt, params) for i in range(wl.prompts_per_step)])
-        engine.step()
-        engine.poll_finished()
-        return new
+    gen, engine = _decoder(model, args, wl, wl.prompts_per_step)
 
     def train_phase() -> bool:
         train()

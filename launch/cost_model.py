@@ -523,6 +523,15 @@ def slowdown(k: int, cl: Cluster, prof=None) -> float:
     return max(1.0, k / cl.shared_cores) if cl.shared_cores else 1.0
 
 
+def gen_slowdown(k: int, gen_tp: int, cl: Cluster, prof=None) -> float:
+    """The slowdown of a generation phase on k busy ranks: for TP=2 replicas the profile's pair
+    curve where it has one (their decode mostly waits on the peer, and a waiting rank leaves its
+    core to the others: ~1.8 against s(4) ~2.4 on 2 cores; launch/core_share.py), else s(k)."""
+    if gen_tp == 2 and prof is not None and getattr(prof, "tp_concurrency", None):
+        return prof.tp_pair_slowdown(k)
+    return slowdown(k, cl, prof)
+
+
 def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placement, cl: Cluster,
               prof=None, gen_comm: float = 0.0, train_comm: float = 0.0) -> float:
     """Seconds per step. s(k) = slowdown(k), 1 on GPUs; G/T = generator/trainer ranks; *_comm is
@@ -531,9 +540,11 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     colocated) only their compute cg = t_gen - gen_comm, ct = t_train - train_comm is slowed:
     Synchronous split (eta = 0): cg*s(G) + gen_comm + ct*s(T) + train_comm + t_sync
     Colocated, all N ranks are in the same phase at once: a collective waits for peers that share
-    the cores with the other ranks' compute, so whole phases are slowed: (t_gen + t_train)*s(N)
-    + t_sync (2026-11-30, bench/plan_vs_measured.py: with only compute slowed, the colocated
-    layouts were underpredicted by 20-48%, most where generator TP all-reduces dominate).
+    the cores with the other ranks' compute, so whole phases are slowed: t_gen*s_gen(N) +
+    t_train*s(N) + t_sync (2026-11-30, bench/plan_vs_measured.py: with only compute slowed, the
+    colocated layouts were underpredicted by 20-48%, most where generator TP all-reduces
+    dominate). s_gen = gen_slowdown: generator TP pairs were measured apart, because with s(N)
+    the generator-TP layout was overpredicted by 30-39%.
     Where the two meshes run at once (asynchronous split), each side's communication (gloo:
     copies and wake-ups on CPU threads) competes with the other side's compute, and whole phases
     are slowed (the quiet 2026-11-30 runs of bench/plan_vs_measured.py: exempting it there
@@ -551,7 +562,8 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     cv = lambda k: phase_cv(k, prof)  # noqa: E731
     cg, ct = t_gen - gen_comm, t_train - train_comm
     if p.mode == "colocated":
-        return mean_step_s(t_gen * s(p.world), t_train * s(p.world) + t_sync, 0, p.gen_dp,
+        return mean_step_s(t_gen * gen_slowdown(p.world, p.gen_tp, cl, prof),
+                           t_train * s(p.world) + t_sync, 0, p.gen_dp,
                            cv(p.world), cv(p.world))
     if eta == 0:
         return mean_step_s(cg * s(g) + gen_comm, ct * s(t) + train_comm + t_sync + 2 * LINK_POLL_S,
@@ -640,6 +652,16 @@ def fit(points, degree: int = 1) -> tuple[float, ...]:
     return tuple(max(c, 0.0) if i == 0 else c for i, c in enumerate(coef))
 
 
+def _slowdown_at(pts, k: int) -> float:
+    """A measured [[k, slowdown]] curve at k: interpolated, at least 1, growing as k beyond the
+    last point (k ranks time-share the cores)."""
+    if k <= pts[0][0]:
+        return max(1.0, pts[0][1]) if k >= 1 else 1.0
+    if k > pts[-1][0]:
+        return max(1.0, pts[-1][1] * k / pts[-1][0])
+    return max(1.0, _interpolate(pts, k))
+
+
 def _interpolate(pts, x: float) -> float:
     """Linear interpolation in sorted [[x, y]] points, x within their range."""
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -679,6 +701,7 @@ class Profile:
     fsdp_step_s: float = 0.0      # per step: grad-norm clip + AdamW on FSDP DTensors beyond plain
     tp_step_s: float = 0.0        # likewise on TP DTensors
     concurrency: list = field(default_factory=list)  # [[k, slowdown, phase cv]] of k busy ranks
+    tp_concurrency: list = field(default_factory=list)  # [[k, slowdown]] of k/2 generator TP=2 pairs
     notes: dict = field(default_factory=dict)
 
     # ----- I/O
@@ -764,12 +787,11 @@ class Profile:
 
     def slowdown(self, k: int) -> float:
         """Measured slowdown of k busy ranks, interpolated; beyond the last point it grows as k."""
-        pts = sorted(row[:2] for row in self.concurrency)
-        if k <= pts[0][0]:
-            return max(1.0, pts[0][1]) if k >= 1 else 1.0
-        if k > pts[-1][0]:
-            return max(1.0, pts[-1][1] * k / pts[-1][0])
-        return max(1.0, _interpolate(pts, k))
+        return _slowdown_at(sorted(row[:2] for row in self.concurrency), k)
+
+    def tp_pair_slowdown(self, k: int) -> float:
+        """Measured slowdown of k ranks in generator TP=2 pairs decoding at once, likewise."""
+        return _slowdown_at(sorted(self.tp_concurrency), k)
 
     def phase_cv(self, k: int) -> float:
         """Measured spread (cv) of a phase's duration among k busy ranks, interpolated and held

@@ -153,6 +153,50 @@ def test_step_time_formulas():
         == pytest.approx(0.61)
 
 
+def test_colocated_generator_tp_pairs_use_their_own_slowdown():
+    """4 ranks on 2 cores, no spread: colocated gen 2x2 slows its generation by the TP-pair curve
+    (1.5 at 4 ranks) and its training by s(4) = 2: 0.1 * 1.5 + 0.2 * 2 + 0.01; gen_tp 1 and a
+    profile without the pair curve keep s(4) for both phases: (0.1 + 0.2) * 2 + 0.01."""
+    prof = _toy_profile()
+    prof.concurrency = [[1, 1.0, 0.0], [2, 1.0, 0.0], [4, 2.0, 0.0]]
+    prof.tp_concurrency = [[2, 1.0], [4, 1.5]]
+    cpu4 = cm.cpu_cluster(4, 2)
+    tp2, tp1 = cm.Placement(4, "colocated", 4, 2, 2), cm.Placement(4, "colocated", 4, 1, 1)
+    assert cm.step_time(0.1, 0.2, 0.01, 1, tp2, cpu4, prof) == pytest.approx(0.56)
+    assert cm.step_time(0.1, 0.2, 0.01, 1, tp1, cpu4, prof) == pytest.approx(0.61)
+    assert prof.tp_pair_slowdown(8) == 3.0  # beyond the last point: grows as k
+    prof.tp_concurrency = []
+    assert cm.step_time(0.1, 0.2, 0.01, 1, tp2, cpu4, prof) == pytest.approx(0.61)
+
+
+def test_tp_pair_slowdowns_hand_computed():
+    """Alone the first pair steps every 10 ms; together both pairs step every 20 ms, the second
+    pair starting 50 ms late: only the window where all four run counts, so 2.0, not less. The
+    second round's machine is 20% slower alone and together alike: still 2.0 (same round)."""
+    from launch.core_share import pair_slowdowns
+
+    def rank(pair_start: float, slow: float):
+        return [[rnd, 1, 0.0, [s * 0.010 * f for s in range(1, 25)]] for rnd, f in ((0, 1.0), (1, slow))] + \
+               [[rnd, 2, pair_start, [pair_start + s * 0.020 * f for s in range(1, 25)]]
+                for rnd, f in ((0, 1.0), (1, slow))]
+    runs = [rank(10.0, 1.2), rank(10.0, 1.2), rank(10.05, 1.2), rank(10.05, 1.2)]
+    assert pair_slowdowns(runs, 2, 2) == [[2, 1.0], [4, pytest.approx(2.0)]]
+    with pytest.raises(RuntimeError, match="overlapped for .* too short"):
+        pair_slowdowns([rank(10.0, 1.0)] * 2 + [rank(20.0, 1.0)] * 2, 2, 2)
+
+
+def test_tp_pair_probe_runs_real_pairs():
+    """launch/core_share.py's TP-pair probe on a tiny model: two gloo TP pairs decode alone and
+    together; nothing to measure for one pair or a tied model."""
+    import dataclasses
+    from launch.core_share import tp_pair_curve
+    wl = cm.Workload(2, 2, 4, 8)
+    curve = tp_pair_curve(TINY, wl, 4, rounds=1)
+    assert [k for k, _ in curve] == [2, 4] and curve[0][1] == 1.0 and 1.0 <= curve[1][1] < 10
+    assert tp_pair_curve(TINY, wl, 3) == []
+    assert tp_pair_curve(dataclasses.replace(TINY, tie_word_embeddings=True), wl, 4) == []
+
+
 def test_sync_bytes_real_plan_matches_closed_form_and_reduced_plan():
     p = cm.Placement(16, "split", 8, 4, 2)  # trainer 4 x 2, generator 2 x 4
     even = cm.sync_bytes_even(TINY, p, 2)
