@@ -22,6 +22,7 @@ runs, and not always by the same factor. The last line is JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     print_json({"bench": "plan_vs_measured", "layouts": len(rows), "ok": len(ok),
                 "within_30pct": within, "median_abs_err": statistics.median(errs) if errs else None,
                 "max_abs_err": max(errs, default=None), "choice": choice, "rows": rows,
-                "profile_notes": prof.notes, "cluster_table": table,
+                "profile": dataclasses.asdict(prof), "cluster_table": table,
                 "seconds": time.perf_counter() - t_start})
     return 0
 

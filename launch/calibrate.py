@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from launch.core_share import slowdown_curve, tp_pair_curve  # noqa: E402
+from launch.core_share import pair_probes, slowdown_curve  # noqa: E402
 from launch.cost_model import Profile, Workload, model_signature  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 
@@ -258,7 +258,19 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     sharded = build_model(args, device, dtype, parallelize=lambda m: parallelize_generator(m, mesh))
     res["tp_decode_excess"] = _paired_decode_excess(sharded, plain, wl, device, mesh["tp"].get_group())
     res["handoff"] = _handoff_times(rank, wl, sorted({1, wl.prompts_per_step}))
+    res["gather"] = [world, gather_time(rank, world, wl)]
     return res
+
+
+def gather_time(rank: int, world: int, wl: Workload) -> float:
+    """Seconds of the colocated step's exchange of the batch's groups among `world` ranks, each
+    giving its share (trainer/colocated.py's gather_groups): the median of 7, each after a
+    barrier. 2026-11-30: colocated 4x1 spent 11-20 ms of its ~0.165 s step in it."""
+    import torch.distributed as dist
+    from trainer.colocated import gather_groups
+    share = replace_wl(wl, max(1, -(-wl.prompts_per_step // world)))
+    mine = [g.to_dict() for g in synthetic_groups(share, 64, seed=rank)]
+    return statistics.median(wall_times(lambda: gather_groups(mine), 7, before=dist.barrier))
 
 
 def _handoff_times(rank: int, wl: Workload, prompt_counts: list[int]) -> list:
@@ -424,16 +436,18 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         conc = _pool_concurrency(conc, slowdown_curve(args, wl, mbt, max_ranks, rounds=2))
         curve = [(k, round(v, 2), round(c, 2)) for k, v, c in conc]
         log(f"  cores: slowdown, phase cv of k busy ranks {curve}")
-    pairs = tp_pair_curve(args, wl, max_ranks, rounds=4) if cpu and comm else []
-    if pairs:
-        log(f"  cores: slowdown of generator TP pairs decoding at once {[(k, round(v, 2)) for k, v in pairs]}")
+    four = pair_probes(args, wl, max_ranks, rounds=4) if cpu and comm else {}
+    if four:
+        log(f"  cores: slowdown of generator TP pairs decoding at once "
+            f"{[(k, round(v, 2)) for k, v in four['tp_concurrency']]}")
     local = _min_block(first, _local_block(model, wl, dev, counts, batches, r2, mbt))
     log(f"  block 2 ({time.perf_counter() - t0:.1f}s)")
     (t_step, micro, mb_tok) = local.pop("train_step")
     prof = Profile(device=str(dev) if cpu else torch.cuda.get_device_name(dev),
                    dtype=str(dtype).removeprefix("torch."), threads=threads,
                    model=model_signature(args), **local, train_overhead=0.0,
-                   p2p=[], allreduce=[], allgather=[], concurrency=conc, tp_concurrency=pairs,
+                   p2p=[], allreduce=[], allgather=[], concurrency=conc,
+                   tp_concurrency=four.get("tp_concurrency", []),
                    notes={"workload": dataclasses.asdict(wl), "micro_batch_tokens": mbt,
                           "torch": torch.__version__, "loadavg": os.getloadavg()[0]})
     prof.train_overhead = max(0.0, t_step - micro * prof.train_microbatch_s(mb_tok))
@@ -443,6 +457,7 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         f"{prof.decode_step_s(batches[-1]) * 1e3:.2f} ms")
     if c is not None:
         prof.p2p, prof.allreduce, prof.allgather = c["p2p"], c["allreduce"], c["allgather"]
+        prof.coloc_gather = [c["gather"], *four.get("coloc_gather", [])]
         _collective_costs(prof, args, c)
         log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s; "
             f"per collective incl. DTensor: FSDP {prof.collective_s * 1e3:.2f} ms, TP "

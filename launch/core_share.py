@@ -19,7 +19,7 @@ often holds a core alone for a whole window), so a phase of fixed work ends earl
 where ranks wait for each other (the staleness gate, a batch from several generator replicas)
 that spread lengthens the step (launch/pipeline.py).
 
-Generator TP pairs (`tp_pair_curve`) are measured apart: k/2 pairs of real gloo ranks decode on a
+Generator TP pairs (`pair_probes`) are measured apart: k/2 pairs of real gloo ranks decode on a
 TP=2 model at once, against one pair alone. A TP decode step is mostly waiting on its peer in the
 all-reduces (2 ranks, 2 cores: ~3 ms per collective, ~0.6 ms of compute per step), and a waiting
 rank leaves its core to the others, so two pairs slow each other ~1.6-1.9x where k compute-bound
@@ -85,22 +85,24 @@ def slowdown_curve(args, wl, micro_batch_tokens: int, max_ranks: int, seconds: f
             p.close()
 
 
-def tp_pair_curve(args, wl, max_ranks: int, rounds: int = 3, steps: int = 0,
-                  timeout_s: float = 300.0) -> list:
-    """[[k, slowdown]] of generator TP=2 pairs, k = 2, 4, .. max_ranks (module docstring): the
-    colocated generator's mesh (max_ranks // 2 replicas of TP 2) on real gloo ranks; each
-    replica decodes its share of the step's prompts (`steps` decode steps, default one batch's
-    response length). slowdown(2) = 1: one pair alone, the case the two-rank TP probe measures
-    (launch/calibrate.py). [] where there is nothing to measure: fewer than two pairs, or tied
-    embeddings (no TP)."""
+def pair_probes(args, wl, max_ranks: int, rounds: int = 3, steps: int = 0,
+                timeout_s: float = 300.0) -> dict:
+    """Measurements on the colocated generator's mesh (max_ranks // 2 replicas of TP 2, real gloo
+    ranks): "tp_concurrency", [[k, slowdown]] of generator TP=2 pairs, k = 2, 4, .. max_ranks
+    (module docstring), each replica decoding its share of the step's prompts (`steps` decode
+    steps, default one batch's response length); slowdown(2) = 1: one pair alone, the case the
+    two-rank TP probe measures (launch/calibrate.py); and "coloc_gather", [[k, s]]: the
+    colocated step's exchange of groups among all k ranks (launch/calibrate.py's gather_time).
+    {} where there is nothing to measure: fewer than two pairs, or tied embeddings (no TP)."""
     pairs = max_ranks // 2
     if pairs < 2 or args.tie_word_embeddings:
-        return []
+        return {}
     from parallel.spawn import run_ranks
     steps = steps or wl.response_len
     runs = run_ranks(_pair_rank, 2 * pairs, dataclasses.asdict(args), dataclasses.asdict(wl),
                      steps, rounds, timeout=timeout_s)
-    return pair_slowdowns([r["runs"] for r in runs], pairs, rounds)
+    return {"tp_concurrency": pair_slowdowns([r["runs"] for r in runs], pairs, rounds),
+            "coloc_gather": [runs[0]["gather"]]}
 
 
 def pair_slowdowns(runs: list, pairs: int, rounds: int) -> list:
@@ -133,7 +135,7 @@ def _rate_within(ends: list, lo: float, hi: float) -> float:
 
 
 def _pair_rank(rank: int, world: int, args_d: dict, wl_d: dict, steps: int, rounds: int) -> dict:
-    """One rank of `tp_pair_curve`: for each round and each count j of active pairs, the first j
+    """One rank of `pair_probes`: for each round and each count j of active pairs, the first j
     pairs decode `steps` steps while the others wait on the store (blocked in a socket read: a
     rank waiting inside gloo used CPU for ~2/3 of an all-reduce's wall time here, which would
     take cores from the pairs being timed)."""
@@ -143,6 +145,7 @@ def _pair_rank(rank: int, world: int, args_d: dict, wl_d: dict, steps: int, roun
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from launch.calibrate import gather_time
     from launch.cost_model import Workload
     from model.args import ModelArgs
     from parallel.sharding import build_model, parallelize_generator
@@ -169,7 +172,7 @@ def _pair_rank(rank: int, world: int, args_d: dict, wl_d: dict, steps: int, roun
                 if store.add(key, 1) == 2 * j:
                     store.set(key + "/all", "1")
             store.wait([key + "/all"], timedelta(seconds=120))
-    return {"runs": out}
+    return {"runs": out, "gather": [world, gather_time(rank, world, wl)]}
 
 
 def _deviations(per_process: list) -> list:

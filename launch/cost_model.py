@@ -602,6 +602,8 @@ def assemble(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, mem: Memo
     else:
         sb = sync or sync_bytes_even(args, p, gb)
     ts = sync_time(sb, cl, p, prof)
+    if p.mode == "colocated" and prof is not None and getattr(prof, "coloc_gather", None):
+        ts += prof.gather_s(p.world)  # every rank gets every group (trainer/colocated.py)
     e = Estimate(p, mem, Times(g["total"], tr["total"], ts, {"gen": g, "train": tr, "sync_bytes": sb}))
     comm = dict(gen_comm=g.get("comm", 0.0), train_comm=tr.get("comm", 0.0))
     e.step_sync = step_time(g["total"], tr["total"], ts, 0, p, cl, prof, **comm)
@@ -702,6 +704,7 @@ class Profile:
     tp_step_s: float = 0.0        # likewise on TP DTensors
     concurrency: list = field(default_factory=list)  # [[k, slowdown, phase cv]] of k busy ranks
     tp_concurrency: list = field(default_factory=list)  # [[k, slowdown]] of k/2 generator TP=2 pairs
+    coloc_gather: list = field(default_factory=list)  # [[k, s]] colocated exchange of a step's groups
     notes: dict = field(default_factory=dict)
 
     # ----- I/O
@@ -788,6 +791,17 @@ class Profile:
     def slowdown(self, k: int) -> float:
         """Measured slowdown of k busy ranks, interpolated; beyond the last point it grows as k."""
         return _slowdown_at(sorted(row[:2] for row in self.concurrency), k)
+
+    def gather_s(self, k: int) -> float:
+        """The colocated exchange of a step's groups among k ranks: interpolated in the measured
+        points; beyond them, or from a single point, in proportion to the k - 1 peers."""
+        pts = sorted(self.coloc_gather)
+        if k <= 1 or not pts:
+            return 0.0
+        if len(pts) > 1 and pts[0][0] <= k <= pts[-1][0]:
+            return _interpolate(pts, k)
+        k0, t0 = pts[-1] if k > pts[-1][0] else pts[0]
+        return t0 * (k - 1) / (k0 - 1)
 
     def tp_pair_slowdown(self, k: int) -> float:
         """Measured slowdown of k ranks in generator TP=2 pairs decoding at once, likewise."""

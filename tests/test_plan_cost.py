@@ -185,16 +185,37 @@ def test_tp_pair_slowdowns_hand_computed():
         pair_slowdowns([rank(10.0, 1.0)] * 2 + [rank(20.0, 1.0)] * 2, 2, 2)
 
 
-def test_tp_pair_probe_runs_real_pairs():
-    """launch/core_share.py's TP-pair probe on a tiny model: two gloo TP pairs decode alone and
-    together; nothing to measure for one pair or a tied model."""
+def test_pair_probes_run_real_pairs():
+    """launch/core_share.py's probes on the colocated generator mesh of a tiny model: two gloo TP
+    pairs decode alone and together, and the four ranks exchange a step's groups; nothing to
+    measure for one pair or a tied model."""
     import dataclasses
-    from launch.core_share import tp_pair_curve
+    from launch.core_share import pair_probes
     wl = cm.Workload(2, 2, 4, 8)
-    curve = tp_pair_curve(TINY, wl, 4, rounds=1)
+    got = pair_probes(TINY, wl, 4, rounds=1)
+    curve, ((k, gather),) = got["tp_concurrency"], got["coloc_gather"]
     assert [k for k, _ in curve] == [2, 4] and curve[0][1] == 1.0 and 1.0 <= curve[1][1] < 10
-    assert tp_pair_curve(TINY, wl, 3) == []
-    assert tp_pair_curve(dataclasses.replace(TINY, tie_word_embeddings=True), wl, 4) == []
+    assert k == 4 and 0 < gather < 5
+    assert pair_probes(TINY, wl, 3) == {}
+    assert pair_probes(dataclasses.replace(TINY, tie_word_embeddings=True), wl, 4) == {}
+
+
+def test_colocated_step_pays_the_group_exchange():
+    """Measured at 2 and 4 ranks (4 and 9 ms): 3 ranks interpolate (6.5 ms), 8 ranks scale the
+    4-rank point by peers (9 * 7/3 = 21 ms), a lone point scales likewise (4 * 2 = 8 ms at 3);
+    the colocated estimate's sync carries it, a split layout's does not."""
+    prof = _toy_profile()
+    prof.coloc_gather = [[2, 4e-3], [4, 9e-3]]
+    assert (prof.gather_s(1), prof.gather_s(3), prof.gather_s(8)) == pytest.approx((0.0, 6.5e-3, 21e-3))
+    lone = _toy_profile()
+    lone.coloc_gather = [[2, 4e-3]]
+    assert lone.gather_s(3) == pytest.approx(8e-3)
+    cpu4, wl = cm.cpu_cluster(4, 2), cm.Workload(8, 4, 4, 12, eta=1, gen_dtype="float32")
+    coloc = cm.Placement(4, "colocated", 4, 1, 1)
+    with_gather = cm.estimate(TINY, cpu4, wl, coloc, prof).times.sync
+    assert with_gather - cm.estimate(TINY, cpu4, wl, coloc, _toy_profile()).times.sync == pytest.approx(9e-3)
+    split = cm.Placement(4, "split", 2, 1, 1)
+    assert cm.estimate(TINY, cpu4, wl, split, prof).times.sync == cm.estimate(TINY, cpu4, wl, split, _toy_profile()).times.sync
 
 
 def test_sync_bytes_real_plan_matches_closed_form_and_reduced_plan():
@@ -341,7 +362,9 @@ def test_two_rank_probe_measures_every_cost():
     from launch.calibrate import comm_costs
     wl = cm.Workload(2, 2, 4, 8)
     c = comm_costs(TINY, torch.float32, wl, 64, 1)
-    assert {"p2p", "allreduce", "allgather", "fsdp", "tp", "tp_decode_excess", "handoff"} <= set(c)
+    assert {"p2p", "allreduce", "allgather", "fsdp", "tp", "tp_decode_excess", "handoff", "gather"} <= set(c)
+    assert c["gather"][0] == 2 and c["gather"][1] > 0
+    assert c["tp"]["train_excess"] > 0 and c["tp"]["micro"] >= 1
     assert [n for n, _ in c["handoff"]] == [1, 2] and all(t > 0 for _, t in c["handoff"])
     assert c["tp_decode_excess"] > 0  # 2L + 2 collectives per decode step on top of the compute
     assert c["fsdp"]["units"] == "model" and c["fsdp"]["micro"] >= 1

@@ -42,6 +42,12 @@ class _PlanWithoutSelf:
         return self._plan.sends_from(self._rank).get(self._rank, [])
 
 
+def gather_groups(mine: list[dict], group=None) -> list[Group]:
+    """The colocated step's exchange: every rank's groups (as dicts), as Groups by prompt id."""
+    groups = [Group.from_dict(d) for part in all_gather_json(mine, group) for d in part]
+    return sorted(groups, key=lambda g: g.prompt_id)
+
+
 def all_gather_json(obj, group=None) -> list:
     """Every rank's JSON-able object, in rank order (no pickle): lengths first, then bytes."""
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
@@ -119,8 +125,7 @@ class ColocatedWorker:
         return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
 
     def _gather(self, mine: list[dict]) -> list[Group]:
-        groups = [Group.from_dict(d) for part in all_gather_json(mine) for d in part]
-        return sorted(groups, key=lambda g: g.prompt_id)
+        return gather_groups(mine)
 
     @torch.no_grad()
     def _reshard(self) -> None:
