@@ -247,7 +247,8 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         res[name] = {"fwd_bwd_excess": fb - t_fb, "step_excess": step - t_step}
         if name == "fsdp":  # the real step on each rank's share, against one rank doing that share
             share = replace_wl(wl, max(1, -(-wl.prompts_per_step // world)))
-            excess, micro, _ = _paired_excess(model, plain, share, device, mbt, mesh["fsdp"].get_group())
+            excess, micro, _ = _paired_excess(model, plain, share, device, mbt, mesh["fsdp"].get_group(),
+                                              pairs=21)
             res[name].update(train_excess=excess, micro=micro, units=model.fsdp_units)
         else:  # TP ranks train the whole batch, each on its half of every layer
             excess, micro, tokens = _paired_excess(model, plain, wl, device, mbt, None)
@@ -334,8 +335,9 @@ def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, dp_group, pai
     of real train steps, `dp_group` the sharded model's data-parallel group (None: TP only):
     each pair runs back to back, so a change of machine speed between two blocks of repetitions
     cannot enter the difference (blocks of 5 gave per-collective costs of 1.1 or 1.9 ms from one
-    calibration to the next). Every rank runs the plain step at the same time, each on its own
-    core."""
+    calibration to the next; with 7 pairs the FSDP probe's per-collective cost still came out
+    0.8-1.9 ms, so it takes 21, ~1.3 s). Every rank runs the plain step at the same time, each on
+    its own core."""
     sharded_step, micro, tokens = train_step_fn(sharded, wl, device, mbt, dp_group)
     plain_step = train_step_fn(plain, wl, device, mbt)[0]
     times = _paired_times([sharded_step, plain_step], device, dp_group, pairs)

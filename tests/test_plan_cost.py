@@ -325,6 +325,9 @@ def test_collectives_beyond_two_ranks_add_wire_latency_only():
     assert t[2]["micro_batches"] == t[4]["micro_batches"] == 1
     assert t[2]["fsdp_comm"] == pytest.approx(8 * 1e-3 + 5e-4)
     assert t[4]["fsdp_comm"] == pytest.approx(8 * 1e-3 + 5e-4 + 9 * 2e-4)
+    # the intercept comes from the two smallest sizes: large ones vary 2x on gloo and would move it
+    prof.allreduce = [[4096, 3.5e-4], [262144, 3.8e-4], [4 << 20, 4.6e-3], [16 << 20, 1e-2]]
+    assert prof.wire_latency_s == pytest.approx(3.5e-4 - 4096 * 0.3e-4 / 258048)
     prof.allreduce = []  # no link measurements: no extra latency known
     assert prof.ring_steps_s(4) == 0.0
 
