@@ -36,8 +36,11 @@ CPU ranks that share cores (the validation machine) slow each other down: with s
 of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time` uses
   sync     : compute_gen*s(G) + compute_train*s(T) + comm + T_sync (a rank waiting in a
              collective leaves the cores to the others, which are idle or in the same collective)
-  colocated: (T_gen + T_train)*s(N) + T_sync: every rank is in the same phase, and its collective
-             peers compete for the cores with the other ranks' compute
+  colocated: T_gen*s_gen(N) + T_train*s(N) + T_sync + gather(N): every rank is in the same
+             phase, and its collective peers compete for the cores with the other ranks'
+             compute; s_gen is the measured slowdown of generator TP=2 pairs where gen_tp = 2
+             (they mostly wait on each other), else s(N); gather(N) is the measured exchange
+             of the step's groups among all N ranks (trainer/colocated.py)
   async    : a*s(G+T) + (b-a)*s(ranks of b) (+ T_sync on the trainer's side),  a <= b the two
              whole phases, communication included: it competes with the other mesh's compute
 which reduce to the formulas above when s = 1. Time-sharing also makes each phase's duration
