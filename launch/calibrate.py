@@ -236,15 +236,14 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         full = torch.empty(nbytes // 4 // world * world, device=device)
         res["allgather"].append([nbytes, timed(lambda: dist.all_gather_into_tensor(
             full, x[:full.numel() // world]), device, reps=9)])
-    # FSDP/TP costs where they dominate: one short sequence (compute ~0), many repetitions
+    # FSDP/TP costs: the optimizer step on DTensors, then real train steps paired with plain ones
     args, wl = ModelArgs(**args_d), Workload(**wl_d)
     plain = build(args, device, dtype)
-    t_fb, t_step = _overhead_times(plain, wl.seq_len, device)
+    t_step = _optimizer_step_time(plain, wl.seq_len, device)
     for name, shape in (("fsdp", (world, 1)), ("tp", (1, world))):
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("fsdp", "tp"))
         model = build_model(args, device, dtype, parallelize=lambda m: parallelize_trainer(m, mesh))
-        fb, step = _overhead_times(model, wl.seq_len, device)
-        res[name] = {"fwd_bwd_excess": fb - t_fb, "step_excess": step - t_step}
+        res[name] = {"step_excess": _optimizer_step_time(model, wl.seq_len, device) - t_step}
         if name == "fsdp":  # the real step on each rank's share, against one rank doing that share
             share = replace_wl(wl, max(1, -(-wl.prompts_per_step // world)))
             excess, micro, _ = _paired_excess(model, plain, share, device, mbt, mesh["fsdp"].get_group(),
@@ -310,24 +309,21 @@ def _handoff_times(rank: int, wl: Workload, prompt_counts: list[int]) -> list:
     return out
 
 
-def _overhead_times(model, tokens: int, device, reps: int = 15) -> tuple[float, float]:
-    """(forward+backward of `tokens` tokens, gradient-norm clip + AdamW step): medians, not the
-    undisturbed minimum, because a collective's time includes waiting for the peer to be
+def _optimizer_step_time(model, tokens: int, device, reps: int = 15) -> float:
+    """The gradient-norm clip + AdamW step, after one backward of `tokens` tokens: the median, not
+    the undisturbed minimum, because a collective's time includes waiting for the peer to be
     scheduled, which is part of its real cost (with minima, the model missed FSDP layouts by
     up to -43% in bench/plan_vs_measured.py)."""
     from config import load_config
     from trainer.optim import build_optimizer, clip_grad_norm
-    fb = timed(_fwd_bwd(model, tokens, tokens, device, True), device, reps=reps,
-               stat=statistics.median)
     opt = build_optimizer(model, load_config(None, []).trainer)  # the trainer's own AdamW
     with torch.set_grad_enabled(True):  # leave gradients in place for the step
         logits = model(torch.zeros(tokens, dtype=torch.long, device=device),
                        seq_lens=torch.tensor([tokens], device=device))
         logits.float().sum().backward()
     params = list(model.parameters())
-    step = timed(lambda: (clip_grad_norm(params, 1.0), opt.step()), device, reps=reps,
+    return timed(lambda: (clip_grad_norm(params, 1.0), opt.step()), device, reps=reps,
                  stat=statistics.median)
-    return fb, step
 
 
 def _paired_excess(sharded, plain, wl: Workload, device, mbt: int, dp_group, pairs: int = 7) -> tuple:
@@ -488,22 +484,19 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     collective costs amid real micro-batches, waits for the peer included. TP likewise: the
     real 2-rank step of the whole batch against one rank's, plus the compute TP saves as the
     layer fits model it, less the per-step excess, over its collectives (2 per layer each way +
-    4 per micro-batch, 6 per step). The probe before it, one short sequence's forward/backward
-    (kept for profiles without the real step), overpredicted the trainer-TP layouts by 3-15% at
-    2.9 ms per collective and by 24-36% once it came out 3.6 (bench/plan_vs_measured.py,
-    2026-11-30). The per-step excesses are kept as they are."""
+    4 per micro-batch, 6 per step). The probe before it, one short sequence's forward/backward,
+    overpredicted the trainer-TP layouts by 3-15% at 2.9 ms per collective and by 24-36% once it
+    came out 3.6 (bench/plan_vs_measured.py, 2026-11-30). The per-step excesses are kept as they
+    are."""
     from launch.cost_model import norm_reductions, trainer_collectives
-    L = args.num_layers
     f, t = c["fsdp"], c["tp"]
     n = trainer_collectives(args, f["micro"], 2, 1, False, f["units"])["fsdp"] - norm_reductions(2, 1)
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
-    if "train_excess" in t:  # the real step's excess, plus the compute TP saves as modelled
-        saved = t["micro"] * (prof.train_microbatch_s(t["tokens"]) - prof.train_microbatch_s(t["tokens"], 2))
-        n = trainer_collectives(args, t["micro"], 1, 2, False)["tp"] - norm_reductions(1, 2)
-        prof.tp_collective_s = max(0.0, (t["train_excess"] + saved - max(0.0, t["step_excess"])) / n)
-    else:
-        prof.tp_collective_s = max(0.0, t["fwd_bwd_excess"] / (4 * L + 4))
-    prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * L + 2))
+    # the real TP step's excess, plus the compute TP saves as the layer fits model it
+    saved = t["micro"] * (prof.train_microbatch_s(t["tokens"]) - prof.train_microbatch_s(t["tokens"], 2))
+    n = trainer_collectives(args, t["micro"], 1, 2, False)["tp"] - norm_reductions(1, 2)
+    prof.tp_collective_s = max(0.0, (t["train_excess"] + saved - max(0.0, t["step_excess"])) / n)
+    prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * args.num_layers + 2))
     prof.handoff = c["handoff"]
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
     prof.tp_step_s = max(0.0, c["tp"]["step_excess"])

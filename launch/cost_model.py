@@ -791,7 +791,8 @@ class Profile:
         """The 2-rank all-reduce's intercept, from its two smallest sizes (latency-bound): the fit
         through all sizes leans on the large ones, whose time varies 2x from one calibration to
         the next on gloo (4 MB: 1.9-4.6 ms), and put it anywhere in 0.1-0.54 ms (2026-11-30)."""
-        (b0, t0), (b1, t1) = sorted(self.allreduce)[:2] if len(self.allreduce) > 1 else self.allreduce * 2
+        pts = sorted(self.allreduce)
+        (b0, t0), (b1, t1) = pts[0], pts[min(1, len(pts) - 1)]
         slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
         return max(0.0, t0 - b0 * max(slope, 0.0))
 
