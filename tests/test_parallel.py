@@ -265,6 +265,21 @@ def test_all_to_all_reduce_scatter_equals_gloo_and_hand_sum(world):
         torch.testing.assert_close(res["avg"], mine / world)
 
 
+def _stats_worker(rank, world):
+    import torch.distributed as dist
+    from trainer.metrics import reduce_stats
+    mine = {"loss_sum": 1.5 * (rank + 1), "tokens": 10.0 + rank, "is_ratio_max": [1.25, 3.0, 0.5][rank]}
+    return {"group": reduce_stats(mine, dist.group.WORLD), "alone": reduce_stats(mine, None)}
+
+
+def test_reduce_stats_sums_and_takes_the_max_over_ranks():
+    """The step statistics over 3 gloo ranks, in one collective, against hand sums; no group
+    leaves them as they are."""
+    for rank, res in enumerate(run_ranks(_stats_worker, 3)):
+        assert res["group"] == {"loss_sum": 9.0, "tokens": 33.0, "is_ratio_max": 3.0}
+        assert res["alone"]["tokens"] == 10.0 + rank
+
+
 def _generator_worker(rank, world, folder):
     from torch.distributed.device_mesh import init_device_mesh
     from model.hf_io import load_model_args

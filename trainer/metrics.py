@@ -48,18 +48,21 @@ class MetricsLogger:
 
 
 def reduce_stats(stats: dict, dp_group) -> dict:
-    """Sum a rank's token-summed step stats over the data-parallel ranks (max for the IS max)."""
+    """Sum a rank's token-summed step stats over the data-parallel ranks (max for the IS max), in
+    one collective: every rank's row is gathered and reduced here. Two all-reduces (sum, then max)
+    cost ~5 ms per step at 3 gloo ranks on 2 cores, each a wait for the slowest trainer."""
     import torch
     import torch.distributed as dist
 
     keys = sorted(stats)
-    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-    mx = torch.tensor([stats["is_ratio_max"]], dtype=torch.float64)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(t, group=dp_group)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=dp_group)
-    out = dict(zip(keys, t.tolist()))
-    out["is_ratio_max"] = float(mx)
+    row = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return {k: float(v) for k, v in zip(keys, row)}
+    rows = torch.empty(dist.get_world_size(dp_group) * len(keys), dtype=torch.float64)
+    dist.all_gather_into_tensor(rows, row, group=dp_group)
+    rows = rows.view(-1, len(keys))
+    out = dict(zip(keys, rows.sum(0).tolist()))
+    out["is_ratio_max"] = float(rows[:, keys.index("is_ratio_max")].max())
     return out
 
 
