@@ -118,18 +118,18 @@ def test_train_time_and_collectives_hand_computed():
     flops = 6 * cm.matmul_params(L8B) * tokens + 3 * 2 * 32 * 4096 * 2560 ** 2 * 128
     assert t["compute"] == pytest.approx(flops / (989e12 * 0.4))
     micro = -(-tokens // 16384)
-    collectives = 3 * 33 * micro + 1 + 6  # 33 FSDP units; grad norm (1 mesh dim) + bookkeeping
+    collectives = 3 * 33 * micro + 1 + 4  # 33 FSDP units; grad norm (1 mesh dim) + bookkeeping
     comm = micro * (2 * 2 + 4) * 63 / 64 * L8B.num_params() / 40e9 + collectives * 63 * 10e-6
     assert t["fsdp_comm"] == pytest.approx(comm)
     assert t["comm"] == 0.0  # hidden under compute (overlap 1)
     assert cm.allreduce_s(8, 1e6, 360e9, 10e-6) == pytest.approx(2 * 7 / 8 * 1e6 / 360e9 + 14e-5)
     assert cm.allgather_s(1, 1e9, 1.0, 1.0) == 0.0
-    # the tiny model, fsdp 2 with 4 micro-batches -> 3*3*4 + 1 + 6 = 43 (docstring)
-    assert cm.trainer_collectives(TINY, 4, 2, 1, False) == {"fsdp": 43, "tp": 0}
-    assert cm.trainer_collectives(TINY, 4, 1, 2, True) == {"fsdp": 0, "tp": (8 + 4 + 4) * 4 + 7}
-    assert cm.trainer_collectives(TINY, 4, 2, 2, False)["fsdp"] == 3 * 3 * 4 + 2 + 6
+    # the tiny model, fsdp 2 with 4 micro-batches -> 3*3*4 + 1 + 4 = 41 (docstring)
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False) == {"fsdp": 41, "tp": 0}
+    assert cm.trainer_collectives(TINY, 4, 1, 2, True) == {"fsdp": 0, "tp": (8 + 4 + 4) * 4 + 5}
+    assert cm.trainer_collectives(TINY, 4, 2, 2, False)["fsdp"] == 3 * 3 * 4 + 2 + 4
     # one "model" unit: one all-gather + one reduce-scatter per step, whatever the micro-batches
-    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model") == {"fsdp": 2 + 1 + 6, "tp": 0}
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model") == {"fsdp": 2 + 1 + 4, "tp": 0}
 
 
 def test_step_time_formulas():
@@ -314,7 +314,7 @@ def test_generator_tp_uses_the_decode_probe():
 def test_collectives_beyond_two_ranks_add_wire_latency_only():
     """The 2-rank probe's per-collective cost is per-call work; each extra ring step on k ranks
     adds the 2-rank all-reduce's intercept. Hand-computed: FSDP "model" units, 1 micro-batch:
-    2 + (1 + 6) = 9 collectives; on 2 ranks (9 - 1) * c + step; on 4 ranks + 9 * 2 * a."""
+    2 + (1 + 4) = 7 collectives; on 2 ranks (7 - 1) * c + step; on 4 ranks + 7 * 2 * a."""
     prof = _toy_profile()
     prof.collective_s, prof.fsdp_step_s = 1e-3, 5e-4
     prof.allreduce = [[1000, 2e-4], [2000, 3e-4]]  # intercept a = 1e-4 s
@@ -323,8 +323,8 @@ def test_collectives_beyond_two_ranks_add_wire_latency_only():
     wl = cm.Workload(4, 2, 4, 8)
     t = {k: cm.train_time(TINY, cl, wl, k, 1, False, 10_000, prof) for k in (2, 4)}
     assert t[2]["micro_batches"] == t[4]["micro_batches"] == 1
-    assert t[2]["fsdp_comm"] == pytest.approx(8 * 1e-3 + 5e-4)
-    assert t[4]["fsdp_comm"] == pytest.approx(8 * 1e-3 + 5e-4 + 9 * 2e-4)
+    assert t[2]["fsdp_comm"] == pytest.approx(6 * 1e-3 + 5e-4)
+    assert t[4]["fsdp_comm"] == pytest.approx(6 * 1e-3 + 5e-4 + 7 * 2e-4)
     # the intercept comes from the two smallest sizes: large ones vary 2x on gloo and would move it
     prof.allreduce = [[4096, 3.5e-4], [262144, 3.8e-4], [4 << 20, 4.6e-3], [16 << 20, 1e-2]]
     assert prof.wire_latency_s == pytest.approx(3.5e-4 - 4096 * 0.3e-4 / 258048)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from trainer import losses
 from trainer.advantages import group_advantages
 from trainer.batch import Group, PackedBatch, flatten_groups, pack, rewards_GN, token_budget_bins
+from trainer.metrics import gather_rows
 from trainer.optim import clip_grad_norm
 
 
@@ -44,11 +44,6 @@ class NonFiniteGuard:
                 f"(last grad norm {res.grad_norm}); lower trainer.lr, check the data, or raise "
                 f"trainer.max_nonfinite_steps")
 
-
-def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[PackedBatch]:
@@ -88,8 +83,8 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     acfg, temp = cfg.algo, cfg.generator.temperature
     batches = [b.to(device) for b in micro_batches(groups, acfg.advantage, cfg.trainer.micro_batch_tokens)]
     counts = torch.tensor([len(batches), sum(int(b.loss_mask_N.sum()) for b in batches)])
-    n_micro, _ = _all_reduce(counts.clone(), dist.ReduceOp.MAX, dp_group).tolist()
-    global_tokens = int(_all_reduce(counts.clone(), dist.ReduceOp.SUM, dp_group)[1])
+    rows = gather_rows(counts, dp_group)  # every rank runs the most micro-batches of any
+    n_micro, global_tokens = int(rows[:, 0].max()), int(rows[:, 1].sum())
     if not batches:
         raise ValueError("a trainer rank got no samples; raise trainer.prompts_per_step to at least "
                          "trainer_fsdp")
