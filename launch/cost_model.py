@@ -42,10 +42,7 @@ of k busy ranks (measured by the profile, else max(1, k/cores)), `step_time` use
              (they mostly wait on each other), else s(N); gather(N) is the measured exchange
              of the step's groups among all N ranks (trainer/colocated.py)
   async    : a*s(G+T) + (b-a)*s(ranks of b) (+ T_sync on the trainer's side),  a <= b the two
-             whole phases, communication included: it competes with the other mesh's compute;
-             where the profile measured the layout's own mix of TP-1 generators and FSDP
-             trainers (launch/core_mix.py), each side runs at its own measured slowdown while
-             both are busy (FSDP trainers wait in their collectives and leave cores)
+             whole phases, communication included: it competes with the other mesh's compute
 which reduce to the formulas above when s = 1. Time-sharing also makes each phase's duration
 vary (cv(k), measured with s(k)); the step is then the mean of launch/pipeline.py's recurrence
 (staleness gate, the slowest of the gen_dp replicas) over phases drawn around those means, which
@@ -565,10 +562,6 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
         step = max(cpu + sync if b trains, a*s(G+T) + sync if a trains)
     With s = 1 both are the formulas of the module docstring. E.g. 2 shared cores, G = 1, T = 2,
     T_gen = 0.1, T_train = 0.2, no sync: a = 0.1, b = 0.2: 0.1*1.5 + 0.1*1.0 = 0.25 s.
-    Where the profile measured the layout's own mix (TP-1 generators beside FSDP trainers), each
-    side is slowed by its own measured factor while both run (`mix_slowdowns`, `overlapped`): a
-    generator beside three FSDP trainers, which wait in their collectives, was measured 1.7x
-    slower, two generators beside two trainers 2.2x, where s(4) = 2.25 for both.
     These are the phases' means. Where the profile measured how much a phase's duration varies
     among busy ranks (cv), the step is launch/pipeline.py's mean over phases that vary so: a
     step waits for the latest of the generator replicas and the trainer, and time-sharing's
@@ -584,35 +577,10 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     if eta == 0:
         return mean_step_s(cg * s(g) + gen_comm, ct * s(t) + train_comm + t_sync + 2 * LINK_POLL_S,
                            0, p.gen_dp, cv(g), cv(t))
-    s_gen, s_train = mix_slowdowns(p, cl, prof)
-    gen, train = overlapped(t_gen, t_train, s_gen, s_train, s(g), s(t))
+    shared = min(t_gen, t_train) * s(g + t)
+    alone = abs(t_gen - t_train) * s(t if t_train >= t_gen else g)
+    gen, train = (shared, shared + alone) if t_train >= t_gen else (shared + alone, shared)
     return mean_step_s(gen, train + t_sync, eta, p.gen_dp, cv(g + t), cv(g + t))
-
-
-def mix_slowdowns(p: Placement, cl: Cluster, prof=None) -> tuple[float, float]:
-    """(generator, trainer) slowdowns while both meshes of a split layout are busy: the profile's
-    measurement of that very mix where it has one (TP-1 generators beside FSDP trainers, which
-    wait in their collectives and leave cores: launch/core_mix.py), the trainer's relative to its
-    group alone, s(T); else s(G + T) for both."""
-    g, t = p.generator_ranks, p.trainer_ranks
-    row = prof.mix_slowdown(g, t) if prof is not None and p.gen_tp == 1 and p.trainer_tp == 1 \
-        and hasattr(prof, "mix_slowdown") else None
-    if row is None:
-        return (slowdown(g + t, cl, prof),) * 2
-    return row[0], row[1] * slowdown(t, cl, prof)
-
-
-def overlapped(t_gen: float, t_train: float, s_gen: float, s_train: float, s_g: float,
-               s_t: float) -> tuple[float, float]:
-    """(generation, training) wall times of two phases that start together, each slowed by its
-    s_* while both run; the one left then runs alone, slowed by s_g or s_t (its own ranks). E.g.
-    t_gen = 0.1, t_train = 0.2, s_gen = s_train = 1.5, s_t = 1: (0.15, 0.15 + 0.1) = (0.15, 0.25).
-    With s_gen = s_train it is the processor-sharing formula of `step_time`."""
-    if t_gen * s_gen <= t_train * s_train:
-        gen = t_gen * s_gen
-        return gen, gen + (t_train - gen / s_train) * s_t
-    train = t_train * s_train
-    return train + (t_gen - train / s_gen) * s_g, train
 
 
 def phase_cv(k: int, prof=None) -> float:
@@ -745,7 +713,6 @@ class Profile:
     tp_step_s: float = 0.0        # likewise on TP DTensors
     concurrency: list = field(default_factory=list)  # [[k, slowdown, phase cv]] of k busy ranks
     tp_concurrency: list = field(default_factory=list)  # [[k, slowdown]] of k/2 generator TP=2 pairs
-    mix: list = field(default_factory=list)  # [[G, T, s_gen, s_train]] split mixes (launch/core_mix.py)
     coloc_gather: list = field(default_factory=list)  # [[k, s]] colocated exchange of a step's groups
     notes: dict = field(default_factory=dict)
 
@@ -854,10 +821,6 @@ class Profile:
             return _interpolate(pts, k)
         k0, t0 = pts[-1] if k > pts[-1][0] else pts[0]
         return t0 * (k - 1) / (k0 - 1)
-
-    def mix_slowdown(self, g: int, t: int) -> tuple[float, float] | None:
-        """(s_gen, s_train) measured for G generators beside T FSDP trainers, or None."""
-        return next(((sg, st) for gg, tt, sg, st in self.mix if (gg, tt) == (g, t)), None)
 
     def tp_pair_slowdown(self, k: int) -> float:
         """Measured slowdown of k ranks in generator TP=2 pairs decoding at once, likewise."""
