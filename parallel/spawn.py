@@ -3,10 +3,12 @@ the distributed tests, the benchmarks and the profiler.
 
 Each rank returns a dict of tensors / numbers / strings; it comes back through a torch.save file
 read with `weights_only=True` (no arbitrary unpickling). A rank's exception fails the call with
-that rank's traceback; a hang fails it after `timeout` seconds instead of blocking forever.
+that rank's traceback; a hang fails it after `timeout` seconds instead of blocking forever, with
+every rank's thread stacks as they were STACKS_BEFORE_S earlier (where each one waited).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -26,10 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, outdir, threads, backend, fn, args):
+STACKS_BEFORE_S = 10.0  # a hung rank writes every thread's stack this long before the time-out
+
+
+def _worker(rank, world, port, outdir, threads, backend, fn, args, timeout=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
+    stacks = open(Path(outdir) / f"rank{rank}.stacks", "w")
+    if timeout is not None:  # so that a hang names where each rank waits (run_ranks reports it)
+        faulthandler.dump_traceback_later(max(1.0, timeout - STACKS_BEFORE_S), file=stacks)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = fn(rank, world, *args)
@@ -42,6 +50,8 @@ def _worker(rank, world, port, outdir, threads, backend, fn, args):
         (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
+        faulthandler.cancel_dump_traceback_later()
+        stacks.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -50,16 +60,27 @@ def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1,
               backend: str = "gloo") -> list[dict]:
     """Run `fn(rank, world, *args)` on `world` spawned ranks; return each rank's result."""
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, threads, backend, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world, free_port(), outdir, threads, backend, fn, args,
+                                                timeout), nprocs=world, join=False, start_method="spawn")
         try:
             deadline = time.monotonic() + timeout
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
-                    errs = "\n".join(e.read_text() for e in sorted(Path(outdir).glob("*.err")))
-                    raise TimeoutError(f"{world} ranks did not finish in {timeout:.0f}s\n{errs}")
+                    raise TimeoutError(f"{world} ranks did not finish in {timeout:.0f}s\n"
+                                       f"{_reports(Path(outdir))}")
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
         return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _reports(outdir: Path) -> str:
+    """Each rank's traceback if it raised, and its threads' stacks if it was still running
+    STACKS_BEFORE_S before the time-out."""
+    parts = []
+    for f in sorted(outdir.glob("*.err")) + sorted(outdir.glob("*.stacks")):
+        text = f.read_text().strip()
+        if text:
+            parts.append(f"--- {f.name}\n{text}")
+    return "\n".join(parts)

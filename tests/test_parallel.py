@@ -265,6 +265,20 @@ def test_all_to_all_reduce_scatter_equals_gloo_and_hand_sum(world):
         torch.testing.assert_close(res["avg"], mine / world)
 
 
+def _hung_worker(rank, world):
+    import time
+    if rank == 1:
+        time.sleep(600)  # rank 0 then waits in the harness's closing barrier
+    return {}
+
+
+def test_a_hang_fails_with_every_ranks_stack():
+    """run_ranks on a rank that never returns: a TimeoutError, not a hang, naming where each rank
+    was (the sleeping function, the barrier the other waits in)."""
+    with pytest.raises(TimeoutError, match=r"(?s)did not finish in 14s.*rank1\.stacks.*_hung_worker"):
+        run_ranks(_hung_worker, 2, timeout=14)
+
+
 def _stats_worker(rank, world):
     import torch.distributed as dist
     from trainer.metrics import reduce_stats
