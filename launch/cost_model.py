@@ -409,9 +409,10 @@ def norm_reductions(fsdp: int, tp: int) -> int:
     return (fsdp > 1) + (tp > 1)
 
 
-# a trainer step's collectives besides the model's: the token counts and the statistics (one
-# all-gather each: trainer.metrics.gather_rows) and the batch broadcast (its size, then its bytes)
-BOOKKEEPING = 4
+# a trainer step's collectives besides the model's: the batch broadcast over the trainer mesh (its
+# size, then its bytes), and over the data-parallel (fsdp) ranks the token counts and the
+# statistics (one all-gather each: trainer.metrics.gather_rows)
+BROADCAST, DP_REDUCTIONS = 2, 2
 
 
 def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool,
@@ -420,12 +421,12 @@ def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: boo
     root) an all-gather in forward and in backward and a reduce-scatter; one "model" unit: one
     all-gather and one reduce-scatter per step. TP: per micro-batch 2 all-reduces
     per layer in forward and 2 in backward (+2 recomputed with AC), and embedding + head (4).
-    Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), and
-    BOOKKEEPING for the token counts, the statistics and the batch broadcast; they are charged to
-    FSDP when fsdp > 1. Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 4 =
+    Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), the
+    batch broadcast, and with fsdp > 1 the token counts and statistics; they are charged to FSDP
+    when fsdp > 1. Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 2 + 2 =
     41, tp = 0."""
     L = args.num_layers
-    per_step = norm_reductions(fsdp, tp) + BOOKKEEPING if fsdp * tp > 1 else 0
+    per_step = norm_reductions(fsdp, tp) + BROADCAST + DP_REDUCTIONS * (fsdp > 1) if fsdp * tp > 1 else 0
     f = (2 if units == "model" else 3 * (L + 1) * micro) if fsdp > 1 else 0
     t = (4 * L + 4 + 2 * L * ac) * micro if tp > 1 else 0
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}

@@ -126,7 +126,8 @@ def test_train_time_and_collectives_hand_computed():
     assert cm.allgather_s(1, 1e9, 1.0, 1.0) == 0.0
     # the tiny model, fsdp 2 with 4 micro-batches -> 3*3*4 + 1 + 4 = 41 (docstring)
     assert cm.trainer_collectives(TINY, 4, 2, 1, False) == {"fsdp": 41, "tp": 0}
-    assert cm.trainer_collectives(TINY, 4, 1, 2, True) == {"fsdp": 0, "tp": (8 + 4 + 4) * 4 + 5}
+    # TP only: no data-parallel reductions, the norm and the batch broadcast
+    assert cm.trainer_collectives(TINY, 4, 1, 2, True) == {"fsdp": 0, "tp": (8 + 4 + 4) * 4 + 1 + 2}
     assert cm.trainer_collectives(TINY, 4, 2, 2, False)["fsdp"] == 3 * 3 * 4 + 2 + 4
     # one "model" unit: one all-gather + one reduce-scatter per step, whatever the micro-batches
     assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model") == {"fsdp": 2 + 1 + 4, "tp": 0}
