@@ -45,7 +45,6 @@ class NonFiniteGuard:
                 f"trainer.max_nonfinite_steps")
 
 
-
 def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[PackedBatch]:
     """Advantages per group (group integrity), then packed micro-batches by token budget."""
     if not groups:
