@@ -58,7 +58,8 @@ def gather_rows(row, group):
     if group is None or dist.get_world_size(group) == 1:
         return row.view(1, -1)
     rows = torch.empty(dist.get_world_size(group) * row.numel(), dtype=row.dtype)
-    dist.all_gather_into_tensor(rows, row, group=group)
+    # torch 2.13 renamed all_gather_into_tensor (a FutureWarning per rank); 2.11 has only the old name
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(rows, row, group=group)
     return rows.view(-1, row.numel())
 
 
