@@ -484,10 +484,10 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     collective costs amid real micro-batches, waits for the peer included. TP likewise: the
     real 2-rank step of the whole batch against one rank's, plus the compute TP saves as the
     layer fits model it, less the per-step excess, over its collectives (2 per layer each way +
-    4 per micro-batch, 6 per step). The probe before it, one short sequence's forward/backward,
-    overpredicted the trainer-TP layouts by 3-15% at 2.9 ms per collective and by 24-36% once it
-    came out 3.6 (bench/plan_vs_measured.py, 2026-11-30). The per-step excesses are kept as they
-    are."""
+    4 per micro-batch, and the step's bookkeeping: trainer_collectives, the norm excluded). The
+    probe before it, one short sequence's forward/backward, overpredicted the trainer-TP layouts
+    by 3-15% at 2.9 ms per collective and by 24-36% once it came out 3.6
+    (bench/plan_vs_measured.py, 2026-11-30). The per-step excesses are kept as they are."""
     from launch.cost_model import norm_reductions, trainer_collectives
     f, t = c["fsdp"], c["tp"]
     n = trainer_collectives(args, f["micro"], 2, 1, False, f["units"])["fsdp"] - norm_reductions(2, 1)

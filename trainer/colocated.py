@@ -87,7 +87,7 @@ class ColocatedWorker:
     def run(self) -> None:
         while self.step < self.cfg.trainer.max_steps:
             t0 = time.perf_counter()
-            groups = self._gather(self._generate())
+            groups = gather_groups(self._generate())
             mine = groups[self.dp_rank::self.meshes.dims.trainer_fsdp]
             res = train_step(self.t_model, self.opt, self.sched, mine, self.cfg, self.dp_group,
                              self.meshes.device, self.version)
@@ -123,9 +123,6 @@ class ColocatedWorker:
                 list(c.token_versions), float(r), c.finish_reason))
         groups = [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
         return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
-
-    def _gather(self, mine: list[dict]) -> list[Group]:
-        return gather_groups(mine)
 
     @torch.no_grad()
     def _reshard(self) -> None:
