@@ -326,6 +326,26 @@ def field_docs() -> dict[str, str]:
     return {f"{s}.{f.name}": f.metadata["help"] for s, _, f in _walk(Config())}
 
 
+def help_text(section: str | None = None) -> str:
+    """Every key (or one section's) as `--section.key` with its type, default and help: what
+    `train_rl.py --help [SECTION]` prints. An unknown section is a ConfigError naming the valid
+    ones."""
+    cfg = Config()
+    if section is not None:
+        _section(cfg, section, "--help")
+    lines, current = [], None
+    for s, sec, f in _walk(cfg):
+        if section is not None and s != section:
+            continue
+        if s != current:
+            current = s
+            lines.append(f"\n[{s}]  {type(sec).__doc__.strip().splitlines()[0]}")
+        tp = _type_name(typing.get_type_hints(type(sec))[f.name])
+        default = _toml_value(getattr(sec, f.name))
+        lines.append(f"  --{s}.{f.name}  ({tp}, default {default})\n      {f.metadata['help']}")
+    return "\n".join(lines).lstrip("\n")
+
+
 # ---- helpers -------------------------------------------------------------------------------------
 
 _OPS = {"gt": (lambda v, b: v > b, ">"), "ge": (lambda v, b: v >= b, ">="),

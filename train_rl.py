@@ -1,6 +1,7 @@
 """tandem's entry point: one SPMD program on every rank.
 
     torchrun --nproc-per-node 3 train_rl.py --config configs/tiny_cpu.toml [--section.key=value ...]
+    python train_rl.py --help [SECTION]     # every key with its type, default and meaning
 
 config -> checks that need no process group -> ParallelDims -> meshes -> this rank's role loop.
 """
@@ -10,9 +11,31 @@ import os
 import sys
 import traceback
 
-from config import ConfigError, load_config, parse_cli
+from config import ConfigError, help_text, load_config, parse_cli
 
 _STARTED = False  # process groups exist: every rank reports its own errors from here on
+
+
+USAGE = """usage: torchrun --nproc-per-node N train_rl.py --config FILE [--section.key=value ...] [--dry-run]
+       python train_rl.py --help [SECTION]
+
+  --config FILE          a TOML preset (configs/); keys not in it keep their defaults
+  --section.key=value    override one key, e.g. --trainer.lr=1e-5 --parallel.generator_ranks=2
+  --dry-run              validate the config, build the rank map and the weight-sync plan and
+                         print the memory per rank, without process groups
+  --help [SECTION]       this text and every key (or one section's)
+"""
+
+
+def help_requested(argv) -> str | None:
+    """The section asked for by `--help [SECTION]` / `-h` ("" for all), or None without it."""
+    for i, arg in enumerate(argv):
+        if arg in ("-h", "--help"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if nxt.startswith("-") else nxt
+        if arg.startswith("--help="):
+            return arg.partition("=")[2]
+    return None
 
 
 def resolve_config(argv):
@@ -20,7 +43,7 @@ def resolve_config(argv):
     unknown = set(flags) - {"dry_run"}
     if unknown:
         raise ConfigError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}; "
-                          f"valid: --config FILE, --dry-run, --section.key=value")
+                          f"valid: --config FILE, --dry-run, --section.key=value, --help")
     if flags.get("dry_run"):
         overrides.append("run.dry_run=true")
     cfg = load_config(path, overrides)
@@ -86,8 +109,15 @@ def _write_pid(run_dir: str, rank: int) -> None:
 
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = resolve_config(sys.argv[1:] if argv is None else argv)
+        section = help_requested(argv)
+        if section is not None:
+            text = help_text(section or None)  # an unknown section: ConfigError, below
+            if rank == 0:
+                print(USAGE + "\n" + text)
+            return 0
+        cfg = resolve_config(argv)
         if cfg.run.dry_run:
             from launch.dry_run import dry_run
             return dry_run(cfg)
