@@ -216,6 +216,7 @@ def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_gro
 def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict, mbt: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from parallel.mesh import all_gather_flat
     from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -234,7 +235,7 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         res["p2p"].append([nbytes, timed(ping, device, reps=9) / 2])
         res["allreduce"].append([nbytes, timed(lambda: dist.all_reduce(x), device, reps=9)])
         full = torch.empty(nbytes // 4 // world * world, device=device)
-        res["allgather"].append([nbytes, timed(lambda: dist.all_gather_into_tensor(
+        res["allgather"].append([nbytes, timed(lambda: all_gather_flat(
             full, x[:full.numel() // world]), device, reps=9)])
     # FSDP/TP costs: the optimizer step on DTensors, then real train steps paired with plain ones
     args, wl = ModelArgs(**args_d), Workload(**wl_d)

@@ -17,6 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.dims import ParallelDims
 
 
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None):
+    """Every rank's `input` into `output` (rank order, one flat tensor). torch 2.13 renamed
+    all_gather_into_tensor to all_gather_single and warns (a FutureWarning per rank) on the old
+    name; torch 2.11 (the GPU machine's) has only the old one."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, group=group)
+
+
 def pick_device(local_rank: int | None = None) -> torch.device:
     """`LOCAL_RANK % device_count` with CUDA (several ranks may share one GPU), else CPU."""
     if local_rank is None:
