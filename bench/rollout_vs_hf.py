@@ -190,7 +190,7 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="also run the 1.1B GPU section")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU section")

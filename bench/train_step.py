@@ -257,7 +257,7 @@ def gpu_section(a) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="also run the 1.1B GPU section")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     ap.add_argument("--compile", action="store_true", help="GPU: torch.compile each decoder layer of ours")

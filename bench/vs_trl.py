@@ -301,7 +301,7 @@ def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=24, help="tandem optimizer steps per run")
     ap.add_argument("--trl-steps", type=int, default=12, help="TRL optimizer steps")
     ap.add_argument("--warmup", type=int, default=4, help="steps discarded on both sides")

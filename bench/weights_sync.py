@@ -505,7 +505,7 @@ def run_rl(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ipc", action="store_true", help="2 processes on one device, IPC path")
     ap.add_argument("--device", default=None, help="ipc mode: cuda:0 (default if present) or cpu")
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES),

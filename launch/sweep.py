@@ -141,7 +141,7 @@ def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n")[0], allow_abbrev=False,
+    ap = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  epilog="Other --section.key=value arguments apply to every run.")
     ap.add_argument("--config", required=True, help="TOML preset shared by every run")
     ap.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2",

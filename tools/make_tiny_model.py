@@ -69,7 +69,7 @@ def batch_tensors(pairs, tok, device):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/_models/tiny_addition"))
     ap.add_argument("--task", default="addition")
     ap.add_argument("--digits", type=int, default=2)
