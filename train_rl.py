@@ -56,7 +56,7 @@ def run(cfg) -> None:
     import torch.distributed as dist
     from launch.preflight import preflight
     from parallel.dims import ParallelDims
-    from parallel.mesh import build_meshes, init_process_group, pick_device
+    from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
 
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = preflight(cfg, dims)  # bad input is reported before any process group exists
@@ -80,7 +80,7 @@ def run(cfg) -> None:
     else:
         from rollout.role import run_generator
         run_generator(cfg, meshes, tokenizer)
-    dist.barrier()  # the shutdown barrier: both meshes are done
+    shutdown_barrier(cfg.parallel.timeout_s)  # both meshes are done
     dist.destroy_process_group()
 
 

@@ -48,6 +48,22 @@ def init_process_group(device: torch.device, backend: str, timeout_s: float) -> 
                             **_attempt_store(timeout))
 
 
+def shutdown_barrier(timeout_s: float, what: str = "the shutdown barrier (every rank of both meshes done)",
+                     group=None) -> None:
+    """Wait until every rank arrives, for at most `timeout_s`. On a gloo group (CPU) rank 0 names
+    the ranks that did not arrive (monitored_barrier) and the others that rank 0 did not answer; a
+    bare barrier's time-out says neither. torch has monitored_barrier for plain gloo groups only:
+    others ("cpu:gloo,cuda:nccl" on GPUs) take a barrier, bounded by the group's own timeout."""
+    timeout = timedelta(seconds=timeout_s)
+    if dist.get_backend(group) != "gloo":
+        dist.barrier(group=group)
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        raise TimeoutError(f"rank {dist.get_rank()}: {what} timed out after {timeout_s:g}s: {e}") from e
+
+
 def _attempt_store(timeout: timedelta) -> dict:
     """Under torchrun the workers share the agent's TCPStore, which outlives a restart: with the
     default env:// rendezvous a restarted job reads the dead attempt's gloo addresses and fails

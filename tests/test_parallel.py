@@ -1,5 +1,7 @@
 """Meshes and sharded models: ParallelDims validation, and FSDP2/TP training on real gloo ranks
 against a single-process reference."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -277,6 +279,49 @@ def test_a_hang_fails_with_every_ranks_stack():
     was (the sleeping function, the barrier the other waits in)."""
     with pytest.raises(TimeoutError, match=r"(?s)did not finish in 14s.*rank1\.stacks.*_hung_worker"):
         run_ranks(_hung_worker, 2, timeout=14)
+
+
+def _shutdown_worker(rank, world):
+    import torch.distributed as dist
+    from parallel.mesh import shutdown_barrier
+    group = dist.new_group(list(range(world)))  # its own: a failed barrier leaves it unusable
+    shutdown_barrier(60, group=group)  # all arrive: it passes
+    if rank == world - 1:
+        return {"error": ""}  # the straggler never comes to the second one
+    try:
+        shutdown_barrier(2, group=group)
+        return {"error": ""}
+    except TimeoutError as e:
+        return {"error": str(e)}
+
+
+def test_shutdown_barrier_names_the_rank_that_never_came():
+    """Rank 0 reports the missing rank by number within the time-out, instead of hanging for the
+    process group's timeout with a message that names no rank."""
+    first, second, last = run_ranks(_shutdown_worker, 3, timeout=60)
+    assert re.search(r"rank 0: the shutdown barrier .* timed out after 2s", first["error"])
+    assert re.search(r"\b2\b", first["error"].split("timed out after 2s")[1]), first["error"]
+    assert "timed out" in second["error"]
+    assert last["error"] == ""
+
+
+def _mixed_backend_shutdown_worker(rank, world):
+    """A group whose backend string is not plain gloo (as "cpu:gloo,cuda:nccl" on GPUs) has no
+    monitored_barrier in torch: the plain barrier is taken instead."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from parallel import mesh
+    real = dist.get_backend
+    dist.get_backend = c10d.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
+    try:
+        mesh.shutdown_barrier(30)  # monitored_barrier would raise its "only ... GLOO" ValueError
+    finally:
+        dist.get_backend = c10d.get_backend = real
+    return {"ok": True}
+
+
+def test_shutdown_barrier_on_a_mixed_backend_takes_the_plain_barrier():
+    assert all(r["ok"] for r in run_ranks(_mixed_backend_shutdown_worker, 2, timeout=60))
 
 
 def _stats_worker(rank, world):
