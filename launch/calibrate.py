@@ -511,20 +511,27 @@ def model_args_from(spec: str) -> ModelArgs:
 
 
 def main(argv=None) -> int:
+    from launch.plan import int_at_least
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF model folder or preset:<name>")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--response-len", type=int, default=24)
-    ap.add_argument("--micro-batch-tokens", type=int, default=0, help="0 = one micro-batch per step")
+    ap.add_argument("--prompts", type=int_at_least(1), default=8, help="prompt groups per step")
+    ap.add_argument("--group", type=int_at_least(1), default=8, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=int_at_least(1), default=8, help="prompt tokens")
+    ap.add_argument("--response-len", type=int_at_least(1), default=24, help="response tokens per sample")
+    ap.add_argument("--micro-batch-tokens", type=int_at_least(0), default=0, help="0 = one micro-batch per step")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads per rank")
     ap.add_argument("--no-comm", action="store_true", help="skip the 2-rank link measurements")
-    ap.add_argument("--max-ranks", type=int, default=4, help="CPU: measure core sharing up to this")
+    ap.add_argument("--max-ranks", type=int_at_least(1), default=4, help="CPU: measure core sharing up to this")
     ap.add_argument("--out", default="profile.json")
     a = ap.parse_args(argv)
-    args = model_args_from(a.model)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: this machine has no CUDA device; use --device cpu")
+    try:
+        args = model_args_from(a.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     wl = Workload(a.prompts, a.group, a.prompt_len, a.response_len)
     t0 = time.perf_counter()
     prof = measure(args, wl, a.device, a.threads, a.micro_batch_tokens, comm=not a.no_comm,

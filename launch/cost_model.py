@@ -63,6 +63,13 @@ LINK_POLL_S = 1e-4  # hand-off delay of trainer.link.wait_for: it wakes on the m
 
 
 # ----- inputs ---------------------------------------------------------------------------------
+def _at_least(low: int, **values) -> None:
+    """ValueError naming the first of `values` below `low`."""
+    for name, v in values.items():
+        if v < low:
+            raise ValueError(f"{name}={v}: it must be >= {low}")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Hardware, per GPU unless said otherwise; the efficiency factors turn peaks into achieved."""
@@ -86,6 +93,10 @@ class Cluster:
     fsdp_units: str = "layer"      # parallel.fsdp_units as resolved here (parallel.dims)
     name: str = "h100"
 
+    def __post_init__(self) -> None:
+        _at_least(1, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        _at_least(0, shared_cores=self.shared_cores)
+
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -106,6 +117,7 @@ def gpu_cluster(gpu: str, nodes: int, gpus_per_node: int = 8, **overrides) -> Cl
 
 def cpu_cluster(ranks: int, cores: int, mem_gb: float = 16.0) -> Cluster:
     """One host running `ranks` single-threaded ranks on `cores` cores, fp32, no overlap."""
+    _at_least(1, cores=cores)
     return Cluster(nodes=1, gpus_per_node=ranks, gpu_mem_gb=mem_gb / max(ranks, 1), flops=20e9,
                    hbm_gbps=10.0, intra_gbps=2.0, inter_gbps=2.0, link_latency_s=200e-6,
                    mfu_train=1.0, mfu_prefill=1.0, mfu_decode=1.0, hbm_eff=1.0, link_eff=1.0,
@@ -123,6 +135,11 @@ class Workload:
     eta: int = 1
     master_dtype: str = "float32"
     gen_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _at_least(1, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                  prompt_len=self.prompt_len, response_len=self.response_len)
+        _at_least(0, eta=self.eta)
 
     @property
     def seqs(self) -> int:

@@ -100,6 +100,9 @@ def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False) -> l
 def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
                modes=("split", "colocated"), one_host: bool = False):
     """Every placement the runtime accepts (see the module docstring)."""
+    unknown = set(modes) - {"split", "colocated"}
+    if unknown:
+        raise ValueError(f"unknown placement mode(s) {sorted(unknown)}; choose from 'split', 'colocated'")
     tps = tp_degrees(args, gpus_per_node, one_host)
     for mode in modes:
         gens = range(1, world) if mode == "split" else [world]
@@ -281,25 +284,36 @@ def cluster_table(wl: cm.Workload, gpu: str = "h100", log=print) -> list[dict]:
     return rows
 
 
+def int_at_least(low: int):
+    """An argparse type: an int >= low (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} is below {low}")
+        return v
+    parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="Hugging Face model folder (or preset:<name>)")
     src.add_argument("--preset", help=f"one of {sorted(PRESETS)} (or 8b/70b/405b)")
-    ap.add_argument("--nodes", type=int, default=1, help="nodes in the job")
-    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (or CPU ranks) per node")
+    ap.add_argument("--nodes", type=int_at_least(1), default=1, help="nodes in the job")
+    ap.add_argument("--gpus-per-node", type=int_at_least(1), default=8, help="GPUs (or CPU ranks) per node")
     ap.add_argument("--gpu", default="h100", help=f"{sorted(cm.GPUS)} or cpu")
-    ap.add_argument("--cores", type=int, default=2, help="--gpu cpu: cores the ranks share")
+    ap.add_argument("--cores", type=int_at_least(1), default=2, help="--gpu cpu: cores the ranks share")
     ap.add_argument("--profile", help="profile JSON from launch/calibrate.py (overrides the datasheet)")
-    ap.add_argument("--prompts", type=int, default=512, help="prompt groups per trainer step")
-    ap.add_argument("--group", type=int, default=16, help="samples per prompt (the GRPO group)")
-    ap.add_argument("--prompt-len", type=int, default=512, help="mean prompt tokens")
-    ap.add_argument("--response-len", type=int, default=2048, help="response tokens per sample")
-    ap.add_argument("--eta", type=int, default=4, help="max staleness in versions; 0 = synchronous")
+    ap.add_argument("--prompts", type=int_at_least(1), default=512, help="prompt groups per trainer step")
+    ap.add_argument("--group", type=int_at_least(1), default=16, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--prompt-len", type=int_at_least(1), default=512, help="mean prompt tokens")
+    ap.add_argument("--response-len", type=int_at_least(1), default=2048, help="response tokens per sample")
+    ap.add_argument("--eta", type=int_at_least(0), default=4, help="max staleness in versions; 0 = synchronous")
     ap.add_argument("--gen-dtype", default=None, help="default: bfloat16 on GPUs, float32 on cpu")
     ap.add_argument("--modes", default="split,colocated", help="placement modes to search, comma separated")
-    ap.add_argument("--top", type=int, default=10, help="rows of the candidate table")
-    ap.add_argument("--refine", type=int, default=8, help="re-cost this many with the real sync plan")
+    ap.add_argument("--top", type=int_at_least(1), default=10, help="rows of the candidate table")
+    ap.add_argument("--refine", type=int_at_least(0), default=8, help="re-cost this many with the real sync plan")
     ap.add_argument("--out", help="write the best placement as a TOML config here")
     ap.add_argument("--base-config", help="TOML whose other settings the --out config keeps")
     ap.add_argument("--cluster-table", action="store_true", help="8B/70B/405B vs LlamaRL and exit")

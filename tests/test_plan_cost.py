@@ -413,3 +413,44 @@ def test_core_sharing_probe_that_hangs_times_out():
     finally:
         probe.proc.kill()
         probe.proc.wait()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nodes", "0"], ["--nodes", "0 is below 1"]),
+    (["--prompts", "0"], ["--prompts", "0 is below 1"]),
+    (["--eta", "-1"], ["--eta", "-1 is below 0"]),
+    (["--gpu", "cpu", "--cores", "0"], ["--cores"]),
+    (["--top", "0"], ["--top"]),
+    (["--nodes", "two"], ["--nodes", "invalid int value: 'two'"]),
+])
+def test_plan_cli_rejects_bad_numbers_naming_the_option(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--preset", "tiny", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(w in err for w in words), err
+
+
+def test_plan_rejects_an_unknown_mode_and_bad_inputs_with_their_names(capsys):
+    assert plan_main(["--preset", "tiny", "--modes", "split,coloc"]) == 2
+    assert "unknown placement mode(s) ['coloc']" in capsys.readouterr().err
+    for make, words in ((lambda: cm.Workload(8, 0, 5, 24), "group_size=0"),
+                        (lambda: cm.Workload(8, 8, 5, 24, eta=-1), "eta=-1"),
+                        (lambda: cm.gpu_cluster("h100", 0), "nodes=0"),
+                        (lambda: cm.cpu_cluster(4, 0), "cores=0")):
+        with pytest.raises(ValueError, match=words):
+            make()
+
+
+def test_calibrate_cli_rejects_bad_input_before_measuring(tmp_path, capsys):
+    from launch.calibrate import main as calibrate_main
+    out = tmp_path / "p.json"
+    assert calibrate_main(["--model", str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        calibrate_main(["--model", "preset:tiny", "--response-len", "0", "--out", str(out)])
+    assert e.value.code == 2 and "--response-len: 0 is below 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            calibrate_main(["--model", "preset:tiny", "--device", "cuda", "--out", str(out)])
+        assert "no CUDA device" in capsys.readouterr().err
+    assert not out.exists()
