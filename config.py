@@ -13,6 +13,7 @@ TOML has no null. The writer writes None as `key = ""`, and the reader turns "" 
 Optional fields (so for an Optional[str] field "" and None are the same thing). On the command
 line "none", "null" and "" all mean None for Optional fields.
 """
+import argparse
 import copy
 import dataclasses
 import difflib
@@ -319,6 +320,18 @@ def parse_cli(argv: list[str]) -> tuple[str | None, list[str], dict]:
         else:
             flags[name.replace("-", "_")] = value if eq else True
     return path, overrides, flags
+
+
+def int_at_least(low: int):
+    """An argparse type for the launch/ tools: an int >= low (argparse names the option
+    in its error: "argument --nodes: 0 is below 1")."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} is below {low}")
+        return v
+    parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
+    return parse
 
 
 def field_docs() -> dict[str, str]:

@@ -511,7 +511,7 @@ def model_args_from(spec: str) -> ModelArgs:
 
 
 def main(argv=None) -> int:
-    from launch.plan import int_at_least
+    from config import int_at_least
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF model folder or preset:<name>")
     ap.add_argument("--prompts", type=int_at_least(1), default=8, help="prompt groups per step")

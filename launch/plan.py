@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from config import int_at_least  # noqa: E402
 from launch import cost_model as cm  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 
@@ -282,17 +283,6 @@ def cluster_table(wl: cm.Workload, gpu: str = "h100", log=print) -> list[dict]:
         log(f"{name:<12} {gpus:>5} {row['best']:<44} {b.step:>8.1f} {s.step_sync:>8.1f} "
             f"{row['speedup']:>6.2f}x {paper:>6.2f}x")
     return rows
-
-
-def int_at_least(low: int):
-    """An argparse type: an int >= low (argparse names the option in its error)."""
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < low:
-            raise argparse.ArgumentTypeError(f"{v} is below {low}")
-        return v
-    parse.__name__ = "int"  # argparse's "invalid int value" for a non-number
-    return parse
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere: config.py lives in the repo root
-from config import ConfigError, load_config, parse_cli  # noqa: E402
+from config import ConfigError, int_at_least, load_config, parse_cli  # noqa: E402
 
 RUN_LOCAL = os.path.join("launch", "run_local.sh")
 
@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     mode.add_argument("--local", action="store_true", help="run one after another via launch/run_local.sh")
     mode.add_argument("--slurm", action="store_true", help="write a sweep file for an sbatch job array")
-    ap.add_argument("--nproc", type=int, help="--local: ranks per run (default: run_local.sh derives it)")
+    ap.add_argument("--nproc", type=int_at_least(1), help="--local: ranks per run (default: run_local.sh derives it)")
     ap.add_argument("--keep-going", action="store_true", help="--local: continue after a failed run")
     ap.add_argument("--sbatch", default=os.path.join("launch", "tandem.sbatch"), help="--slurm: batch script")
     ap.add_argument("--sweep-file", help="--slurm: where to write the overrides (default runs/sweeps/<prefix>.txt)")
-    ap.add_argument("--max-concurrent", type=int, help="--slurm: array throttle (--array=0-N%%K)")
+    ap.add_argument("--max-concurrent", type=int_at_least(1), help="--slurm: array throttle (--array=0-N%%K)")
     ap.add_argument("--submit", action="store_true", help="--slurm: call sbatch instead of printing it")
     args, rest = ap.parse_known_args(argv)
     try:
