@@ -56,8 +56,8 @@ def convert(out: Path = DEFAULT_OUT, dtype: str = "float32") -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the safetensors folder to write")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
     args = ap.parse_args(argv)
     print(convert(args.out, args.dtype))
     return 0

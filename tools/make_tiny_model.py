@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from config import int_at_least  # noqa: E402
 from model import ModelArgs, Transformer, save_pretrained  # noqa: E402
 from model.tokenizer import build_char_tokenizer  # noqa: E402
 from rollout.data import PromptItem  # noqa: E402
 from rollout.evaluate import accuracy  # noqa: E402
 from rollout.rewards import exact_match  # noqa: E402
-from rollout.tasks import make_task  # noqa: E402
+from rollout.tasks import TASKS, make_task  # noqa: E402
 
 SFT_START = 1_000_000  # warm-start items come from far beyond the RL/eval index range
 EVAL_START = 500_000
@@ -70,16 +71,20 @@ def batch_tensors(pairs, tok, device):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("runs/_models/tiny_addition"))
-    ap.add_argument("--task", default="addition")
-    ap.add_argument("--digits", type=int, default=2)
-    ap.add_argument("--target-acc", type=float, default=0.3)
-    ap.add_argument("--max-steps", type=int, default=3000)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--out", type=Path, default=Path("runs/_models/tiny_addition"),
+                    help="the Hugging Face folder to write")
+    ap.add_argument("--task", default="addition", help=f"built-in task, one of {sorted(TASKS)}")
+    ap.add_argument("--digits", type=int_at_least(1), default=2, help="operand digits of the task")
+    ap.add_argument("--target-acc", type=float, default=0.3,
+                    help="stop once greedy exact match on held-out prompts reaches this")
+    ap.add_argument("--max-steps", type=int_at_least(1), default=3000, help="supervised steps at most")
+    ap.add_argument("--eval-every", type=int_at_least(1), default=50, help="steps between evaluations")
+    ap.add_argument("--batch", type=int_at_least(1), default=64, help="examples per step")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.task not in TASKS:
+        ap.error(f"--task {a.task!r}: choose one of {sorted(TASKS)}")
 
     torch.manual_seed(a.seed)
     task = make_task(a.task, digits=a.digits, seed=a.seed)
