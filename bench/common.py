@@ -16,12 +16,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # benches run as scripts from anywhere; the repo is not installed
     sys.path.insert(0, str(REPO))
 
+from launch.plan import PRESETS  # noqa: E402
+
 
 # The "1.1B Llama shape" of shared/REFERENCES.md (its HF baselines on the H200 were measured on it):
 # hidden 2048, 16 layers, GQA 32/8 heads, vocab 32000; the intermediate size 8192 gives the 2.21 GB
 # of bf16 weights that REFERENCES.md's bandwidth floor counts (1.104B parameters, lm_head untied).
-LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                num_heads=32, num_kv_heads=8)
+LLAMA_1B = dict(PRESETS["llama-1.1b"])  # one definition: the planner's preset
 
 
 def hf_names(shape: dict) -> dict:

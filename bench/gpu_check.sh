@@ -2,7 +2,7 @@
 # The GPU checks that CI cannot run, as one short script for a session that has a GPU (H200,
 # torch 2.11, no flash-attn). Run from the repository root:
 #
-#     bash bench/gpu_check.sh            # BUDGET_S=420 by default: all sections within 7 min
+#     bash bench/gpu_check.sh            # BUDGET_S=540 by default: all sections within 9 min
 #     SECTIONS="b c" bash bench/gpu_check.sh   # only some sections (a re-run after a fix)
 #
 # Sections (each prints its JSON line; a failing or timed-out section is reported, the next one
@@ -19,6 +19,8 @@
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC):
 #       async (eta=1) vs sync (eta=0), step time and tokens/s; RL_IPC_BUFFERS=0 runs it with
 #       zero-copy weight sync (--parallel.ipc_buffers=0)
+#   e   the planner's calibration on this GPU (1.1B shape: per-layer forward/backward, decode
+#       steps, the train step; no links on one GPU); e2 a plan for 2 x 8 H200 with that profile
 # With $OUT set, everything is also written to $OUT/gpu_check.log. The last line is a JSON
 # summary of every section's exit status and time.
 set -uo pipefail
@@ -30,8 +32,8 @@ if [[ -n "${OUT:-}" ]]; then
 fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
-BUDGET_S=${BUDGET_S:-420}
-SECTIONS=" ${SECTIONS:-a a2 c b b2 d} "
+BUDGET_S=${BUDGET_S:-540}
+SECTIONS=" ${SECTIONS:-a a2 c b b2 d e e2} "
 START=$(date +%s)
 SUMMARY=""
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -75,5 +77,11 @@ run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 
 run b2 200 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --modes compile
 run d  130 "$PY" bench/weights_sync.py --rl --rl-hidden 1024 --rl-layers 8 --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 55 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
+
+PROFILE=${OUT:-/tmp}/profile_gpu.json
+run e  150 "$PY" launch/calibrate.py --model preset:llama-1.1b --device cuda --prompts 64 --group 1 \
+    --prompt-len 128 --response-len 256 --micro-batch-tokens 8192 --out "$PROFILE"
+run e2 30  "$PY" launch/plan.py --preset llama-1.1b --gpu h200 --nodes 2 --gpus-per-node 8 \
+    --prompts 64 --group 8 --prompt-len 128 --response-len 256 --eta 1 --top 5 --profile "$PROFILE"
 
 echo "{\"bench\": \"gpu_check\", \"cuda\": true, \"seconds\": $(( $(date +%s) - START )), \"sections\": {${SUMMARY%, }}}"

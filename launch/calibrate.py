@@ -426,6 +426,9 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
     log(f"  block 1: layers at {counts} tokens, decode at batches {batches}, train_step "
         f"({time.perf_counter() - t0:.1f}s)")
     c = None
+    if comm and dev.type == "cuda" and torch.cuda.device_count() < 2:
+        log("  two ranks: skipped (one GPU here: its ranks would measure the CPU's gloo links)")
+        comm = False
     if comm:
         t0 = time.perf_counter()
         c = comm_costs(args, dtype, wl, mbt, threads)

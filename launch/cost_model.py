@@ -393,9 +393,15 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     tp_bw = link_bw(cl, gen_tp)
     if prof is not None and prof.matches(args):
         # per decode step: 2 all-reduces per layer, embedding + head, and the TP followers'
-        # broadcast of the link poll (rollout/worker.py)
-        step_comm = ((2 * args.num_layers + 3) * (prof.decode_collective_s + prof.ring_steps_s(gen_tp))
-                     if gen_tp > 1 else 0.0)
+        # broadcast of the link poll (rollout/worker.py); the cluster's links where the profile
+        # has none (one GPU)
+        if gen_tp == 1:
+            step_comm = 0.0
+        elif prof.has_links:
+            step_comm = (2 * args.num_layers + 3) * (prof.decode_collective_s + prof.ring_steps_s(gen_tp))
+        else:
+            step_comm = 2 * args.num_layers * allreduce_s(gen_tp, slots * args.hidden_size * gb,
+                                                          tp_bw, cl.link_latency_s)
         step = prof.decode_step_s(slots, gen_tp) + step_comm
         # the replica's share of the batch's hand-off (scoring, shipping), spread over its waves
         prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp) \
@@ -449,6 +455,23 @@ def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: boo
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
 
 
+def _measured_train_comm(prof, n_coll: dict, fsdp: int, tp: int, fsdp_bytes: float) -> tuple:
+    """(FSDP, TP) seconds per step from the profile: measured per collective (incl. DTensor
+    overhead) and per step (grad norm + AdamW) on 2 ranks, plus one wire latency per extra ring
+    step on k ranks (`ring_steps_s`); the grad-norm reductions are in the per-step part."""
+    per_step = norm_reductions(fsdp, tp)
+    fsdp_comm = tp_comm = 0.0
+    if fsdp > 1:
+        fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s
+                     + n_coll["fsdp"] * prof.ring_steps_s(fsdp))
+        if prof.allgather:
+            fsdp_comm += prof.gather_bytes_s(fsdp, fsdp_bytes)
+    if tp > 1:
+        n_tp = n_coll["tp"] - (per_step if fsdp == 1 else 0)
+        tp_comm = n_tp * prof.tp_collective_s + prof.tp_step_s + n_coll["tp"] * prof.ring_steps_s(tp)
+    return fsdp_comm, tp_comm
+
+
 def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, ac: bool,
                micro_batch_tokens: int, prof=None) -> dict:
     """Seconds for one optimizer step on the trainer mesh. Worked example: Llama-3-8B on 64 H100s
@@ -468,32 +491,23 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units)
     # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp
     fsdp_bytes = n / tp * ((cb + 4) if cl.fsdp_units == "model" else micro * (2 * cb + 4))
-    if prof is not None and prof.matches(args):
+    measured = prof is not None and prof.matches(args)
+    if measured:
         compute = micro * prof.train_microbatch_s(mb_tokens, tp, ac) + prof.train_overhead_s(fsdp, tp)
-        # measured per collective (incl. DTensor overhead) and per step (grad norm + AdamW) on 2
-        # ranks, plus one wire latency per extra ring step on k ranks (`ring_steps_s`); the
-        # grad-norm reductions are in the per-step part
-        per_step = norm_reductions(fsdp, tp)
-        fsdp_comm = tp_comm = 0.0
-        if fsdp > 1:
-            fsdp_comm = ((n_coll["fsdp"] - per_step) * prof.collective_s + prof.fsdp_step_s
-                         + n_coll["fsdp"] * prof.ring_steps_s(fsdp))
-            if prof.allgather:
-                fsdp_comm += prof.gather_bytes_s(fsdp, fsdp_bytes)
-        if tp > 1:
-            n_tp = n_coll["tp"] - (per_step if fsdp == 1 else 0)
-            tp_comm = n_tp * prof.tp_collective_s + prof.tp_step_s + n_coll["tp"] * prof.ring_steps_s(tp)
         optimizer = 0.0  # measured inside train_overhead_s
     else:
         q = args.num_heads * args.head_dim
         flops = ((6 + 2 * ac) * matmul_params(args) * tokens
                  + (3 + ac) * 2 * L * q * wl.seq_len ** 2 * seqs_per_rank) / tp
         compute = flops / (cl.flops * cl.mfu_train)
+        optimizer = n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
+    if measured and prof.has_links:
+        fsdp_comm, tp_comm = _measured_train_comm(prof, n_coll, fsdp, tp, fsdp_bytes)
+    else:  # the cluster's link numbers (a profile of one GPU has none: calibrate.py skips them)
         fsdp_comm = 0.0
         if fsdp > 1:
             fsdp_comm = fsdp_bytes * (fsdp - 1) / fsdp / bw_f + n_coll["fsdp"] * (fsdp - 1) * lat
         tp_comm = n_coll["tp"] * allreduce_s(tp, mb_tokens * h * cb, bw_t, lat)
-        optimizer = n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
     exposed = max(0.0, fsdp_comm + tp_comm - cl.overlap * compute)
     return {"total": compute + exposed + optimizer, "compute": compute, "comm": exposed,
             "fsdp_comm": fsdp_comm, "tp_comm": tp_comm, "optimizer": optimizer, "micro_batches": micro}
@@ -751,6 +765,13 @@ class Profile:
 
     def matches(self, args: ModelArgs) -> bool:
         return self.model == model_signature(args)
+
+    @property
+    def has_links(self) -> bool:
+        """Whether link or collective costs were measured (calibrate.py skips them on one GPU,
+        where the profile then holds none of them)."""
+        return bool(self.allreduce) or max(self.collective_s, self.tp_collective_s,
+                                           self.tp_decode_collective_s) > 0
 
     # ----- fitted costs
     def _c(self, key: str, degree: int):

@@ -63,6 +63,9 @@ PRESETS = {
                        num_heads=64, num_kv_heads=8),
     "llama3-405b": dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248,
                         num_layers=126, num_heads=128, num_kv_heads=8),
+    # the "1.1B Llama shape" of shared/REFERENCES.md, which the GPU benches use (bench/common.py)
+    "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                       num_heads=32, num_kv_heads=8),
     # the shape of tools/make_tiny_model.make_random_model(hidden=64) (addition-task vocabulary)
     "tiny": dict(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2),
@@ -333,6 +336,9 @@ def _main(a) -> int:
     else:
         cl = cm.gpu_cluster(a.gpu, a.nodes, a.gpus_per_node)
     if prof is not None:
+        if (prof.device == "cpu") != cpu:
+            print(f"warning: the profile was measured on {prof.device}, the plan is for "
+                  f"{'cpu' if cpu else a.gpu} ranks: its times will not fit them", file=sys.stderr)
         if not prof.matches(args):
             print(f"warning: the profile is of model {prof.model}, not {cm.model_signature(args)}: "
                   "only its link numbers are used", file=sys.stderr)

@@ -454,3 +454,33 @@ def test_calibrate_cli_rejects_bad_input_before_measuring(tmp_path, capsys):
             calibrate_main(["--model", "preset:tiny", "--device", "cuda", "--out", str(out)])
         assert "no CUDA device" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_profile_without_links_takes_the_clusters():
+    """calibrate.py on one GPU measures compute but no links (two ranks there would time the
+    CPU's gloo): the collectives then cost what the cluster's datasheet links say, the compute
+    what the profile measured."""
+    prof = _toy_profile()
+    prof.tp_collective_s = 0.0
+    assert not prof.has_links and _toy_profile().has_links
+    cl = cm.gpu_cluster("h100", 1, gpus_per_node=4)
+    wl = cm.Workload(8, 4, 4, 12, eta=1, gen_dtype="float32")
+    measured = cm.train_time(TINY, cl, wl, 2, 2, False, 256, prof)
+    datasheet = cm.train_time(TINY, cl, wl, 2, 2, False, 256, None)
+    assert measured["fsdp_comm"] == datasheet["fsdp_comm"] > 0
+    assert measured["tp_comm"] == datasheet["tp_comm"] > 0
+    assert measured["compute"] != datasheet["compute"]
+    g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof)
+    ar = cm.allreduce_s(2, 8 * TINY.hidden_size * 4, cm.link_bw(cl, 2), cl.link_latency_s)
+    assert g["decode_step"] == pytest.approx(prof.decode_step_s(8, 2) + 2 * TINY.num_layers * ar)
+
+
+def test_plan_warns_when_the_profile_is_of_other_hardware(tmp_path, capsys):
+    path = tmp_path / "cpu_profile.json"
+    prof = _toy_profile()
+    prof.device = "cpu"
+    prof.save(str(path))
+    assert plan_main(["--preset", "tiny", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "4",
+                      "--prompts", "8", "--group", "4", "--prompt-len", "4", "--response-len", "12",
+                      "--profile", str(path)]) == 0
+    assert "measured on cpu, the plan is for h100 ranks" in capsys.readouterr().err
