@@ -513,7 +513,8 @@ def model_args_from(spec: str) -> ModelArgs:
     return resolve_model(spec)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests parse the README's commands with it)."""
     from config import int_at_least
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF model folder or preset:<name>")
@@ -527,6 +528,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-comm", action="store_true", help="skip the 2-rank link measurements")
     ap.add_argument("--max-ranks", type=int_at_least(1), default=4, help="CPU: measure core sharing up to this")
     ap.add_argument("--out", default="profile.json")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: this machine has no CUDA device; use --device cpu")

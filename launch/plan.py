@@ -288,7 +288,8 @@ def cluster_table(wl: cm.Workload, gpu: str = "h100", log=print) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests parse the README's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="Hugging Face model folder (or preset:<name>)")
@@ -310,6 +311,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the best placement as a TOML config here")
     ap.add_argument("--base-config", help="TOML whose other settings the --out config keeps")
     ap.add_argument("--cluster-table", action="store_true", help="8B/70B/405B vs LlamaRL and exit")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     try:
         return _main(a)
