@@ -80,7 +80,9 @@ def run(cfg) -> None:
     else:
         from rollout.role import run_generator
         run_generator(cfg, meshes, tokenizer)
-    shutdown_barrier(cfg.parallel.timeout_s)  # both meshes are done
+    # both meshes are done; the trainer exports the final policy before it arrives, which takes
+    # as long as a model load: the start-up timeout, not the per-step one
+    shutdown_barrier(max(cfg.parallel.timeout_s, cfg.parallel.warmup_timeout_s))
     dist.destroy_process_group()
 
 
