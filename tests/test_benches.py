@@ -36,3 +36,11 @@ def test_train_step_gpu_section_runs_on_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     gpu = json.loads(proc.stdout.strip().splitlines()[-1])["gpu"]
     assert gpu["ours"]["loss_first"] == pytest.approx(gpu["hf"]["loss_first"], rel=1e-2)
+
+
+def test_plan_vs_measured_keeps_each_layouts_fastest_pass(monkeypatch):
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    from plan_vs_measured import fastest
+    runs = [{"step_s": 0.12, "wait_s": 0.02}, {"error": "rank 1 died"}, {"step_s": 0.09, "wait_s": 0.01}]
+    assert fastest(runs) == {"step_s": 0.09, "wait_s": 0.01, "passes": [0.12, 0.09]}
+    assert fastest([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
