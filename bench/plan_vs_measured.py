@@ -1,6 +1,6 @@
 """The planner's cost model against real runs: predicted vs measured step time per layout.
 
-    python bench/plan_vs_measured.py [--layouts all|quick] [--steps 20] [--warmup 4]
+    python bench/plan_vs_measured.py [--layouts all|quick] [--steps 20] [--warmup 4] [--passes 1]
 
 1. Make a random tiny Llama (tools/make_tiny_model.make_random_model), profile it on this machine
    (launch/calibrate.py: per-layer fwd/bwd, decode steps, trainer overhead, gloo links).
