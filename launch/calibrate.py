@@ -47,6 +47,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from config import int_at_least  # noqa: E402
+
 from launch.core_share import pair_probes, slowdown_curve  # noqa: E402
 from launch.cost_model import Profile, Workload, model_signature  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
@@ -515,7 +517,6 @@ def model_args_from(spec: str) -> ModelArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (tests parse the README's commands with it)."""
-    from config import int_at_least
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF model folder or preset:<name>")
     ap.add_argument("--prompts", type=int_at_least(1), default=8, help="prompt groups per step")

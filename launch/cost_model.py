@@ -391,6 +391,8 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     prompts_per_wave = -(-prompts // waves)
     gb = dtype_bytes(wl.gen_dtype)
     tp_bw = link_bw(cl, gen_tp)
+    # a decode step's TP all-reduce over the cluster's links (the datasheet's, or a profile's)
+    ar = allreduce_s(gen_tp, slots * args.hidden_size * gb, tp_bw, cl.link_latency_s)
     if prof is not None and prof.matches(args):
         # per decode step: 2 all-reduces per layer, embedding + head, and the TP followers'
         # broadcast of the link poll (rollout/worker.py); the cluster's links where the profile
@@ -400,8 +402,7 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
         elif prof.has_links:
             step_comm = (2 * args.num_layers + 3) * (prof.decode_collective_s + prof.ring_steps_s(gen_tp))
         else:
-            step_comm = 2 * args.num_layers * allreduce_s(gen_tp, slots * args.hidden_size * gb,
-                                                          tp_bw, cl.link_latency_s)
+            step_comm = 2 * args.num_layers * ar
         step = prof.decode_step_s(slots, gen_tp) + step_comm
         # the replica's share of the batch's hand-off (scoring, shipping), spread over its waves
         prefill = prof.gen_fixed_s(prompts_per_wave, gen_tp) \
@@ -412,7 +413,6 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
         q = args.num_heads * args.head_dim
         step_bytes = n_mm * gb / gen_tp + slots * ctx * kv_bytes_per_token(args, gb, gen_tp)
         step_flops = (2 * n_mm + 4 * args.num_layers * q * ctx) * slots / gen_tp
-        ar = allreduce_s(gen_tp, slots * args.hidden_size * gb, tp_bw, cl.link_latency_s)
         step = (max(step_bytes / (cl.hbm_gbps * GB * cl.hbm_eff), step_flops / (cl.flops * cl.mfu_decode))
                 + 2 * args.num_layers * ar)
         comm = 0.0  # on GPUs no core sharing: nothing to separate

@@ -48,8 +48,7 @@ def init_process_group(device: torch.device, backend: str, timeout_s: float) -> 
                             **_attempt_store(timeout))
 
 
-def shutdown_barrier(timeout_s: float, what: str = "the shutdown barrier (every rank of both meshes done)",
-                     group=None) -> None:
+def shutdown_barrier(timeout_s: float, group=None) -> None:
     """Wait until every rank arrives, for at most `timeout_s`. On a gloo group (CPU) rank 0 names
     the ranks that did not arrive (monitored_barrier) and the others that rank 0 did not answer; a
     bare barrier's time-out says neither. torch has monitored_barrier for plain gloo groups only:
@@ -61,7 +60,8 @@ def shutdown_barrier(timeout_s: float, what: str = "the shutdown barrier (every 
     try:
         dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
-        raise TimeoutError(f"rank {dist.get_rank()}: {what} timed out after {timeout_s:g}s: {e}") from e
+        raise TimeoutError(f"rank {dist.get_rank()}: the shutdown barrier (every rank of both meshes "
+                           f"done) timed out after {timeout_s:g}s: {e}") from e
 
 
 def _attempt_store(timeout: timedelta) -> dict:
