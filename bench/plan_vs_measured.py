@@ -1,6 +1,6 @@
 """The planner's cost model against real runs: predicted vs measured step time per layout.
 
-    python bench/plan_vs_measured.py [--layouts all|quick] [--steps 20] [--warmup 4] [--passes 1]
+    python bench/plan_vs_measured.py [--layouts all|quick] [--steps 20] [--warmup 4] [--passes 2]
 
 1. Make a random tiny Llama (tools/make_tiny_model.make_random_model), profile it on this machine
    (launch/calibrate.py: per-layer fwd/bwd, decode steps, trainer overhead, gloo links).
@@ -12,9 +12,10 @@
    metrics.jsonl after `--warmup` steps. Steps vary by 11-16% (sd) on the shared cores, so the
    median of 16 steps: with 4 (the default until 2026-11-30) two layouts 5-10% apart swapped
    places between runs, as wide a spread as the 10% goal itself.
-   With `--passes 2` every layout runs twice, in two passes over the list, and its faster pass
-   counts: one run in ten of session 9 measured the world-4 split layouts 20-45% slower than
-   any other run, a slowdown of the host that hit some layouts and not others.
+   Every layout runs twice (`--passes 2`, the default since 2026-11-30; 1 before), in two
+   passes over the list, and its faster pass counts: one run in ten of session 9 measured the
+   world-4 split layouts 20-45% slower than any other run, a slowdown of the host that hit some
+   layouts and not others, and a layout's two passes differ by up to 13% on a quiet host.
 4. Print predicted vs measured, the error per layout, and whether the layout the model picks
    per world size is within 10% of the measured best. Then the cluster-scale model table
    (8B/70B/405B async vs sync, vs LlamaRL's 2.52x/3.98x/10.7x; see launch/plan.py's docstring).
@@ -84,6 +85,7 @@ def run_layout(model: str, run_dir: Path, lay, a) -> dict:
         return statistics.median(r[k] for r in rows) if k in rows[0] else None
     return {"step_s": med("time_step_s"), "wait_s": med("time_wait_batch_s"),
             "train_s": med("time_train_s"), "sync_s": med("time_weights_sync_s"),
+            "gen_sync_s": med("generator_sync_s"),  # a replica's weight swap: receive + apply
             "wall_s": time.perf_counter() - t0, "loadavg": load}
 
 
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--no-cluster-table", action="store_true")
-    ap.add_argument("--passes", type=int_at_least(1), default=1,
+    ap.add_argument("--passes", type=int_at_least(1), default=2,
                     help="run every layout this many times, in passes over the whole list, and "
                          "compare the model with each layout's fastest pass (a host slowdown "
                          "during one run only makes it slower)")
