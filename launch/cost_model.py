@@ -713,6 +713,16 @@ def _interpolate(pts, x: float) -> float:
     return pts[-1][1]
 
 
+def small_size_intercept(points) -> float:
+    """The time at 0 bytes of the line through the two smallest sizes of [[bytes, s]] (>= 0): a
+    link's latency. A fit through all sizes leans on the large ones, whose time varies 2-3x from
+    one calibration to the next on gloo. small_size_intercept([[4, 3], [8, 5], [99, 0]]) == 1."""
+    pts = sorted(points)
+    (b0, t0), (b1, t1) = pts[0], pts[min(1, len(pts) - 1)]
+    slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
+    return max(0.0, t0 - b0 * max(slope, 0.0))
+
+
 def poly(coef, x: float) -> float:
     return sum(c * x ** i for i, c in enumerate(coef))
 
@@ -836,10 +846,7 @@ class Profile:
         """The 2-rank all-reduce's intercept, from its two smallest sizes (latency-bound): the fit
         through all sizes leans on the large ones, whose time varies 2x from one calibration to
         the next on gloo (4 MB: 1.9-4.6 ms), and put it anywhere in 0.1-0.54 ms (2026-11-30)."""
-        pts = sorted(self.allreduce)
-        (b0, t0), (b1, t1) = pts[0], pts[min(1, len(pts) - 1)]
-        slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
-        return max(0.0, t0 - b0 * max(slope, 0.0))
+        return small_size_intercept(self.allreduce)
 
     def gather_bytes_s(self, k: int, full_bytes: float) -> float:
         """The bandwidth part of a ring all-gather (no latency): (k-1) * 2*B/k * b."""
@@ -881,15 +888,27 @@ class Profile:
 
     @property
     def p2p_latency(self) -> float:
-        return self._c("p2p", 1)[0]
+        """One message's fixed cost, from the two smallest sizes, as wire_latency_s: the fit's
+        intercept leaned on the 4-16 MB sizes and came out 0.5-0.8 ms in two calibrations of
+        2026-11-30 against 0.05-0.1 ms measured at 4 KB, which charged a 3-peer weight sync of a
+        300 KB model 1.6 ms instead of ~0.4 and flipped the world-4 pick (BENCHMARKS.md, "Planner")."""
+        return small_size_intercept(self.p2p)
 
     @property
     def p2p_gbps(self) -> float:
+        """Bandwidth: the fit's slope, which the large sizes set."""
         c = self._c("p2p", 1)
         return 1.0 / c[1] / GB if len(c) > 1 and c[1] > 0 else 1e3
 
     def p2p_s(self, nbytes: float) -> float:
-        return poly(self._c("p2p", 1), nbytes)
+        """One message of nbytes: interpolated in the measured sizes; below the smallest, its
+        time; beyond the largest, that time plus the rest at p2p_gbps."""
+        pts = sorted(self.p2p)
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1] + (nbytes - pts[-1][0]) / (self.p2p_gbps * GB)
+        return _interpolate(pts, nbytes)
 
 
 # ----- layouts and the real weight-sync plan ------------------------------------------------------------

@@ -333,6 +333,26 @@ def test_collectives_beyond_two_ranks_add_wire_latency_only():
     assert prof.ring_steps_s(4) == 0.0
 
 
+def test_p2p_latency_and_message_times_follow_the_measured_sizes():
+    """A calibration of 2026-11-30: the 4 MB point slow, 16 MB fast. The least-squares line put
+    the latency at ~0.6 ms, and a 3-peer weight sync of a 300 KB model at 1.6 ms. Hand-computed:
+    the latency is the intercept through the two smallest sizes, a message is interpolated in
+    the measured sizes, and beyond the largest one the rest goes at the fit's bandwidth."""
+    prof = _toy_profile()
+    prof.p2p = [[4096, 9.2e-5], [262144, 2.47e-4], [4 << 20, 2.25e-3], [16 << 20, 3.38e-3]]
+    slope = (2.47e-4 - 9.2e-5) / (262144 - 4096)
+    assert prof.p2p_latency == pytest.approx(9.2e-5 - 4096 * slope)
+    assert prof.p2p_s(1000) == 9.2e-5 and prof.p2p_s(262144) == pytest.approx(2.47e-4)
+    assert prof.p2p_s(304896) == pytest.approx(2.47e-4 + (304896 - 262144) * (2.25e-3 - 2.47e-4)
+                                               / ((4 << 20) - 262144))
+    more = (32 << 20) - (16 << 20)
+    assert prof.p2p_s(32 << 20) == pytest.approx(3.38e-3 + more / (prof.p2p_gbps * 1e9))
+    sb = cm.SyncBytes(103864, 304896, 3, "plan")
+    sync = cm.sync_time(sb, cm.cpu_cluster(4, 2), cm.Placement(4, "split", 1, 1, 1), prof)
+    assert sync == pytest.approx(prof.p2p_s(304896) + 2 * prof.p2p_latency)
+    assert sync < 5e-4
+
+
 def test_generator_hand_off_is_paid_per_replica_message():
     """The hand-off (scoring + shipping a replica's groups in one message) is added to T_gen:
     measured at 1 and 4 groups, 3 ms + 1 ms a group, so a replica of 2 groups pays 5 ms, not
