@@ -889,9 +889,10 @@ class Profile:
     @property
     def p2p_latency(self) -> float:
         """One message's fixed cost, from the two smallest sizes, as wire_latency_s: the fit's
-        intercept leaned on the 4-16 MB sizes and came out 0.5-0.8 ms in two calibrations of
-        2026-11-30 against 0.05-0.1 ms measured at 4 KB, which charged a 3-peer weight sync of a
-        300 KB model 1.6 ms instead of ~0.4 and flipped the world-4 pick (BENCHMARKS.md, "Planner")."""
+        intercept leans on the 4-16 MB sizes and came out anywhere in 0-0.51 ms over 26
+        calibrations of 2026-11-30, where the two smallest sizes give 0.05-0.10 ms; at 0.51 ms it
+        charged a 3-peer weight sync of a 300 KB model 1.6 ms instead of ~0.4 (BENCHMARKS.md,
+        "Planner", session 10)."""
         return small_size_intercept(self.p2p)
 
     @property
