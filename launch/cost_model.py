@@ -716,7 +716,10 @@ def _interpolate(pts, x: float) -> float:
 def small_size_intercept(points) -> float:
     """The time at 0 bytes of the line through the two smallest sizes of [[bytes, s]] (>= 0): a
     link's latency. A fit through all sizes leans on the large ones, whose time varies 2-3x from
-    one calibration to the next on gloo. small_size_intercept([[4, 3], [8, 5], [99, 0]]) == 1."""
+    one calibration to the next on gloo. small_size_intercept([[4, 3], [8, 5], [99, 0]]) == 1;
+    0 where nothing was measured."""
+    if not points:
+        return 0.0
     pts = sorted(points)
     (b0, t0), (b1, t1) = pts[0], pts[min(1, len(pts) - 1)]
     slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0

@@ -351,6 +351,8 @@ def test_p2p_latency_and_message_times_follow_the_measured_sizes():
     sync = cm.sync_time(sb, cm.cpu_cluster(4, 2), cm.Placement(4, "split", 1, 1, 1), prof)
     assert sync == pytest.approx(prof.p2p_s(304896) + 2 * prof.p2p_latency)
     assert sync < 5e-4
+    prof.p2p = []
+    assert prof.p2p_latency == 0.0  # nothing measured: no latency known
 
 
 def test_generator_hand_off_is_paid_per_replica_message():
