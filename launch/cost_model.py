@@ -655,8 +655,9 @@ def assemble(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, mem: Memo
 
 
 def with_profile(cl: Cluster, prof) -> Cluster:
-    """A cluster whose link numbers come from a profile (measured between two local ranks)."""
-    if prof is None:
+    """A cluster whose link numbers come from a profile (measured between two local ranks); the
+    cluster as it is where the profile measured no links (calibrate.py on one GPU)."""
+    if prof is None or not prof.p2p:
         return cl
     return replace(cl, intra_gbps=prof.p2p_gbps, link_latency_s=prof.p2p_latency,
                    inter_gbps=min(cl.inter_gbps, prof.p2p_gbps) if cl.nodes > 1 else prof.p2p_gbps)
@@ -840,9 +841,7 @@ class Profile:
         is mostly per-call CPU work (DTensor, FSDP2 bookkeeping, waiting for the peer), the same
         on any k; scaled by k - 1 it overpredicted the 3- and 4-rank FSDP trainers by 5-40%
         (BENCHMARKS.md, "Planner")."""
-        if k <= 2 or not self.allreduce:
-            return 0.0
-        return (k - 2) * self.wire_latency_s
+        return max(0, k - 2) * self.wire_latency_s  # 0 where no all-reduce was measured
 
     @property
     def wire_latency_s(self) -> float:

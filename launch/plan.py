@@ -348,7 +348,7 @@ def _main(a) -> int:
         if not prof.matches(args):
             print(f"warning: the profile is of model {prof.model}, not {cm.model_signature(args)}: "
                   "only its link numbers are used", file=sys.stderr)
-        cl = cm.with_profile(cl, prof) if prof.p2p else cl
+        cl = cm.with_profile(cl, prof)
     res = best_plan(args, cl, wl, prof, modes=tuple(a.modes.split(",")), refine=a.refine)
     print(f"model {spec}: {args.num_params() / 1e9:.3f}B params; {cl.world} ranks "
           f"({cl.nodes} x {cl.gpus_per_node} {cl.name}); workload {wl.prompts_per_step} prompts x "

@@ -486,6 +486,7 @@ def test_a_profile_without_links_takes_the_clusters():
     prof.tp_collective_s = 0.0
     assert not prof.has_links and _toy_profile().has_links
     cl = cm.gpu_cluster("h100", 1, gpus_per_node=4)
+    assert cm.with_profile(cl, prof) is cl  # no p2p measured: the datasheet's links stay
     wl = cm.Workload(8, 4, 4, 12, eta=1, gen_dtype="float32")
     measured = cm.train_time(TINY, cl, wl, 2, 2, False, 256, prof)
     datasheet = cm.train_time(TINY, cl, wl, 2, 2, False, 256, None)
