@@ -12,6 +12,11 @@
    metrics.jsonl after `--warmup` steps. Steps vary by 11-16% (sd) on the shared cores, so the
    median of 16 steps: with 4 (the default until 2026-11-30) two layouts 5-10% apart swapped
    places between runs, as wide a spread as the 10% goal itself.
+   Each generator replica gets the KV slots the planner writes into its TOML: its sequences per
+   step (64 for one replica, 32 for two, 16-24 for the colocated ones). The engine decodes every
+   slot each step, live or not. Until session 11 every layout ran with 64 slots, so a replica
+   with 32 sequences decoded 64 rows a step while the model priced 32 (G=2 2x1/2x1 measured 4-11%
+   slower with 64 slots than with 32 in one A/B).
    Every layout runs twice (`--passes 2`, the default since 2026-11-30; 1 before), in two
    passes over the list, and its faster pass counts: one run in ten of session 9 measured the
    world-4 split layouts 20-45% slower than any other run, a slowdown of the host that hit some
@@ -69,12 +74,13 @@ def prompt_len(model: str) -> int:
     return round(sum(lens) / len(lens))
 
 
-def run_layout(model: str, run_dir: Path, lay, a) -> dict:
+def run_layout(model: str, run_dir: Path, lay, a, slots: int) -> dict:
     world, g, gtp, ttp, mode = _unpack(lay)
     args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.group,
                      new_tokens=a.response_len, eta=a.eta),
             f"--parallel.mode={mode}", f"--parallel.generator_ranks={g}",
-            f"--parallel.gen_tp={gtp}", f"--parallel.trainer_tp={ttp}", f"--trainer.micro_batch_tokens={a.micro_batch_tokens}"]
+            f"--parallel.gen_tp={gtp}", f"--parallel.trainer_tp={ttp}",
+            f"--trainer.micro_batch_tokens={a.micro_batch_tokens}", f"--generator.num_slots={slots}"]
     t0, load = time.perf_counter(), os.getloadavg()[0]
     proc = run_train_rl(world, args, timeout=600)
     if proc.returncode != 0:
@@ -97,8 +103,7 @@ def predict(args, prof, wl, lay, a) -> cm.Estimate:
     world, g, gtp, ttp, mode = _unpack(lay)
     cl = cm.with_profile(cm.cpu_cluster(world, os.cpu_count() or 1), prof)
     p = cm.Placement(world, mode, g, gtp, ttp)
-    return cm.estimate(args, cl, wl, p, prof, slots=a.prompts * a.group,
-                       micro_batch_tokens=a.micro_batch_tokens)
+    return cm.estimate(args, cl, wl, p, prof, micro_batch_tokens=a.micro_batch_tokens)
 
 
 def fastest(runs: list[dict]) -> dict:
@@ -160,7 +165,8 @@ def main(argv=None) -> int:
                       f"{'meas':>7} {'err':>6}   measured wait/train   load", flush=True)
             for lay in LAYOUTS[a.layouts]:
                 run_dir = Path(tmp) / "run{}_{}_{}_{}_{}_{}".format(pass_, *_unpack(lay))
-                done.setdefault(tuple(lay), []).append(run_layout(model, run_dir, lay, a))
+                slots = predict(args, prof, wl, lay, a).memory.slots  # as plan.py's TOML
+                done.setdefault(tuple(lay), []).append(run_layout(model, run_dir, lay, a, slots))
                 if pass_ + 1 < a.passes:
                     print(f"  pass {pass_ + 1}/{a.passes}: {lay} "
                           f"{_secs(done[tuple(lay)][-1].get('step_s'))} s/step", flush=True)

@@ -383,10 +383,13 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     H100 (tp 1), 16 slots, P = 512, R = 2048, bf16: bytes/step = 7.50e9*2 + 16*1536*131072
     = 18.2 GB -> 18.2e9/(3350e9*0.7) = 7.77 ms; flops/step = 2*7.50e9*16 = 2.4e11 -> 0.49 ms;
     decode = 2048 * 7.77 ms = 15.92 s; prefill = one prompt: (2*7.5e9*512 + 2*32*4096*512^2)/
-    (989e12*0.5) = 15.7 ms -> T_gen = 15.94 s."""
+    (989e12*0.5) = 15.7 ms -> T_gen = 15.94 s.
+    `slots` is the engine's KV slot count per replica. Its decode step runs every slot, live or
+    not (static shapes, rollout/engine.py), so a replica given more slots than it has sequences
+    pays for the empty ones; the planner gives it at most its sequences (generator_memory)."""
     prompts = -(-wl.prompts_per_step // gen_dp)
     seqs = prompts * wl.group_size
-    slots = max(1, min(slots, seqs))
+    slots = max(1, slots)
     waves = -(-seqs // slots)
     prompts_per_wave = -(-prompts // waves)
     gb = dtype_bytes(wl.gen_dtype)

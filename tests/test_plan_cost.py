@@ -355,6 +355,21 @@ def test_p2p_latency_and_message_times_follow_the_measured_sizes():
     assert prof.p2p_latency == 0.0  # nothing measured: no latency known
 
 
+def test_decode_is_priced_at_the_engine_slots_not_the_live_rows():
+    """The engine decodes every KV slot each step, live or not (rollout/engine.py), so a replica
+    with 16 slots and 8 sequences (2 of 4 prompts x 4 samples) pays 16 rows a step: hand-computed
+    with the toy profile's 1e-4 s per row, 16e-4 s a step, 10 steps, 1 wave. The planner's own
+    slot count for it is its 8 sequences, which halves that."""
+    wl, cl, prof = cm.Workload(4, 4, 8, 10), cm.cpu_cluster(2, 2), _toy_profile()
+    g = cm.generation_time(TINY, cl, wl, gen_tp=1, gen_dp=2, slots=16, prof=prof)
+    assert g["decode_step"] == pytest.approx(16e-4) and g["waves"] == 1
+    assert g["total"] == pytest.approx(10 * 16e-4)
+    assert cm.plan_memory(TINY, cl, wl, cm.Placement(3, "split", 2, 1, 1)).slots == 8
+    assert cm.plan_memory(TINY, cl, wl, cm.Placement(2, "split", 1, 1, 1)).slots == 16
+    g = cm.generation_time(TINY, cl, wl, gen_tp=1, gen_dp=2, slots=8, prof=prof)
+    assert g["total"] == pytest.approx(10 * 8e-4)
+
+
 def test_generator_hand_off_is_paid_per_replica_message():
     """The hand-off (scoring + shipping a replica's groups in one message) is added to T_gen:
     measured at 1 and 4 groups, 3 ms + 1 ms a group, so a replica of 2 groups pays 5 ms, not
