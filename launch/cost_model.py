@@ -377,7 +377,7 @@ class Times:
 
 
 def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen_dp: int,
-                    slots: int, prof=None) -> dict:
+                    slots: int, prof=None, link_poll: bool = True) -> dict:
     """Seconds for one generator replica to produce its share of a step (replicas run in
     parallel; the replica with the most prompts sets the pace). Worked example, Llama-3-8B on one
     H100 (tp 1), 16 slots, P = 512, R = 2048, bf16: bytes/step = 7.50e9*2 + 16*1536*131072
@@ -386,7 +386,10 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     (989e12*0.5) = 15.7 ms -> T_gen = 15.94 s.
     `slots` is the engine's KV slot count per replica. Its decode step runs every slot, live or
     not (static shapes, rollout/engine.py), so a replica given more slots than it has sequences
-    pays for the empty ones; the planner gives it at most its sequences (generator_memory)."""
+    pays for the empty ones; the planner gives it at most its sequences (generator_memory).
+    `link_poll`: the split generator loop polls the trainer's link before every decode step and
+    broadcasts what it got to its TP followers, one more collective per step; the colocated loop
+    generates without a link (trainer/colocated.py)."""
     prompts = -(-wl.prompts_per_step // gen_dp)
     seqs = prompts * wl.group_size
     slots = max(1, slots)
@@ -397,13 +400,14 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     # a decode step's TP all-reduce over the cluster's links (the datasheet's, or a profile's)
     ar = allreduce_s(gen_tp, slots * args.hidden_size * gb, tp_bw, cl.link_latency_s)
     if prof is not None and prof.matches(args):
-        # per decode step: 2 all-reduces per layer, embedding + head, and the TP followers'
-        # broadcast of the link poll (rollout/worker.py); the cluster's links where the profile
-        # has none (one GPU)
+        # per decode step: 2 all-reduces per layer, embedding + head, and in split mode the TP
+        # followers' broadcast of the link poll (rollout/worker.py); the cluster's links where
+        # the profile has none (one GPU)
         if gen_tp == 1:
             step_comm = 0.0
         elif prof.has_links:
-            step_comm = (2 * args.num_layers + 3) * (prof.decode_collective_s + prof.ring_steps_s(gen_tp))
+            step_comm = ((2 * args.num_layers + 2 + link_poll)
+                         * (prof.decode_collective_s + prof.ring_steps_s(gen_tp)))
         else:
             step_comm = 2 * args.num_layers * ar
         step = prof.decode_step_s(slots, gen_tp) + step_comm
@@ -631,7 +635,7 @@ def estimate(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, prof=None
     mem = plan_memory(args, cl, wl, p, slots, micro_batch_tokens)
     if mem.why:
         return Estimate(p, mem, Times(), why=mem.why)
-    g = generation_time(args, cl, wl, p.gen_tp, p.gen_dp, mem.slots, prof)
+    g = generation_time(args, cl, wl, p.gen_tp, p.gen_dp, mem.slots, prof, p.mode == "split")
     tr = train_time(args, cl, wl, p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing,
                     mem.micro_batch_tokens, prof)
     return assemble(args, cl, wl, p, mem, g, tr, sync, prof)

@@ -143,7 +143,7 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
     t0 = time.perf_counter()
     world = cluster.world
     gen_time = functools.lru_cache(maxsize=None)(
-        lambda gtp, gdp, slots: cm.generation_time(args, cluster, wl, gtp, gdp, slots, profile))
+        lambda gtp, gdp, slots, poll: cm.generation_time(args, cluster, wl, gtp, gdp, slots, profile, poll))
     train_time = functools.lru_cache(maxsize=None)(
         lambda f, tp, ac, mbt: cm.train_time(args, cluster, wl, f, tp, ac, mbt, profile))
     gen_mem = functools.lru_cache(maxsize=None)(
@@ -161,7 +161,7 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
             key = m.why.split(":")[0]
             why[key] = why.get(key, 0) + 1
             continue
-        g = gen_time(p.gen_tp, p.gen_dp, m.slots)
+        g = gen_time(p.gen_tp, p.gen_dp, m.slots, p.mode == "split")
         tr = train_time(p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing, m.micro_batch_tokens)
         ests.append(cm.assemble(args, cluster, wl, p, m, g, tr, None, profile))
     refined = _refine(args, cluster, wl, ests, refine, profile)

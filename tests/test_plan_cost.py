@@ -296,10 +296,10 @@ def test_plan_writes_a_loadable_config(tmp_path, capsys):
 
 
 def test_generator_tp_uses_the_decode_probe():
-    """Per decode step, a TP generator pays (2L + 3) collectives: 2 all-reduces per layer,
-    embedding, head and the link-poll broadcast, at the decode probe's cost (plus a wire latency
-    per extra ring step beyond 2 ranks); a profile written before that probe existed falls back
-    to the training TP collective."""
+    """Per decode step, a split-mode TP generator pays (2L + 3) collectives: 2 all-reduces per
+    layer, embedding, head and the link-poll broadcast (2L + 2 colocated), at the decode probe's
+    cost (plus a wire latency per extra ring step beyond 2 ranks); a profile written before that
+    probe existed falls back to the training TP collective."""
     wl = cm.Workload(2, 4, 8, 10)
     cl = cm.cpu_cluster(2, 2)
     prof = _toy_profile()  # tp_collective_s = 1e-4, decode 1e-4 s per sequence, no fixed part
@@ -310,6 +310,13 @@ def test_generator_tp_uses_the_decode_probe():
     prof.tp_decode_collective_s = 0.0
     g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof)
     assert g["comm"] == pytest.approx(10 * 7 * 1e-4)
+    # the colocated loop generates without the link: no poll broadcast, 2L + 2 collectives
+    g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof, link_poll=False)
+    assert g["comm"] == pytest.approx(10 * 6 * 1e-4)
+    coloc = cm.estimate(TINY, cl, wl, cm.Placement(2, "colocated", 2, 2, 1), prof)
+    split = cm.estimate(TINY, cm.cpu_cluster(4, 2), wl, cm.Placement(4, "split", 2, 2, 1), prof)
+    assert coloc.times.detail["gen"]["comm"] == pytest.approx(10 * 6 * 1e-4)
+    assert split.times.detail["gen"]["comm"] == pytest.approx(10 * 7 * 1e-4)
 
 
 def test_collectives_beyond_two_ranks_add_wire_latency_only():
