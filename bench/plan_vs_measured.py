@@ -15,7 +15,7 @@
    Each generator replica gets the KV slots the planner writes into its TOML: its sequences per
    step (64 for one replica, 32 for two, 16-24 for the colocated ones). The engine decodes every
    slot each step, live or not. Until session 11 every layout ran with 64 slots, so a replica
-   with 32 sequences decoded 64 rows a step while the model priced 32 (G=2 2x1/2x1 measured 4-11%
+   with 32 sequences decoded 64 rows a step while the model priced 32 (G=2 2x1/2x1 measured 5-11%
    slower with 64 slots than with 32 in one A/B).
    Every layout runs twice (`--passes 2`, the default since 2026-11-30; 1 before), in two
    passes over the list, and its faster pass counts: one run in ten of session 9 measured the
