@@ -406,7 +406,7 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
         if gen_tp == 1:
             step_comm = 0.0
         elif prof.has_links:
-            step_comm = ((2 * args.num_layers + 2 + link_poll)
+            step_comm = ((2 * args.num_layers + 2 + int(link_poll))
                          * (prof.decode_collective_s + prof.ring_steps_s(gen_tp)))
         else:
             step_comm = 2 * args.num_layers * ar

@@ -143,7 +143,8 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
     t0 = time.perf_counter()
     world = cluster.world
     gen_time = functools.lru_cache(maxsize=None)(
-        lambda gtp, gdp, slots, poll: cm.generation_time(args, cluster, wl, gtp, gdp, slots, profile, poll))
+        lambda gtp, gdp, slots, poll: cm.generation_time(args, cluster, wl, gtp, gdp, slots, profile,
+                                                         poll))
     train_time = functools.lru_cache(maxsize=None)(
         lambda f, tp, ac, mbt: cm.train_time(args, cluster, wl, f, tp, ac, mbt, profile))
     gen_mem = functools.lru_cache(maxsize=None)(
