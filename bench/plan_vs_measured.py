@@ -115,9 +115,9 @@ def fastest(runs: list[dict]) -> dict:
     return {**min(ok, key=lambda m: m["step_s"]), "passes": [m["step_s"] for m in ok]}
 
 
-def _row(args, prof, wl, lay, a, runs: list[dict]) -> dict:
+def _row(e: cm.Estimate, lay, runs: list[dict]) -> dict:
     """One layout's prediction against its fastest measured pass, printed as a table line."""
-    e, m = predict(args, prof, wl, lay, a), fastest(runs)
+    m = fastest(runs)
     row = {"layout": list(lay), "label": f"N={lay[0]} " + e.placement.label(),
            "pred_gen_s": e.times.gen, "pred_train_s": e.times.train,
            "pred_sync_s": e.times.sync, "pred_step_s": e.step, **m}
@@ -159,19 +159,20 @@ def main(argv=None) -> int:
               f"load {os.getloadavg()[0]:.1f}) ...", flush=True)
         prof = measure(args, wl, "cpu", 1, a.micro_batch_tokens)
         done: dict = {}  # layout -> its runs so far, one per pass
+        est = {tuple(lay): predict(args, prof, wl, lay, a) for lay in LAYOUTS[a.layouts]}
         for pass_ in range(a.passes):
             if pass_ + 1 == a.passes:
                 print(f"{'layout':<30} {'T_gen':>7} {'T_train':>7} {'T_sync':>7} {'pred':>7} "
                       f"{'meas':>7} {'err':>6}   measured wait/train   load", flush=True)
             for lay in LAYOUTS[a.layouts]:
                 run_dir = Path(tmp) / "run{}_{}_{}_{}_{}_{}".format(pass_, *_unpack(lay))
-                slots = predict(args, prof, wl, lay, a).memory.slots  # as plan.py's TOML
+                slots = est[tuple(lay)].memory.slots  # as plan.py's TOML
                 done.setdefault(tuple(lay), []).append(run_layout(model, run_dir, lay, a, slots))
                 if pass_ + 1 < a.passes:
                     print(f"  pass {pass_ + 1}/{a.passes}: {lay} "
                           f"{_secs(done[tuple(lay)][-1].get('step_s'))} s/step", flush=True)
                 else:
-                    rows.append(_row(args, prof, wl, lay, a, done[tuple(lay)]))
+                    rows.append(_row(est[tuple(lay)], lay, done[tuple(lay)]))
 
     ok = [r for r in rows if "err" in r]
     errs = [abs(r["err"]) for r in ok]
