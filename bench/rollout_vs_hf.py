@@ -142,6 +142,8 @@ def cpu_section(repeats: int) -> dict:
         res[name] = round(res["ours"][stat] / res["hf_dynamic_cache"][stat], 2)
     print(f"  speedup ours / HF: {res['speedup']:.2f}x median, {res['speedup_best']:.2f}x best")
     print(f"  engine stats (all runs): {engine.stats}")
+    print(f"  packed linears, the engine's timed choice: {engine.pack_trial}")
+    res["pack_trial"] = engine.pack_trial
     return res
 
 

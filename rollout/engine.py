@@ -43,6 +43,7 @@ Sampling and mu conventions: rollout/sampling.py.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -244,7 +245,9 @@ class Engine:
         a multiple of this (each value is one CUDA graph); default 32, or max_len when compiled.
     pack_weights: run the fp32 linears on oneDNN-prepacked weights while the engine computes
         (rollout/packed_linear.py); None = on CPU where available, for linears of at least a
-        256 x 256 weight (1.2-1.6x faster there, slower below); True = all of them.
+        256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
+        (`pack_trial`; it depends on the CPU); True = all of them; False = none. The two ways
+        differ by fp32 rounding only (log-probs within 1e-5); pin it for bitwise-repeatable runs.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
@@ -280,6 +283,11 @@ class Engine:
         self._graph_pool = None
         self._param_ptrs = self._param_pointers()
         self._packed = _packed_linears(model, device, pack_weights, use_compile)
+        self.pack_trial: dict | None = None  # the automatic choice's timings, for the logs
+        if pack_weights is None and self._packed is not None and not _has_dtensor(model):
+            self.pack_trial = self._time_packing(self._packed)
+            if not self.pack_trial["packed"]:
+                self._packed = None
 
     # ----- public API ---------------------------------------------------------------------------
     @property
@@ -295,6 +303,16 @@ class Engine:
         self.st.version_now.fill_(int(v))
         if self._packed is not None:
             self._packed.invalidate()
+
+    def pack_summary(self) -> str | None:
+        """One line on the automatic packing choice, for the run's log; None if none was timed."""
+        t = self.pack_trial
+        if t is None:
+            return None
+        way = "oneDNN-packed" if t["packed"] else "plain (MKL)"
+        return (f"generator: {way} linears (a decode forward of {self.num_slots} slots timed "
+                f"{t['packed_ms']:.2f} ms packed, {t['plain_ms']:.2f} ms plain, "
+                f"median of {t['pairs']}; generator.pack_weights pins it)")
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
@@ -622,6 +640,34 @@ class Engine:
     def _param_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
 
+    @torch.inference_mode()
+    def _time_packing(self, packed: PackedLinears, pairs: int = 6, budget_s: float = 1.0) -> dict:
+        """Time decode forwards of every slot over the whole cache with and without the packed
+        linears, alternated (the first pair warms up and packs), up to `pairs` pairs or, past
+        two, `budget_s`; `packed_linear.pays_off` decides. The forwards write garbage at position
+        0 of every slot, as idle slots do in decode: nothing is cached yet."""
+        ids = torch.zeros(self.num_slots, 1, dtype=torch.int64, device=self.device)
+        cache = _CacheView(self.cache, self.max_len)
+        times: dict[str, list[float]] = {"packed": [], "plain": []}
+        start = time.perf_counter()
+        for i in range(pairs + 1):
+            for way in times:
+                with packed.active() if way == "packed" else nullcontext():
+                    t = time.perf_counter()
+                    self.model(ids, positions=ids, kv_cache=cache)
+                    if i:
+                        times[way].append(time.perf_counter() - t)
+            if i >= 2 and time.perf_counter() - start > budget_s:
+                break
+        ms = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+        return {"packed": packed_linear.pays_off(times["packed"], times["plain"]), **ms,
+                "pairs": len(times["plain"])}
+
+
+def _has_dtensor(model: torch.nn.Module) -> bool:
+    """A tensor-parallel model: its ranks must compute alike, so no per-rank timed choice."""
+    return any(hasattr(p, "to_local") for p in model.parameters())
+
 
 def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
                     compile_decode) -> torch.device:
@@ -646,7 +692,8 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
                     compiled: bool) -> PackedLinears | None:
     """`pack_weights`: None = on CPU where oneDNN has the kernels and the decode step is not
     compiled (inductor does its own packing, and cannot lower ours), the linears large enough to
-    gain (`packed_linear.MIN_NUMEL`); True = every fp32 linear; False = none."""
+    gain (`packed_linear.MIN_NUMEL`), subject to the engine's timed trial; True = every fp32
+    linear; False = none."""
     ok = device.type == "cpu" and packed_linear.available() and not compiled
     if choice is None:
         packed = PackedLinears(model) if ok else None

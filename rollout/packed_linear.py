@@ -3,8 +3,10 @@
 `nn.Linear` on CPU calls MKL's sgemm, which re-lays-out the weight on every call and scales poorly
 over threads at decode shapes (64 rows): on the 2-core AMD EPYC dev machine it reaches ~110 GFLOP/s
 for [64, 256] x [256, 512] on 2 threads, where oneDNN's matmul over a weight reordered once into
-its blocked layout reaches ~175 (BENCHMARKS.md, "Generation"). This is the prepacking that
-inductor's CPU backend does for inference; the engine does it without compiling anything:
+its blocked layout reaches ~175 (BENCHMARKS.md, "Generation"). Not every CPU gains: on a 2-core
+Intel Xeon with AMX, MKL was as fast per linear and the engine ran faster without packing, so
+the engine's automatic choice times both (`pays_off`). This is the prepacking that inductor's CPU
+backend does for inference; the engine does it without compiling anything:
 
     packed = PackedLinears(model)          # finds the large plain fp32 nn.Linear modules
     with torch.no_grad(), packed.active():  # their forwards run on packed weights
@@ -23,6 +25,7 @@ keep their distributed forward. Numerics: the same fp32 products summed in a dif
 """
 from __future__ import annotations
 
+import statistics
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -40,8 +43,22 @@ def available() -> bool:
 # A oneDNN call costs ~12 us more than MKL's before any arithmetic: below about a 256 x 256 weight
 # that overhead eats the gain (a 64-wide model generated 28% slower packed, a 256-wide one 1.2-1.6x
 # faster per large linear; BENCHMARKS.md, "Generation"). The engine's automatic choice packs only
-# weights of at least this many elements.
+# weights of at least this many elements, and only where packing measures faster (`pays_off`).
 MIN_NUMEL = 1 << 16
+# Whether packing pays at all depends on the CPU: on the 2-core AMD EPYC it did (above); on a
+# 2-core Intel Xeon with AMX the same engine ran 8-12% slower packed (BENCHMARKS.md, "Generation").
+# So the engine times both ways and packs only when the packed forward is faster by this fraction:
+# a packed copy also costs a second copy of the weights.
+MIN_GAIN = 0.02
+
+
+def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_GAIN) -> bool:
+    """The automatic choice from timed forwards, packed and plain (MKL): pack when the packed
+    median is below the plain one by more than `min_gain` of it."""
+    if not packed_s or not plain_s:
+        raise ValueError(f"pays_off needs timings of both ways, got {len(packed_s)} packed and "
+                         f"{len(plain_s)} plain")
+    return statistics.median(packed_s) < (1 - min_gain) * statistics.median(plain_s)
 
 
 def _packable(m: nn.Module, min_numel: int) -> bool:

@@ -30,6 +30,18 @@ def build_generator_model(cfg, meshes):
                        path=cfg.model.path)
 
 
+def build_engine(model, cfg, replica: int, device, print_choice: bool) -> Engine:
+    """The rollout engine of one generator replica, from `cfg.generator` (split and colocated)."""
+    g = cfg.generator
+    engine = Engine(model, num_slots=g.num_slots, max_len=cfg.data.max_prompt_len + g.max_new_tokens,
+                    seed=g.seed + replica, kv_policy=g.kv_policy,
+                    compile_decode=decode_mode(g.decode, device),
+                    pack_weights={"auto": None, "on": True, "off": False}[g.pack_weights])
+    if print_choice and engine.pack_summary():
+        print(engine.pack_summary(), flush=True)
+    return engine
+
+
 def run_generator(cfg, meshes, tokenizer) -> None:
     dims, rank = meshes.dims, meshes.rank
     replica, tp_rank = dims.generator_coord(rank)
@@ -41,10 +53,7 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     items, skipped, encode = load_items(cfg, tokenizer)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)
-    g = cfg.generator
-    engine = Engine(model, num_slots=g.num_slots, max_len=cfg.data.max_prompt_len + g.max_new_tokens,
-                    seed=g.seed + replica, kv_policy=g.kv_policy,
-                    compile_decode=decode_mode(g.decode, meshes.device))
+    engine = build_engine(model, cfg, replica, meshes.device, print_choice=rank == dims.generator_rank_list[0])
     trainer0 = dims.trainer_rank_list[0]
     link = Link(rank, [trainer0], cfg.parallel.timeout_s) if tp_rank == 0 else None
     tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import load_pretrained
+from model.args import ModelArgs
+from model.transformer import Transformer
 from rollout import packed_linear
 from rollout.engine import Engine, Request, SamplingParams
 from rollout.packed_linear import PackedLinears
@@ -169,3 +171,44 @@ def test_automatic_choice_skips_small_linears(model):
     assert len(Engine(model, num_slots=2, max_len=8, pack_weights=True)._packed.modules) > 0
     big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255))
     assert PackedLinears(big).modules == [big[0]]
+
+
+def test_pays_off_compares_medians_with_a_margin():
+    """Hand-computed: packed medians 9 (of 9, 10, 8) against plain 10 (of 12, 10, 9)."""
+    assert packed_linear.pays_off([9.0, 10.0, 8.0], [12.0, 10.0, 9.0])  # 9 < 0.98 * 10 = 9.8
+    assert not packed_linear.pays_off([9.0, 10.0, 8.0], [12.0, 10.0, 9.0], min_gain=0.15)  # 9 >= 8.5
+    assert not packed_linear.pays_off([5.0], [5.0])  # a tie keeps the weights unpacked
+    assert packed_linear.pays_off([6.0, 1.0, 9.0, 7.0], [6.5, 7.0])  # 6.5 < 0.98 * 6.75 = 6.615
+    assert not packed_linear.pays_off([6.6, 6.7], [6.5, 7.0])  # 6.65: within 2% of 6.75
+    with pytest.raises(ValueError, match="0 packed and 2 plain"):
+        packed_linear.pays_off([], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("verdict", [True, False])
+def test_engine_packs_by_its_timed_trial(monkeypatch, verdict):
+    """Left to choose, an engine over linears large enough to pack times decode forwards both
+    ways and follows `pays_off` on those timings; pinning pack_weights skips the trial."""
+    args = ModelArgs(vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=1,
+                     num_heads=4, num_kv_heads=2)
+    torch.manual_seed(0)
+    big = Transformer(args).eval()
+    seen = []
+
+    def judge(packed_s, plain_s):
+        seen.append((len(packed_s), len(plain_s)))
+        return verdict
+    monkeypatch.setattr(packed_linear, "pays_off", judge)
+    engine = Engine(big, num_slots=4, max_len=16)
+    trial = engine.pack_trial
+    assert seen == [(trial["pairs"], trial["pairs"])] and 2 <= trial["pairs"] <= 6
+    assert trial["packed"] is verdict and trial["packed_ms"] > 0 and trial["plain_ms"] > 0
+    assert (engine._packed is not None) is verdict
+    sp = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    reqs = [Request(i, [1 + i, 7, 9], sp) for i in range(3)]
+    want = Engine(big, num_slots=4, max_len=16, pack_weights=False).generate(reqs)
+    for a, b in zip(engine.generate(reqs), want):  # the trial's garbage at position 0 is harmless
+        assert a.completion_ids == b.completion_ids
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+    for pinned in (True, False):
+        assert Engine(big, num_slots=4, max_len=16, pack_weights=pinned).pack_trial is None
+    assert len(seen) == 1

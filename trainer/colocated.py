@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from rollout.engine import Engine, Request, SamplingParams, decode_mode
+from rollout.engine import Request, SamplingParams
+from rollout.role import build_engine
 from rollout.worker import replica_share
 from trainer.batch import Group, Trajectory
 from trainer.metrics import reduce_stats, step_metrics
@@ -73,9 +74,8 @@ class ColocatedWorker:
         self.replica, self.tp_rank = dims.generator_coord(meshes.rank)
         self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
         g = cfg.generator
-        self.engine = Engine(g_model, num_slots=g.num_slots,
-                             max_len=cfg.data.max_prompt_len + g.max_new_tokens, seed=g.seed + self.replica,
-                             kv_policy=g.kv_policy, compile_decode=decode_mode(g.decode, meshes.device))
+        self.engine = build_engine(g_model, cfg, self.replica, meshes.device,
+                                   print_choice=meshes.rank == 0)
         self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                      top_p=g.top_p, top_k=g.top_k, greedy=g.greedy, n=g.n_samples,
                                      stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos)
