@@ -703,8 +703,8 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
     if not ok:
         raise ValueError(f"pack_weights=True needs an eager CPU engine and a torch build with "
                          f"oneDNN (device {device}, compiled decode: {compiled}, oneDNN kernels "
-                         f"available: {packed_linear.available()}); leave pack_weights=None for "
-                         "the automatic choice")
+                         f"available: {packed_linear.available()}); leave pack_weights=None "
+                         "(generator.pack_weights='auto') for the automatic choice")
     return PackedLinears(model, min_numel=0)
 
 

@@ -212,3 +212,20 @@ def test_engine_packs_by_its_timed_trial(monkeypatch, verdict):
     for pinned in (True, False):
         assert Engine(big, num_slots=4, max_len=16, pack_weights=pinned).pack_trial is None
     assert len(seen) == 1
+
+
+def test_generator_pack_weights_config_reaches_the_engine(model):
+    """`generator.pack_weights` on/off pins the engine's choice (no trial); auto leaves it to the
+    trial, which this tiny model never needs (nothing large enough to pack)."""
+    from config import ConfigError, load_config
+    from rollout.role import build_engine
+    big = Transformer(ModelArgs(vocab_size=64, hidden_size=256, intermediate_size=512,
+                                num_layers=1, num_heads=4, num_kv_heads=2)).eval()
+    for value, packs in (("on", True), ("off", False)):
+        cfg = load_config(None, [f"--generator.pack_weights={value}"])
+        engine = build_engine(big, cfg, 0, torch.device("cpu"), print_choice=False)
+        assert engine.pack_trial is None and (engine._packed is not None) is packs
+    engine = build_engine(model, load_config(None), 0, torch.device("cpu"), print_choice=True)
+    assert engine.pack_trial is None and engine._packed is None
+    with pytest.raises(ConfigError, match="generator.pack_weights='yes' is not a valid choice"):
+        load_config(None, ["--generator.pack_weights=yes"])
