@@ -243,9 +243,9 @@ def packed_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -
     beside the model's own weights: on CPU, fp32, tp 1, one per linear or sibling stack (q|k|v,
     gate|up) of at least MIN_NUMEL elements, biases stacked with their weights, and the LM head.
     0 elsewhere (GPUs, TP shards, other dtypes). An upper bound: the engine packs only where its
-    timed trial finds packing faster on this CPU (`Engine.pack_trial`). SmolLM2-135M (hidden 576, 30 layers, 9/3 heads of
-    64, intermediate 1536, vocab 49152): per layer 576*960 + 576*576 + 2*576*1536 + 1536*576 =
-    3.54M, head 28.3M: (30*3.54M + 28.3M) * 4 B = 538 MB."""
+    timed trial finds packing faster on this CPU (`Engine.pack_trial`). SmolLM2-135M (hidden
+    576, 30 layers, 9/3 heads of 64, intermediate 1536, vocab 49152): per layer 576*960 +
+    576*576 + 2*576*1536 + 1536*576 = 3.54M, head 28.3M: (30*3.54M + 28.3M) * 4 B = 538 MB."""
     from rollout.packed_linear import MIN_NUMEL
     if not cl.shared_cores or wl.gen_dtype != "float32" or gen_tp > 1:
         return 0.0

@@ -43,7 +43,6 @@ Sampling and mu conventions: rollout/sampling.py.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -285,7 +284,7 @@ class Engine:
         self._packed = _packed_linears(model, device, pack_weights, use_compile)
         self.pack_trial: dict | None = None  # the automatic choice's timings, for the logs
         if pack_weights is None and self._packed is not None and not _has_dtensor(model):
-            self.pack_trial = self._time_packing(self._packed)
+            self.pack_trial = _time_decode_packing(model, self.cache, self._packed)
             if not self.pack_trial["packed"]:
                 self._packed = None
 
@@ -303,16 +302,6 @@ class Engine:
         self.st.version_now.fill_(int(v))
         if self._packed is not None:
             self._packed.invalidate()
-
-    def pack_summary(self) -> str | None:
-        """One line on the automatic packing choice, for the run's log; None if none was timed."""
-        t = self.pack_trial
-        if t is None:
-            return None
-        way = "oneDNN-packed" if t["packed"] else "plain (MKL)"
-        return (f"generator: {way} linears (a decode forward of {self.num_slots} slots timed "
-                f"{t['packed_ms']:.2f} ms packed, {t['plain_ms']:.2f} ms plain, "
-                f"median of {t['pairs']}; generator.pack_weights pins it)")
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
@@ -640,28 +629,13 @@ class Engine:
     def _param_pointers(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
 
-    @torch.inference_mode()
-    def _time_packing(self, packed: PackedLinears, pairs: int = 6, budget_s: float = 1.0) -> dict:
-        """Time decode forwards of every slot over the whole cache with and without the packed
-        linears, alternated (the first pair warms up and packs), up to `pairs` pairs or, past
-        two, `budget_s`; `packed_linear.pays_off` decides. The forwards write garbage at position
-        0 of every slot, as idle slots do in decode: nothing is cached yet."""
-        ids = torch.zeros(self.num_slots, 1, dtype=torch.int64, device=self.device)
-        cache = _CacheView(self.cache, self.max_len)
-        times: dict[str, list[float]] = {"packed": [], "plain": []}
-        start = time.perf_counter()
-        for i in range(pairs + 1):
-            for way in times:
-                with packed.active() if way == "packed" else nullcontext():
-                    t = time.perf_counter()
-                    self.model(ids, positions=ids, kv_cache=cache)
-                    if i:
-                        times[way].append(time.perf_counter() - t)
-            if i >= 2 and time.perf_counter() - start > budget_s:
-                break
-        ms = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}
-        return {"packed": packed_linear.pays_off(times["packed"], times["plain"]), **ms,
-                "pairs": len(times["plain"])}
+
+def _time_decode_packing(model: torch.nn.Module, cache: KVCache, packed: PackedLinears) -> dict:
+    """`packed_linear.trial` on decode forwards of every slot over the whole cache. They write
+    garbage at position 0 of every slot, as idle slots do in decode: nothing is cached yet."""
+    ids = torch.zeros(cache.num_slots, 1, dtype=torch.int64, device=cache.k.device)
+    view = _CacheView(cache, cache.max_len)
+    return packed_linear.trial(packed, lambda: model(ids, positions=ids, kv_cache=view))
 
 
 def _has_dtensor(model: torch.nn.Module) -> bool:

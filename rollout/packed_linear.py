@@ -26,7 +26,8 @@ keep their distributed forward. Numerics: the same fp32 products summed in a dif
 from __future__ import annotations
 
 import statistics
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -59,6 +60,37 @@ def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_
         raise ValueError(f"pays_off needs timings of both ways, got {len(packed_s)} packed and "
                          f"{len(plain_s)} plain")
     return statistics.median(packed_s) < (1 - min_gain) * statistics.median(plain_s)
+
+
+@torch.inference_mode()
+def trial(packed: "PackedLinears", forward, pairs: int = 6, budget_s: float = 1.0) -> dict:
+    """Time `forward()` with and without `packed` active, alternated (the first pair warms up and
+    packs), up to `pairs` pairs or, past two, `budget_s`; `pays_off` decides. Returns the verdict
+    ("packed"), both medians in ms and the pairs timed."""
+    times: dict[str, list[float]] = {"packed": [], "plain": []}
+    start = time.perf_counter()
+    for i in range(pairs + 1):
+        for way in times:
+            with packed.active() if way == "packed" else nullcontext():
+                t = time.perf_counter()
+                forward()
+                if i:
+                    times[way].append(time.perf_counter() - t)
+        if i >= 2 and time.perf_counter() - start > budget_s:
+            break
+    ms = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+    return {"packed": pays_off(times["packed"], times["plain"]), **ms, "pairs": len(times["plain"])}
+
+
+def describe(trial_result: dict | None, rows: int) -> str | None:
+    """One log line on a `trial` of decode forwards of `rows` slots; None if none was run."""
+    t = trial_result
+    if t is None:
+        return None
+    way = "oneDNN-packed" if t["packed"] else "plain (MKL)"
+    return (f"generator: {way} linears (a decode forward of {rows} slots timed "
+            f"{t['packed_ms']:.2f} ms packed, {t['plain_ms']:.2f} ms plain, "
+            f"median of {t['pairs']}; generator.pack_weights pins it)")
 
 
 def _packable(m: nn.Module, min_numel: int) -> bool:

@@ -5,6 +5,7 @@ from model.hf_io import load_model_args, to_dtype
 from parallel.sharding import build_model, parallelize_generator
 from rollout.data import PromptSource, filter_by_length, load_prompts, render_prompt
 from rollout.engine import Engine, decode_mode
+from rollout.packed_linear import describe as describe_packing
 from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
 from trainer.checkpointing import generator_state, read_extra, resume_path
@@ -37,8 +38,9 @@ def build_engine(model, cfg, replica: int, device, print_choice: bool) -> Engine
                     seed=g.seed + replica, kv_policy=g.kv_policy,
                     compile_decode=decode_mode(g.decode, device),
                     pack_weights={"auto": None, "on": True, "off": False}[g.pack_weights])
-    if print_choice and engine.pack_summary():
-        print(engine.pack_summary(), flush=True)
+    line = describe_packing(engine.pack_trial, engine.num_slots)
+    if print_choice and line:
+        print(line, flush=True)
     return engine
 
 
