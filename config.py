@@ -45,6 +45,7 @@ class ModelConfig:
     path: str = _f("", "Hugging Face model folder (config.json + safetensors); '' = none.")
     dtype: Dtype = _f("float32", "Dtype of the trainer's parameters (the master copy).")
     gen_dtype: Dtype = _f("float32", "Dtype of the generator's weights copy, e.g. 'bfloat16'.")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Dtype the trainer computes in (its parameters stay model.dtype): 'auto' = bfloat16 on CUDA, model.dtype on CPU; 'bfloat16' on CPU pays off with AMX (a tiny Llama's train step 1.5x faster, BENCHMARKS.md). With FSDP it is FSDP's param dtype, on one rank an autocast.")
     attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "'auto' = flash-attn if importable, else SDPA.")
     ref_path: str = _f("", "Reference model folder for the KL penalty; '' = no reference model.")
 
@@ -247,6 +248,11 @@ class Config:
             raise ConfigError(f"algo.buffer_capacity={a.buffer_capacity} cannot hold one step of "
                               f"prompts_per_step*n_samples = {t.prompts_per_step}*{g.n_samples} = {step} samples "
                               f"(set --algo.buffer_capacity to >= {step}, or 0 to derive it)")
+        m = self.model
+        if m.compute_dtype == "float32" and m.dtype != "float32":
+            raise ConfigError(f"model.compute_dtype='float32' cannot compute wider than the parameters "
+                              f"(model.dtype={m.dtype!r}); set --model.dtype=float32 or "
+                              "--model.compute_dtype=auto")
         ranks = self.logging.log_rank.replace(" ", "")
         if ranks != "all" and not all(r.isdigit() for r in ranks.split(",")):
             raise ConfigError(f"logging.log_rank={self.logging.log_rank!r} is invalid: use 'all' or "

@@ -29,7 +29,13 @@ def use_flash(x: torch.Tensor, backend: str) -> bool:
 
 
 def sdpa(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """SDPA over [B, H, T, D] views. `mask_BTS` is a boolean keep-mask (True = attend)."""
+    """SDPA over [B, H, T, D] views. `mask_BTS` is a boolean keep-mask (True = attend).
+    On CPU it always runs in fp32 (outside autocast) and returns v's dtype: CPU SDPA's bf16
+    backward took 6x its fp32 time on an AMX Xeon (970 vs 160 us at [1, 4, 45, 64], BENCHMARKS.md)."""
+    if not q_BTHD.is_cuda and (v_BSHD.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
+        with torch.autocast("cpu", enabled=False):
+            out = sdpa(q_BTHD.float(), k_BSHD.float(), v_BSHD.float(), mask_BTS, causal)
+        return out.to(v_BSHD.dtype)
     q, k, v = (x.transpose(1, 2) for x in (q_BTHD, k_BSHD, v_BSHD))
     mask = None if mask_BTS is None else mask_BTS[:, None]  # broadcast over heads
     out = F.scaled_dot_product_attention(

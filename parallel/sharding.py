@@ -110,19 +110,38 @@ def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dty
             unit.set_custom_reduce_scatter(AllToAllReduceScatter())
 
 
+def compute_dtype(choice: str, device_type: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The trainer's compute dtype (`model.compute_dtype`): "auto" is bf16 on CUDA and the
+    parameters' own dtype elsewhere; never wider than the parameters."""
+    if choice not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"compute_dtype={choice!r}: choose 'auto', 'float32' or 'bfloat16'")
+    if choice == "auto":
+        want = torch.bfloat16 if device_type == "cuda" else param_dtype
+    else:
+        want = getattr(torch, choice)
+    return want if want.itemsize <= param_dtype.itemsize else param_dtype
+
+
 def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_checkpointing=False,
-                        compile=False, units: str = "auto") -> Transformer:
-    """`mesh` is the trainer mesh (fsdp, tp). bf16 compute on GPU, fp32 on CPU."""
+                        compile=False, units: str = "auto", compute: str = "auto") -> Transformer:
+    """`mesh` is the trainer mesh (fsdp, tp). `compute` (`compute_dtype`): with FSDP it is FSDP's
+    param dtype (the gathered parameters are cast); on one FSDP rank it is set as
+    `model.autocast_dtype`, and the train step runs the forward under autocast. Either way the
+    parameters, gradients and optimizer state keep the parameters' dtype."""
+    param_dtype = next(model.parameters()).dtype
+    want = compute_dtype(compute, mesh.device_type, param_dtype)
+    cast = want if want != param_dtype else None
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
     if activation_checkpointing:
         apply_ac(model)
     if compile:
         apply_compile(model)
-    if mesh["fsdp"].size() > 1:
-        compute = torch.bfloat16 if mesh.device_type == "cuda" else None
-        apply_fsdp(model, mesh["fsdp"], compute,  # FSDP2 composes with TP DTensors into 2-D
+    sharded = mesh["fsdp"].size() > 1
+    if sharded:
+        apply_fsdp(model, mesh["fsdp"], cast,  # FSDP2 composes with TP DTensors into 2-D
                    resolve_fsdp_units(units, mesh.device_type))
+    model.autocast_dtype = None if sharded else cast
     return model
 
 

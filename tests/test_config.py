@@ -211,6 +211,11 @@ def test_cross_field_rules():
         load_config(None, ["--algo.kl_coef=0.1"])
     with pytest.raises(ConfigError, match=r"buffer_capacity=10 cannot hold one step.*8\*4 = 32"):
         load_config(None, ["--algo.buffer_capacity=10"])
+    with pytest.raises(ConfigError, match=r"compute_dtype='float32' cannot compute wider.*"
+                                          r"model.dtype='bfloat16'.*--model.dtype=float32"):
+        load_config(None, ["--model.dtype=bfloat16", "--model.compute_dtype=float32"])
+    with pytest.raises(ConfigError, match=r"model.compute_dtype='fp16' is not a valid choice"):
+        load_config(None, ["--model.compute_dtype=fp16"])
     assert load_config(None, ["--logging.log_rank=0, 4"]).logging.log_rank == "0, 4"
     assert load_config(None, ["--logging.log_rank=all"]).logging.log_rank == "all"
 

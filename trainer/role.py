@@ -20,7 +20,8 @@ def build_trainer_model(cfg, meshes, path: str):
     return build_model(args, meshes.device, to_dtype(cfg.model.dtype),
                        parallelize=lambda m: parallelize_trainer(
                            m, meshes.trainer, activation_checkpointing=pcfg.activation_checkpointing,
-                           compile=pcfg.compile, units=pcfg.fsdp_units),
+                           compile=pcfg.compile, units=pcfg.fsdp_units,
+                           compute=cfg.model.compute_dtype),
                        path=path)
 
 

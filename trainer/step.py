@@ -8,6 +8,7 @@ micro-batches; a rank with fewer pads with a zero-weighted copy of one of its ow
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,18 @@ def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[P
 
 
 def _policy_logp(model, batch: PackedBatch, temperature: float):
-    logits_NV = model(batch.input_ids_N, seq_lens=batch.seq_lens_S)
+    with _autocast(model):
+        logits_NV = model(batch.input_ids_N, seq_lens=batch.seq_lens_S)
     return losses.token_logprobs(logits_NV, batch.targets_N, temperature), logits_NV
+
+
+def _autocast(model):
+    """The forward's compute dtype when it differs from the parameters' and FSDP does not cast
+    them (`parallel.sharding.parallelize_trainer`); token log-probs are taken in fp32 after it."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
 def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
