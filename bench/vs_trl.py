@@ -1,7 +1,8 @@
 """tandem against TRL's GRPOTrainer: the same model, prompts, group size, batch, completion length
 and reward, on this machine's CPU, measured back to back in one run.
 
-    python bench/vs_trl.py [--rounds 2] [--hidden 256 --layers 4] [--worlds 2,3] [--smollm2]
+    python bench/vs_trl.py [--rounds 2] [--hidden 256 --layers 4] [--worlds 2,3]
+                           [--precisions fp32,bf16] [--smollm2]
 
 Workload, identical on both sides (checked from each side's own logs, not assumed):
 - model: a random tiny Llama (default hidden 256, 4 layers, 2.4M parameters, about the size of
@@ -30,6 +31,12 @@ ends), and the ratio from median step times is printed beside it.
 This machine is shared with other jobs, and contention only ever slows a run down: the sides run
 interleaved for `--rounds` rounds and each side's best round counts. The load average is printed
 after every run: read it before trusting a ratio.
+
+Precision: every side runs once per `--precisions` entry. fp32 is fp32 throughout. bf16 is each
+side's CPU mixed precision, fp32 weights and optimizer state with bf16 matmuls: TRL's `bf16=True`
+(autocast over its whole step, generation included) and tandem's `--model.compute_dtype=bfloat16`
+(the trainer's forward under autocast; the generator stays fp32). The TRL baseline is TRL's best
+run of any thread count and precision; ratios are also printed against TRL at the same precision.
 
 TRL is a benchmark-only extra (requirements-bench.txt). Without it the bench says so and still
 reports tandem's side.
@@ -80,12 +87,12 @@ def _root_cause(stderr: str) -> str:
 
 
 # ----- tandem ---------------------------------------------------------------------------------
-def run_tandem(model: str, run_dir: Path, world: int, a) -> dict:
+def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a) -> dict:
     args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.samples,
                      new_tokens=a.new_tokens, eta=1),
             "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
-            "--data.max_prompt_len=256"]
+            "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}"]
     t0 = time.perf_counter()
     proc = run_train_rl(world, args, a.timeout)
     wall = time.perf_counter() - t0
@@ -144,7 +151,7 @@ def trl_child(spec: dict) -> dict:
 
     n, p, t = spec["samples"], spec["prompts"], spec["new_tokens"]
     config = trl.GRPOConfig(
-        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=0,
+        output_dir=spec["out"], use_cpu=True, bf16=spec["bf16"], fp16=False, seed=0,
         # p prompts x n completions per optimizer step, generated once and used once
         per_device_train_batch_size=p * n, num_generations=n, gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1,
@@ -175,8 +182,8 @@ def trl_child(spec: dict) -> dict:
             "trl_version": trl.__version__}
 
 
-def run_trl(model: str, out: Path, threads: int, a) -> dict:
-    spec = {"model": model, "out": str(out), "threads": threads, "steps": a.trl_steps,
+def run_trl(model: str, out: Path, threads: int, bf16: bool, a) -> dict:
+    spec = {"model": model, "out": str(out), "threads": threads, "bf16": bf16, "steps": a.trl_steps,
             "warmup": a.warmup, "prompts": a.prompts, "samples": a.samples,
             "new_tokens": a.new_tokens, "lr": a.lr, "num_prompts": a.num_prompts}
     cmd = [sys.executable, __file__, "--trl-child", json.dumps(spec)]
@@ -214,13 +221,25 @@ def _best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["tokens_per_s"])
 
 
-def _run_side(name: str, n: int, key: str, model: str, tmp: Path, i: int, a) -> tuple[dict, str]:
+def _run_side(name: str, n: int, bf16: bool, key: str, model: str, tmp: Path, i: int,
+              a) -> tuple[dict, str]:
     """One run of one side: (result, description). `n` = TRL threads or tandem world size."""
+    precision = "bf16" if bf16 else "fp32"
     if name.startswith("trl"):
-        r = run_trl(model, tmp / f"{key}_{name}_{i}", n, a)
-        return r, f"TRL {r['trl_version']}, {n} thread(s)"
-    r = run_tandem(model, tmp / f"{key}_{name}_{i}", n, a)
-    return r, f"tandem 1 gen + {n - 1} train"
+        r = run_trl(model, tmp / f"{key}_{name}_{i}", n, bf16, a)
+        return r, f"TRL {r['trl_version']}, {n} thread(s), {precision}"
+    r = run_tandem(model, tmp / f"{key}_{name}_{i}", n, bf16, a)
+    return r, f"tandem 1 gen + {n - 1} train, {precision}"
+
+
+def side_names(a, trl: bool) -> list[tuple[str, int, bool]]:
+    """(name, threads or world size, bf16) of every side, TRL's first: trl_t2, trl_t2_bf16,
+    tandem_w2, tandem_w2_bf16, ..."""
+    def suffix(bf16):
+        return "_bf16" if bf16 else ""
+    precisions = [p == "bf16" for p in a.precisions]
+    return ([(f"trl_t{t}{suffix(b)}", t, b) for t in a.trl_threads for b in precisions] if trl else []) + \
+        [(f"tandem_w{w}{suffix(b)}", w, b) for w in a.worlds for b in precisions]
 
 
 def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
@@ -235,14 +254,13 @@ def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
     if why is not None:
         errors["trl"] = why
         print(f"TRL: NOT MEASURED: {why}", flush=True)
-    sides = ([(f"trl_t{t}", t) for t in a.trl_threads] if why is None else []) + \
-        [(f"tandem_w{w}", w) for w in a.worlds]
+    sides = side_names(a, trl=why is None)
     for i in range(1, a.rounds + 1):
-        for name, n in sides:
+        for name, n, bf16 in sides:
             if name in errors:
                 continue  # failed or timed out in an earlier round: do not pay for it again
             try:
-                r, desc = _run_side(name, n, key, model, tmp, i, a)
+                r, desc = _run_side(name, n, bf16, key, model, tmp, i, a)
             except subprocess.TimeoutExpired:
                 # Typically TRL with 2+ threads on an overloaded machine (OpenMP barriers stall
                 # whenever one of its threads is descheduled): later rounds would only time out too.
@@ -258,11 +276,12 @@ def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
             extra = (f"  wait {r['wait_batch_s']:.3f}s + train {r['train_push_s']:.3f}s"
                      if "wait_batch_s" in r else "")
             print(f"  round {i}  " + fmt(desc, r) + extra + f"  [load {load():.2f}]", flush=True)
-    return summarise(runs, errors, a)
+    return summarise(runs, errors, a, [name for name, _, _ in sides])
 
 
-def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a) -> dict:
-    """Best run per side, the TRL baseline (its best thread count) and the ratios, printed."""
+def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a, order: list[str]) -> dict:
+    """Best run per side, the TRL baseline (its best thread count and precision), and each tandem
+    side's ratios against it and against TRL's best at the same precision, printed."""
     mismatched = sorted({f"{name}: {r['tokens_per_sample']:.1f} tokens/sample, "
                          f"{r['samples_per_step']:.0f} samples/step"
                          for name, rs in runs.items() for r in rs
@@ -276,28 +295,39 @@ def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a) -> dict:
     trl_names = [n for n in runs if n.startswith("trl_t")]
     if trl_names:
         out["trl_best"] = max(trl_names, key=lambda n: out[n]["tokens_per_s"])
-        out["trl"] = trl = out[out["trl_best"]]
+        out["trl"] = out[out["trl_best"]]
     print(f"best of {a.rounds} round(s):")
-    for name in [f"trl_t{t}" for t in a.trl_threads] + [f"tandem_w{w}" for w in a.worlds]:
-        if name not in out:
-            continue
+    for name in (n for n in order if n in out):
         r = out[name]
-        line = (f"  {name:<10} {r['tokens_per_s']:8.0f} completion tok/s  "
+        line = (f"  {name:<15} {r['tokens_per_s']:8.0f} completion tok/s  "
                 f"{r['samples_per_s']:7.2f} samples/s  step {r['step_s']:.3f}s")
         if name == out.get("trl_best"):
             line += "  (the TRL baseline)"
         if name.startswith("tandem") and "trl" in out:
-            w = name[len("tandem_w"):]
-            out[f"ratio_tokens_w{w}"] = r["tokens_per_s"] / trl["tokens_per_s"]
-            out[f"ratio_samples_w{w}"] = r["samples_per_s"] / trl["samples_per_s"]
-            # the same from median step times (less sensitive to bursts of contention)
-            out[f"ratio_median_w{w}"] = (trl["step_s_median"] / trl["samples_per_step"]
-                                         * r["samples_per_step"] / r["step_s_median"])
-            line += (f"  -> {out[f'ratio_tokens_w{w}']:.2f}x TRL tok/s, "
-                     f"{out[f'ratio_samples_w{w}']:.2f}x samples/s, "
-                     f"{out[f'ratio_median_w{w}']:.2f}x by median step (goal >= 3x)")
+            line += _ratios(out, name, r, trl_names)
         print(line, flush=True)
     return out
+
+
+def _ratios(out: dict, name: str, r: dict, trl_names: list[str]) -> str:
+    """Sets out["ratio_{tokens,samples,median}_w{w}"] against the TRL baseline and
+    out["ratio_same_precision_w{w}"] against TRL's best run at this side's precision; w is the
+    world size, with "_bf16" for bf16 (e.g. ratio_tokens_w2_bf16)."""
+    w, trl = name[len("tandem_w"):], out["trl"]
+    out[f"ratio_tokens_w{w}"] = r["tokens_per_s"] / trl["tokens_per_s"]
+    out[f"ratio_samples_w{w}"] = r["samples_per_s"] / trl["samples_per_s"]
+    # the same from median step times (less sensitive to bursts of contention)
+    out[f"ratio_median_w{w}"] = (trl["step_s_median"] / trl["samples_per_step"]
+                                 * r["samples_per_step"] / r["step_s_median"])
+    text = (f"  -> {out[f'ratio_tokens_w{w}']:.2f}x TRL tok/s, "
+            f"{out[f'ratio_samples_w{w}']:.2f}x samples/s, "
+            f"{out[f'ratio_median_w{w}']:.2f}x by median step (goal >= 3x)")
+    same = [n for n in trl_names if n.endswith("_bf16") == name.endswith("_bf16")]
+    if same:
+        best = max(same, key=lambda n: out[n]["tokens_per_s"])
+        out[f"ratio_same_precision_w{w}"] = r["tokens_per_s"] / out[best]["tokens_per_s"]
+        text += f"; {out[f'ratio_same_precision_w{w}']:.2f}x {best}"
+    return text
 
 
 def main(argv=None) -> int:
@@ -306,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trl-steps", type=int, default=12, help="TRL optimizer steps")
     ap.add_argument("--warmup", type=int, default=4, help="steps discarded on both sides")
     ap.add_argument("--worlds", default="2,3", help="tandem world sizes (1 generator rank each)")
+    ap.add_argument("--precisions", default="fp32,bf16",
+                    help="fp32 and/or bf16 (CPU mixed precision, see above), for every side")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4, help="prompt groups per optimizer step")
@@ -331,6 +363,9 @@ def main(argv=None) -> int:
         return 0
     a.worlds = [int(w) for w in a.worlds.split(",") if w]
     a.trl_threads = sorted({int(t) for t in a.trl_threads.split(",") if t})
+    a.precisions = [p for p in a.precisions.split(",") if p]
+    if not a.precisions or set(a.precisions) - {"fp32", "bf16"}:
+        ap.error(f"--precisions {','.join(a.precisions)!r}: give fp32, bf16 or fp32,bf16")
 
     from tools.make_tiny_model import make_random_model
 
