@@ -18,9 +18,23 @@ def test_lr_schedule_hand_computed():
     assert lr_lambda(5, 2, 10, "constant", 0.1) == 1.0
 
 
-def test_plain_parameters_get_multi_tensor_adamw():
-    opt = build_optimizer(torch.nn.Linear(3, 2), TCFG)
-    assert opt.defaults["foreach"] is True and opt.defaults["lr"] == 1e-3
+def test_plain_parameters_get_the_fused_adamw_and_its_update_is_adamw():
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    tcfg = types.SimpleNamespace(**{**vars(TCFG), "weight_decay": 0.1})
+    opt = build_optimizer(model, tcfg)
+    assert opt.defaults["fused"] is True and opt.defaults["lr"] == 1e-3
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                weight_decay=0.1, foreach=False)  # one tensor at a time
+    for step in range(3):
+        for m in (model, ref):
+            m.weight.grad = torch.full((2, 3), 0.5 - step)
+            m.bias.grad = torch.tensor([1.0, -2.0]) * (step + 1)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_global_norm_and_clipping_hand_computed():
