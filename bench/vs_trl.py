@@ -35,7 +35,8 @@ after every run: read it before trusting a ratio.
 Precision: every side runs once per `--precisions` entry. fp32 is fp32 throughout. bf16 is each
 side's CPU mixed precision, fp32 weights and optimizer state with bf16 matmuls: TRL's `bf16=True`
 (autocast over its whole step, generation included) and tandem's `--model.compute_dtype=bfloat16`
-(the trainer's forward under autocast; the generator stays fp32). The TRL baseline is TRL's best
+(the trainer's forward under autocast; the generator stays fp32, or holds bf16 weights with
+`--gen-bf16`: faster for SmolLM2-135M, slower for the tiny model on this CPU). The TRL baseline is TRL's best
 run of any thread count and precision; ratios are also printed against TRL at the same precision.
 
 TRL is a benchmark-only extra (requirements-bench.txt). Without it the bench says so and still
@@ -92,7 +93,8 @@ def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a) -> dict:
                      new_tokens=a.new_tokens, eta=1),
             "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
-            "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}"]
+            "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}",
+            f"--model.gen_dtype={'bfloat16' if bf16 and a.gen_bf16 else 'float32'}"]
     t0 = time.perf_counter()
     proc = run_train_rl(world, args, a.timeout)
     wall = time.perf_counter() - t0
@@ -338,6 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", default="2,3", help="tandem world sizes (1 generator rank each)")
     ap.add_argument("--precisions", default="fp32,bf16",
                     help="fp32 and/or bf16 (CPU mixed precision, see above), for every side")
+    ap.add_argument("--gen-bf16", action="store_true",
+                    help="bf16 runs of tandem also generate with bf16 weights (model.gen_dtype)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4, help="prompt groups per optimizer step")

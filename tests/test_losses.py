@@ -11,9 +11,9 @@ import trainer.losses
 from trainer.advantages import group_advantages
 from trainer.batch import (Group, Trajectory, count_loss_tokens, flatten_groups, pack,
                            rewards_GN, split_by_token_budget, token_budget_bins)
-from trainer.losses import (aipo_loss, decoupled_ppo_loss, entropy_from_logits,
-                            kl_penalty, mismatch_kl, normalize, ppo_clip_loss, token_is,
-                            token_logprobs)
+from trainer.losses import (aipo_loss, decoupled_ppo_loss, entropy_from_logits, kl_penalty,
+                            logprobs_and_entropy, mismatch_kl, normalize, ppo_clip_loss,
+                            token_is, token_logprobs)
 
 LN = math.log
 
@@ -190,6 +190,28 @@ def test_token_logprobs_chunked_equals_unchunked_with_grads_and_bf16():
     torch.testing.assert_close(lbf, la.detach(), atol=0.05, rtol=0)
     with pytest.raises(ValueError, match="temperature must be positive"):
         token_logprobs(logits, targets, 0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_in_one_pass_equal_the_two_functions(temperature):
+    """The trainer's one-pass form: the same log-probs (and gradients) as token_logprobs, the
+    same masked entropy as entropy_from_logits, over chunks and leading dims."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5, 11, generator=g) * 3
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    mask = torch.rand(2, 5, generator=g) < 0.6
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    lp, h = logprobs_and_entropy(a, targets, mask, temperature, chunk_size=3)
+    ref = token_logprobs(b, targets, temperature)
+    torch.testing.assert_close(lp, ref, atol=1e-6, rtol=0)
+    assert h.requires_grad is False
+    assert h.item() == pytest.approx(entropy_from_logits(logits, mask, temperature).item(), rel=1e-6)
+    weights = torch.arange(10.0).view(2, 5)
+    (lp * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="disagree on the leading dims"):
+        logprobs_and_entropy(logits, targets[:1], mask, temperature)
 
 
 def test_entropy_known_numbers_and_chunking():

@@ -57,10 +57,14 @@ def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[P
     return [pack([trajs[i] for i in b], [adv[i] for i in b]) for b in bins]
 
 
-def _policy_logp(model, batch: PackedBatch, temperature: float):
+def _logits(model, batch: PackedBatch) -> torch.Tensor:
     with _autocast(model):
-        logits_NV = model(batch.input_ids_N, seq_lens=batch.seq_lens_S)
-    return losses.token_logprobs(logits_NV, batch.targets_N, temperature), logits_NV
+        return model(batch.input_ids_N, seq_lens=batch.seq_lens_S)
+
+
+def _policy_logp(model, batch: PackedBatch, temperature: float):
+    """Token log-probs of a reference or proximal forward."""
+    return losses.token_logprobs(_logits(model, batch), batch.targets_N, temperature)
 
 
 def _autocast(model):
@@ -104,19 +108,20 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
         _sync_on_last(model, i == n_micro - 1)
         real = i < len(batches)
         batch = batches[i if real else 0]
-        logp, logits = _policy_logp(model, batch, temp)
+        logp, entropy = losses.logprobs_and_entropy(_logits(model, batch), batch.targets_N,
+                                                    batch.loss_mask_N, temp)
         out = _loss(acfg, logp, batch, prox[i if real else 0])
         loss_sum = out.loss_sum
         if acfg.kl_coef > 0 and ref_model is not None:
             with torch.no_grad():
-                ref_logp, _ = _policy_logp(ref_model, batch, temp)
+                ref_logp = _policy_logp(ref_model, batch, temp)
             kl = losses.kl_penalty(logp, ref_logp, batch.loss_mask_N, acfg.kl_estimator)
             loss_sum = loss_sum + acfg.kl_coef * kl
             stats["kl_sum"] += float(kl.detach()) if real else 0.0
         scale = 1.0 if real else 0.0  # padding micro-batch: keeps FSDP collectives aligned
         (losses.normalize(loss_sum, max(global_tokens, 1)) * scale).backward()
         if real:
-            _accumulate(stats, out, logp.detach(), logits.detach(), batch, version, temp)
+            _accumulate(stats, out, logp.detach(), entropy, batch, version)
     grad_norm = float(clip_grad_norm(list(model.parameters()), cfg.trainer.grad_clip))
     # The global gradient norm is the same on every rank (a non-finite loss makes it non-finite
     # too), so every rank takes the same skip decision.
@@ -142,7 +147,7 @@ def _sync_on_last(model, last: bool) -> None:
 @torch.no_grad()
 def _prox_logps(model, batches, temp):
     """Decoupled PPO's pi_prox: the policy before this update, one extra forward (AReaL)."""
-    return [_policy_logp(model, b, temp)[0] for b in batches]
+    return [_policy_logp(model, b, temp) for b in batches]
 
 
 def _zero_stats() -> dict:
@@ -151,7 +156,7 @@ def _zero_stats() -> dict:
     return dict.fromkeys(keys, 0.0)
 
 
-def _accumulate(stats, out: losses.LossOutput, logp, logits, batch: PackedBatch, version, temp):
+def _accumulate(stats, out: losses.LossOutput, logp, entropy, batch: PackedBatch, version):
     m = batch.loss_mask_N
     stats["loss_sum"] += float(out.loss_sum.detach())
     stats["tokens"] += float(out.tokens)
@@ -159,7 +164,7 @@ def _accumulate(stats, out: losses.LossOutput, logp, logits, batch: PackedBatch,
     stats["is_ratio_max"] = max(stats["is_ratio_max"], float(out.is_ratio_max))
     stats["truncated"] += float(out.truncated_count)
     stats["clipped"] += float(out.clipped_count)
-    stats["entropy_sum"] += float(losses.entropy_from_logits(logits, m, temperature=temp))
+    stats["entropy_sum"] += float(entropy)
     # Mismatch between generator and trainer numerics: only tokens sampled by these very weights.
     same = m & (batch.versions_N == version)
     stats["mismatch_kl_sum"] += float(losses.mismatch_kl(logp, batch.logp_mu_N, same))
