@@ -242,11 +242,11 @@ class Engine:
         "compile" (torch.compile, plus a CUDA graph on CUDA).
     max_prefill_tokens: padded tokens per prefill forward. kv_bucket: decode reads the cache up to
         a multiple of this (each value is one CUDA graph); default 32, or max_len when compiled.
-    pack_weights: run the fp32 linears on oneDNN-prepacked weights while the engine computes
+    pack_weights: run the fp32/bf16 linears on oneDNN-prepacked weights while the engine computes
         (rollout/packed_linear.py); None = on CPU where available, for linears of at least a
         256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
         (`pack_trial`; it depends on the CPU); True = all of them; False = none. The two ways
-        differ by fp32 rounding only (log-probs within 1e-5); pin it for bitwise-repeatable runs.
+        differ by rounding only (fp32: log-probs within 1e-5); pin it for bitwise-repeatable runs.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
@@ -666,8 +666,8 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
                     compiled: bool) -> PackedLinears | None:
     """`pack_weights`: None = on CPU where oneDNN has the kernels and the decode step is not
     compiled (inductor does its own packing, and cannot lower ours), the linears large enough to
-    gain (`packed_linear.MIN_NUMEL`), subject to the engine's timed trial; True = every fp32
-    linear; False = none."""
+    gain (`packed_linear.MIN_NUMEL`), subject to the engine's timed trial; True = every fp32 or
+    bf16 linear; False = none."""
     ok = device.type == "cpu" and packed_linear.available() and not compiled
     if choice is None:
         packed = PackedLinears(model) if ok else None

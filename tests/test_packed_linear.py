@@ -109,11 +109,41 @@ def test_tied_weight_is_packed_once():
 
 
 def test_refuses_grad_and_skips_other_dtypes():
-    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16),
+                      nn.Linear(8, 8).to(torch.float16))
     packed = PackedLinears(m, min_numel=0)
-    assert packed.modules == [m[0]]  # only fp32 weights are packed
+    assert packed.modules == [m[0], m[1]]  # fp32 and bf16 weights are packed, fp16 not
     with packed.active(), pytest.raises(RuntimeError, match="no_grad"):
         m[0](torch.randn(2, 8))
+    with torch.no_grad(), packed.active(), pytest.raises(RuntimeError, match="bfloat16 inputs only"):
+        m[1](torch.randn(2, 8))  # an fp32 input to a bf16 weight
+
+
+def test_bf16_model_forward_and_engine_match_unpacked(tmp_path):
+    """bf16 weights packed (stacked siblings too): the forward within bf16 rounding of the plain
+    one, and the engine's sampled tokens and log-probs alike with and without packing."""
+    tiny.save_hf("qwen2", tmp_path)
+    model = load_pretrained(tmp_path, dtype="bfloat16").eval()
+    packed = PackedLinears(model, min_numel=0)
+    assert [len(g) for g in packed.groups] == [3, 2] * model.args.num_layers
+    ids = torch.randint(0, tiny.VOCAB, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).float()
+        with packed.active(), torch.profiler.profile() as prof:
+            got = model(ids).float()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("mkldnn::_linear_pointwise") == len(packed.singles) + len(packed.groups)
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()  # bitwise equal on the AMX Xeon
+    sp = SamplingParams(max_new_tokens=8, temperature=0.7, seed=5, ignore_eos=True)
+    reqs = [Request(i, [1 + i, 5, 7, 2 + i], sp) for i in range(3)]
+    out = {pack: Engine(model, num_slots=3, max_len=16, pack_weights=pack).generate(reqs)
+           for pack in (False, True)}
+    same = sum(a.completion_ids == b.completion_ids for a, b in zip(out[True], out[False]))
+    assert same >= 2  # bf16 rounding may flip a near-tie draw, not whole batches
+    for a, b in zip(out[True], out[False]):
+        n = next((i for i, (x, y) in enumerate(zip(a.completion_ids, b.completion_ids)) if x != y),
+                 len(a.completion_ids))
+        assert n == 0 or max(abs(x - y) for x, y in zip(a.logp[:n], b.logp[:n])) <= 0.05
 
 
 def test_engine_same_tokens_and_logp_with_and_without_packing(model):
