@@ -112,14 +112,15 @@ def apply_fsdp(model: Transformer, fsdp_mesh: DeviceMesh, param_dtype: torch.dty
 
 def compute_dtype(choice: str, device_type: str, param_dtype: torch.dtype) -> torch.dtype:
     """The trainer's compute dtype (`model.compute_dtype`): "auto" is bf16 on CUDA and the
-    parameters' own dtype elsewhere; never wider than the parameters."""
+    parameters' own dtype elsewhere; never wider than the parameters, and fp16 parameters stay
+    fp16 (no sideways bf16 cast)."""
     if choice not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"compute_dtype={choice!r}: choose 'auto', 'float32' or 'bfloat16'")
     if choice == "auto":
         want = torch.bfloat16 if device_type == "cuda" else param_dtype
     else:
         want = getattr(torch, choice)
-    return want if want.itemsize <= param_dtype.itemsize else param_dtype
+    return want if want == param_dtype or want.itemsize < param_dtype.itemsize else param_dtype
 
 
 def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_checkpointing=False,

@@ -20,6 +20,8 @@ BF16, FP32 = torch.bfloat16, torch.float32
     ("bfloat16", "cpu", FP32, BF16),
     ("float32", "cuda", FP32, FP32),
     ("float32", "cpu", BF16, BF16),     # never wider than the parameters
+    ("auto", "cuda", torch.float16, torch.float16),  # nor a sideways cast
+    ("bfloat16", "cpu", torch.float16, torch.float16),
 ])
 def test_compute_dtype_choice(choice, device, params, expected):
     assert compute_dtype(choice, device, params) == expected
