@@ -36,8 +36,9 @@ Precision: every side runs once per `--precisions` entry. fp32 is fp32 throughou
 side's CPU mixed precision, fp32 weights and optimizer state with bf16 matmuls: TRL's `bf16=True`
 (autocast over its whole step, generation included) and tandem's `--model.compute_dtype=bfloat16`
 (the trainer's forward under autocast; the generator stays fp32, or holds bf16 weights with
-`--gen-bf16`: faster for SmolLM2-135M, slower for the tiny model on this CPU). The TRL baseline is TRL's best
-run of any thread count and precision; ratios are also printed against TRL at the same precision.
+`--gen-bf16`: faster for SmolLM2-135M, slower for the tiny model on this CPU). The TRL baseline
+is TRL's best run of any thread count and precision; ratios are also printed against TRL at the
+same precision.
 
 TRL is a benchmark-only extra (requirements-bench.txt). Without it the bench says so and still
 reports tandem's side.
@@ -240,7 +241,8 @@ def side_names(a, trl: bool) -> list[tuple[str, int, bool]]:
     def suffix(bf16):
         return "_bf16" if bf16 else ""
     precisions = [p == "bf16" for p in a.precisions]
-    return ([(f"trl_t{t}{suffix(b)}", t, b) for t in a.trl_threads for b in precisions] if trl else []) + \
+    trl_sides = [(f"trl_t{t}{suffix(b)}", t, b) for t in a.trl_threads for b in precisions]
+    return (trl_sides if trl else []) + \
         [(f"tandem_w{w}{suffix(b)}", w, b) for w in a.worlds for b in precisions]
 
 
