@@ -80,7 +80,9 @@ def test_packed_copies_count_in_cpu_generator_memory():
     assert cm.packed_copy_bytes(smol, cpu, wl, 1) == (30 * 3_538_944 + 28_311_552) * 4
     assert cm.packed_copy_bytes(smol, cpu, wl, 2) == 0  # TP shards keep their own forward
     assert cm.packed_copy_bytes(smol, cm.gpu_cluster("h100", 1), wl, 1) == 0
-    assert cm.packed_copy_bytes(smol, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16"), 1) == 0
+    bf16 = cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16")  # bf16 weights are packed too
+    assert cm.packed_copy_bytes(smol, cpu, bf16, 1) == (30 * 3_538_944 + 28_311_552) * 2
+    assert cm.packed_copy_bytes(smol, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="float16"), 1) == 0
     args = ModelArgs(vocab_size=200, hidden_size=256, intermediate_size=512, num_layers=2,
                      num_heads=8, num_kv_heads=4, attention_bias=True)
     assert 200 * 256 < MIN_NUMEL <= 256 * 256  # the head is too small, every layer linear large enough
@@ -89,9 +91,12 @@ def test_packed_copies_count_in_cpu_generator_memory():
     real = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
                for unit in packed._units for m in unit)
     assert cm.packed_copy_bytes(args, cpu, wl, 1) == 4 * real
-    plain = cm.generator_memory(args, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16"), 1, 1)[0]
+    assert cm.packed_copy_bytes(args, cpu, bf16, 1) == 2 * real
+    half = cm.generator_memory(args, cpu, bf16, 1, 1)[0]
+    fp16 = cm.generator_memory(args, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="float16"), 1, 1)[0]
     used = cm.generator_memory(args, cpu, wl, 1, 1)[0]
-    assert used - 2 * plain == pytest.approx(4 * real)  # bf16 -> fp32 doubles the rest
+    assert half - fp16 == pytest.approx(2 * real)  # the same bytes but for bf16's packed copies
+    assert used == pytest.approx(2 * half)  # bf16 -> fp32 doubles all of it, packed copies too
 
 
 def test_generation_time_hand_computed():
