@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int_at_least(1), default=2, help="steps between evaluations")
     ap.add_argument("--batch", type=int_at_least(1), default=64, help="examples per step")
     # 3e-3 reached the target too, but unevenly (held-out accuracy bouncing 0.14-0.41 over steps
-    # 100-190), and RL from that start levelled off at ~0.7; from a 1e-3 start it reached ~0.98
+    # 100-190), and RL from that start levelled off at ~0.7; from a 1e-3 start it reached 0.89-1.00
     # (BENCHMARKS.md, "The CPU demo").
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     ap.add_argument("--seed", type=int, default=0)

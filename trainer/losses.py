@@ -267,7 +267,7 @@ def token_logprobs(logits_NV: Tensor, targets_N: Tensor, temperature: float = 1.
     flat_NV, flat_N = _flat_logits(logits_NV, targets_N, temperature)
     out = []
     for s in range(0, flat_N.numel(), chunk_size):
-        z_CV = _tempered(flat_NV[s:s + chunk_size], temperature, inplace=False)
+        z_CV = _tempered(flat_NV[s:s + chunk_size], temperature)
         out.append(-F.cross_entropy(z_CV, flat_N[s:s + chunk_size], reduction="none"))
     return _joined(out, flat_NV, targets_N)
 
@@ -288,11 +288,10 @@ def logprobs_and_entropy(logits_NV: Tensor, targets_N: Tensor, mask_N: Tensor,
     flat_mask_N = mask_N.reshape(-1).bool()
     out, entropy = [], flat_NV.new_zeros((), dtype=torch.float32)
     for s in range(0, flat_N.numel(), chunk_size):
-        logp_CV = torch.log_softmax(_tempered(flat_NV[s:s + chunk_size], temperature, False), -1)
+        logp_CV = torch.log_softmax(_tempered(flat_NV[s:s + chunk_size], temperature), -1)
         out.append(logp_CV.gather(1, flat_N[s:s + chunk_size, None])[:, 0])
         with torch.no_grad():  # every row, then the mask: cheaper than copying the masked rows
-            h_C = logp_CV.exp().mul_(logp_CV).sum(-1).neg_()
-            entropy += h_C[flat_mask_N[s:s + chunk_size]].sum()
+            entropy += _row_entropy(logp_CV)[flat_mask_N[s:s + chunk_size]].sum()
     return _joined(out, flat_NV, targets_N), entropy
 
 
@@ -315,29 +314,30 @@ def entropy_from_logits(logits_NV: Tensor, mask_N: Tensor, temperature: float = 
                         chunk_size: int = 4096) -> Tensor:
     """Token-summed entropy of softmax(logits / temperature) over masked rows, chunked.
 
-    H = logsumexp(z) - sum_v softmax(z)_v z_v. Only masked rows are computed. Usually logged
-    (wrap in torch.no_grad); it keeps grad for an entropy bonus.
+    H = -sum_v p_v log p_v from log_softmax(z) (`_row_entropy`, as in `logprobs_and_entropy`).
+    Only masked rows are computed. Usually logged (wrap in torch.no_grad); it keeps grad for an
+    entropy bonus.
 
     >>> round(float(entropy_from_logits(torch.zeros(2, 4), torch.tensor([True, False]))), 4)
     1.3863
     """
     rows_MV = logits_NV.reshape(-1, logits_NV.shape[-1])[mask_N.reshape(-1).bool()]
     total = logits_NV.new_zeros((), dtype=torch.float32)
-    inplace = not torch.is_grad_enabled() or not logits_NV.requires_grad
     for s in range(0, rows_MV.shape[0], chunk_size):
-        # the indexed rows are a copy already: tempered in place when no gradient is wanted
-        z_CV = _tempered(rows_MV[s:s + chunk_size], temperature, inplace)
-        lse_C = torch.logsumexp(z_CV, dim=-1)
-        total = total + (lse_C - (torch.softmax(z_CV, dim=-1) * z_CV).sum(-1)).sum()
+        logp_CV = torch.log_softmax(_tempered(rows_MV[s:s + chunk_size], temperature), -1)
+        total = total + _row_entropy(logp_CV).sum()
     return total
 
 
-def _tempered(x_CV: Tensor, temperature: float, inplace: bool) -> Tensor:
+def _row_entropy(logp_CV: Tensor) -> Tensor:
+    """-sum_v p_v log p_v of each row of finite log-probs; in place (one [C, V] buffer) unless a
+    gradient must flow."""
+    p_CV = logp_CV.exp()
+    return -(p_CV * logp_CV if p_CV.requires_grad else p_CV.mul_(logp_CV)).sum(-1)
+
+
+def _tempered(x_CV: Tensor, temperature: float) -> Tensor:
     """x / temperature in float32. At temperature 1 no pass at all (x / 1 is x exactly): on
     SmolLM2's 49152-token vocabulary the division was a fifth of the log-prob forward."""
     z_CV = x_CV.float()
-    if temperature == 1.0:
-        return z_CV
-    if inplace and z_CV is not x_CV:
-        return z_CV.div_(temperature)
-    return z_CV / temperature
+    return z_CV if temperature == 1.0 else z_CV / temperature
