@@ -214,14 +214,16 @@ class _CacheView(KVCache):
 
 
 def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, key_R, counter_R,
-                 truncate: bool, mode: str):
+                 truncate: bool, tempered: bool, mode: str):
     """Sampled token [R] and its mu [R]. Host flags pick the kernels: `truncate` (any row uses
-    top-k/top-p) and `mode` ("greedy": every row, "sample": no row, "mixed")."""
-    temp = None
+    top-k/top-p), `tempered` (any row's temperature is not 1: else no division, which at 1 would
+    change nothing) and `mode` ("greedy": every row, "sample": no row, "mixed")."""
+    temp = temp_R if tempered else None
     if truncate:
-        x_RV = process_logits(logits_RV, temp_R, top_k_R, top_p_R)
+        x_RV = process_logits(logits_RV, 1.0 if temp is None else temp, top_k_R, top_p_R)
+        temp = None
     else:  # sample() normalises and tempers in its one pass: the raw logits are enough
-        x_RV, temp = logits_RV.float(), temp_R
+        x_RV = logits_RV.float()
     u_R = None if mode == "greedy" else hashed_uniform(key_R, counter_R)
     return sample(x_RV, u_R, {"greedy": True, "sample": False}.get(mode, greedy_R), temp)
 
@@ -273,7 +275,8 @@ class Engine:
         self._finished: list[Completion] = []
         self._n_requests = self._steps = self._since_sync = 0
         self._bound_base = 0  # max over owned slots of (length at admission - admission step)
-        self._n_truncating = self._n_sampling = 0  # owned slots needing sort / draw kernels
+        # owned slots needing the sort (top-k/p), temperature and draw kernels
+        self._n_truncating = self._n_tempered = self._n_sampling = 0
         self._decode_fn = self._decode_body
         if use_compile:
             self._decode_fn = torch.compile(self._decode_body, dynamic=False)
@@ -391,6 +394,7 @@ class Engine:
             group.live_slots.discard(s)
             self._free.append(s)
             self._n_truncating -= info["truncating"]
+            self._n_tempered -= info["tempered"]
             self._n_sampling -= info["sampling"]
             self.stats.generated_tokens += n - P
             t = dict(submitted=group.submitted_at, admitted=info["admitted"],
@@ -470,16 +474,19 @@ class Engine:
             greedy = p.is_greedy
             ints[r] = torch.tensor([s, P, min(p.max_new_tokens, L - P), stream_key(g.key_seed, i),
                                     0 if greedy else p.top_k, greedy, g.logits_version])
-            floats[r, 0] = p.temperature if p.temperature > 0 else 1.0
+            temperature = p.temperature if p.temperature > 0 else 1.0
+            floats[r, 0] = temperature
             floats[r, 1] = 1.0 if greedy else p.top_p
             stops[r, : len(stop)] = torch.tensor(stop, dtype=torch.int64)
             group_row.setdefault(id(g), len(group_row))
             truncating = not greedy and (p.top_k > 0 or p.top_p < 1)
+            tempered = temperature != 1.0
             self._n_truncating += truncating
+            self._n_tempered += tempered
             self._n_sampling += not greedy
             self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit,
                                  bound=P + 1 - self._steps, truncating=truncating,
-                                 sampling=not greedy)
+                                 tempered=tempered, sampling=not greedy)
             g.live_slots.add(s)
         ints, floats, stops, prompts = (t.to(dev, non_blocking=True)
                                         for t in (ints, floats, stops, prompts))
@@ -496,6 +503,7 @@ class Engine:
         infos = [self._slot[s] for s, _, _ in plan]
         tok, mu = _sample_rows(logits_GV[rows], floats[:, 0], top_k, floats[:, 1], greedy, key,
                                torch.zeros_like(key), truncate=any(i["truncating"] for i in infos),
+                               tempered=any(i["tempered"] for i in infos),
                                mode=_mode(sum(i["sampling"] for i in infos), R))
         st.tokens[slot, P], st.logp[slot, P], st.version[slot, P] = tok, mu, ver
         st.seq_len[slot], st.gen[slot] = P + 1, 1
@@ -554,16 +562,17 @@ class Engine:
         self._steps += 1
         self.stats.decode_steps += 1
 
-    def _decode_key(self) -> tuple[bool, str, int]:
-        """Host-side choice of the decode kernels: (truncate, sampling mode, cache length read)."""
+    def _decode_key(self) -> tuple[bool, bool, str, int]:
+        """Host-side choice of the decode kernels: (truncate, tempered, sampling mode, cache
+        length read)."""
         bound = max(1, min(self.max_len, self._bound_base + self._steps))  # idle: a 1-long read
         Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
         if self.device.type == "cpu" and Lb * FULL_READ_ABOVE > self.max_len:
             Lb = self.max_len
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
-        return self._n_truncating > 0, _mode(self._n_sampling, owned), Lb
+        return self._n_truncating > 0, self._n_tempered > 0, _mode(self._n_sampling, owned), Lb
 
-    def _decode_body(self, truncate: bool, mode: str, Lb: int) -> None:
+    def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int) -> None:
         """One token for every live slot; pure device code (CUDA-graph capturable)."""
         st, L = self.st, self.max_len
         live = st.live
@@ -572,7 +581,7 @@ class Engine:
         cache = _CacheView(self.cache, Lb)
         logits_SV = self.model(ids_S1, positions=pos_S[:, None], kv_cache=cache)[:, 0]
         tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, st.key, st.gen,
-                               truncate, mode)
+                               truncate, tempered, mode)
         col = torch.where(live, st.seq_len, L)[:, None]  # not live: the scratch column
         st.tokens.scatter_(1, col, tok[:, None])
         st.logp.scatter_(1, col, mu[:, None])

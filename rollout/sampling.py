@@ -100,8 +100,9 @@ def process_logits(logits_BV: Tensor, temperature: float | Tensor = 1.0, top_k: 
     """
     x_BV = logits_BV.float()
     if isinstance(temperature, Tensor):
-        temperature = temperature.to(x_BV.dtype)[:, None]
-    x_BV = x_BV / temperature
+        x_BV = x_BV / temperature.to(x_BV.dtype)[:, None]
+    elif temperature != 1.0:
+        x_BV = x_BV / temperature
     truncate_k = isinstance(top_k, Tensor) or top_k > 0
     truncate_p = isinstance(top_p, Tensor) or top_p < 1.0
     if not (truncate_k or truncate_p):

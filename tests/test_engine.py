@@ -146,6 +146,26 @@ def test_slots_batching_and_arrival_do_not_change_outputs(folders, sp):
             assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
 
 
+def test_mixed_temperatures_share_a_batch(folders):
+    """The division by the temperature runs only while some row needs it: a T=1 request gives
+    the same tokens and mu alone (no division) as beside a T=0.6 one (every row divided), with
+    and without top-k, and each row's mu is still the trainer's log_softmax(logits / T)."""
+    model = load(folders)
+    ps = prompts([5, 9])
+    for top_k in (0, 4):
+        cool = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=top_k, seed=3, ignore_eos=True)
+        warm = SamplingParams(max_new_tokens=8, temperature=0.6, top_k=top_k, seed=4, ignore_eos=True)
+        alone = Engine(model, num_slots=2, max_len=32).generate([Request(0, ps[0], cool)])[0]
+        mixed = Engine(model, num_slots=2, max_len=32).generate(
+            [Request(0, ps[0], cool), Request(1, ps[1], warm)])
+        assert mixed[0].completion_ids == alone.completion_ids
+        assert mixed[0].logp == alone.logp
+        if top_k == 0:
+            for c, T in zip(mixed, (1.0, 0.6)):
+                diff = (torch.tensor(c.logp) - trainer_logp(model, c, T)).abs().max().item()
+                assert diff <= 1e-5, (T, diff)
+
+
 def test_sync_every_only_delays_harvest(folders):
     model = load(folders)
     sp = SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True)

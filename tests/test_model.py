@@ -94,6 +94,30 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path):
             cur = cur + 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers_bitwise(dtype):
+    """RMSNorm's fp32 CPU fast path (one `F.rms_norm` call) and its general path both equal
+    transformers' LlamaRMSNorm bit for bit: forward, input gradient and weight gradient, also
+    under CPU bf16 autocast."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from model.transformer import RMSNorm
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(48, 1e-6).to(dtype), LlamaRMSNorm(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    for autocast in (False, True):
+        x = (torch.randn(3, 7, 48) * 3).to(dtype).requires_grad_()
+        g = torch.randn(3, 7, 48).to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, y_ref = ours(x), ref(x)
+        assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+        grads = torch.autograd.grad(y, (x, ours.weight), g)
+        grads_ref = torch.autograd.grad(y_ref, (x, ref.weight), g)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+
+
 def test_meta_build_then_init():
     args = ModelArgs(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
