@@ -96,9 +96,8 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_equals_transformers_bitwise(dtype):
-    """RMSNorm's fp32 CPU fast path (one `F.rms_norm` call) and its general path both equal
-    transformers' LlamaRMSNorm bit for bit: forward, input gradient and weight gradient, also
-    under CPU bf16 autocast."""
+    """RMSNorm equals transformers' LlamaRMSNorm bit for bit in fp32 and bf16: forward, input
+    gradient and weight gradient, also under CPU bf16 autocast."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from model.transformer import RMSNorm
