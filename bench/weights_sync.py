@@ -38,8 +38,9 @@ shape in bf16 and >= 50% of the copy bandwidth.
 rl mode. Two real `train_rl.py` runs under torchrun with 2 processes, 1 trainer + 1 generator
 (on a 1-GPU machine both land on the same GPU, so weights travel by CUDA IPC if the roles build
 their ends with make_sender/make_receiver), on a random Llama from
-`tools.make_tiny_model.make_random_model`: async (`--algo.max_staleness=1`) vs sync (`=0`). Reports
-per mode the median step time, tokens/s and weight-sync time over the steps after warm-up.
+`tools.make_tiny_model.make_random_model` (`--rl-shape smollm2-135m`: SmolLM2-135M's architecture,
+as gpu_check.sh runs it): async (`--algo.max_staleness=1`) vs sync (`=0`). Reports per mode the
+median step time, tokens/s and weight-sync time over the steps after warm-up.
 
 The last line is one JSON object.
 """
@@ -60,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import torch
 
 from bench.common import LLAMA_1B, print_json, read_metrics, rl_args, run_ranks, run_train_rl
+from launch.plan import PRESETS
 
 SHAPES = {
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
@@ -484,7 +486,9 @@ def run_rl(a) -> int:
     from tools.make_tiny_model import make_random_model
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_random_model(Path(tmp) / "model", hidden=a.rl_hidden, layers=a.rl_layers)
+        shape = None if a.rl_shape is None else PRESETS[a.rl_shape]
+        model = make_random_model(Path(tmp) / "model", hidden=a.rl_hidden, layers=a.rl_layers,
+                                  shape=shape)
         for mode, eta in (("async", 1), ("sync", 0)):
             r = res[mode] = rl_run(model, Path(tmp) / mode, eta, a)
             if "error" in r:
@@ -494,7 +498,9 @@ def run_rl(a) -> int:
                       f"{r['tokens_per_s']:.0f} tok/s, weight sync {r['weights_sync_s'] * 1e3:.1f} "
                       f"ms (median of {r['steps']} steps; run wall {r['wall_s']:.0f}s)", flush=True)
     ok = all("error" not in r for r in res.values())
-    out = {"bench": "weights_sync", "mode": "rl", "hidden": a.rl_hidden, "layers": a.rl_layers,
+    dims = PRESETS[a.rl_shape] if a.rl_shape else {"hidden_size": a.rl_hidden, "num_layers": a.rl_layers}
+    out = {"bench": "weights_sync", "mode": "rl", "shape": a.rl_shape or "custom",
+           "hidden": dims["hidden_size"], "layers": dims["num_layers"],
            "ipc_buffers": a.rl_ipc_buffers,
            "gen_dtype": a.rl_gen_dtype, "results": res, "ok": ok}
     if ok:
@@ -520,6 +526,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rl", action="store_true", help="train_rl.py async vs sync, 2 ranks")
     ap.add_argument("--rl-hidden", type=int, default=1024)
     ap.add_argument("--rl-layers", type=int, default=8)
+    ap.add_argument("--rl-shape", default=None, choices=sorted(PRESETS),
+                    help="a real architecture with random weights instead of --rl-hidden/--rl-layers "
+                         "(launch/plan.py PRESETS), e.g. smollm2-135m; the vocabulary beyond the "
+                         "task tokenizer's is sampled but decodes to nothing")
     ap.add_argument("--rl-gen-dtype", default="bfloat16")
     ap.add_argument("--rl-steps", type=int, default=12)
     ap.add_argument("--rl-warmup", type=int, default=3, help="steps left out of the medians")

@@ -66,6 +66,9 @@ PRESETS = {
     # the "1.1B Llama shape" of shared/REFERENCES.md, which the GPU benches use (bench/common.py)
     "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16,
                        num_heads=32, num_kv_heads=8),
+    # SmolLM2-135M(-Instruct): tied embeddings, so 135M parameters with its 28M-entry embedding
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, tie_word_embeddings=True),
     # the shape of tools/make_tiny_model.make_random_model(hidden=64) (addition-task vocabulary)
     "tiny": dict(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2),

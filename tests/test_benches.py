@@ -44,3 +44,19 @@ def test_plan_vs_measured_keeps_each_layouts_fastest_pass(monkeypatch):
     runs = [{"step_s": 0.12, "wait_s": 0.02}, {"error": "rank 1 died"}, {"step_s": 0.09, "wait_s": 0.01}]
     assert fastest(runs) == {"step_s": 0.09, "wait_s": 0.01, "passes": [0.12, 0.09]}
     assert fastest([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
+
+
+def test_random_model_takes_a_real_architecture(tmp_path):
+    """make_random_model(shape=...) builds a preset's architecture (as gpu_check.sh's RL run does
+    with SmolLM2-135M's) around the task tokenizer, whose ids are a prefix of the vocabulary."""
+    from launch.plan import PRESETS
+    from model import load_pretrained
+    from tools.make_tiny_model import make_random_model
+    shape = dict(PRESETS["smollm2-135m"], num_layers=1, vocab_size=300)  # small enough for CI
+    model = load_pretrained(make_random_model(tmp_path / "m", shape=shape))
+    a = model.args
+    assert (a.vocab_size, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+            a.num_layers, a.tie_word_embeddings) == (300, 576, 1536, 9, 3, 1, True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="vocab_size=5 is below"):
+        make_random_model(tmp_path / "small", shape={"vocab_size": 5})

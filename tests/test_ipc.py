@@ -458,7 +458,8 @@ def test_bench_gloo_and_ipc_modes_on_cpu():
 
 @pytest.mark.slow
 def test_bench_rl_mode_on_cpu():
-    out = _bench("--rl", "--rl-hidden", "32", "--rl-layers", "2", "--rl-gen-dtype", "float32",
+    out = _bench("--rl", "--rl-shape", "tiny", "--rl-gen-dtype", "float32",
                  "--rl-steps", "4", "--rl-warmup", "1", "--rl-prompts", "2", "--rl-samples", "2",
                  "--rl-new-tokens", "4", "--rl-timeout", "200")
     assert out["ok"] and out["results"]["sync"]["tokens_per_s"] > 0
+    assert (out["shape"], out["hidden"], out["layers"]) == ("tiny", 64, 2)

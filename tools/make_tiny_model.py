@@ -39,13 +39,20 @@ def tiny_args(vocab: int, bos: int, eos: int, pad: int) -> ModelArgs:
 
 
 def make_random_model(folder, task: str = "addition", hidden: int = 32, layers: int = 2,
-                      seed: int = 0) -> str:
+                      seed: int = 0, shape: dict | None = None) -> str:
     """A random (untrained) policy with the task's character tokenizer: for tests and benchmarks
-    of the machinery, where learning does not matter."""
+    of the machinery, where learning does not matter. `shape` (ModelArgs fields, e.g. a
+    `launch.plan.PRESETS` entry) replaces the hidden/layers defaults, so that a real model's
+    architecture can be benchmarked without its weights. Its vocabulary may be larger than the
+    tokenizer's: ids past the tokenizer's decode to nothing."""
     tok = build_char_tokenizer(make_task(task).alphabet)
-    args = ModelArgs(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                     num_layers=layers, num_heads=4, num_kv_heads=2, bos_token_id=tok.bos_id,
-                     eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    dims = {**dict(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                   num_heads=4, num_kv_heads=2, vocab_size=tok.vocab_size), **(shape or {})}
+    if dims["vocab_size"] < tok.vocab_size:
+        raise ValueError(f"shape vocab_size={dims['vocab_size']} is below the {task!r} "
+                         f"tokenizer's {tok.vocab_size} tokens; use at least that")
+    args = ModelArgs(**dims, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                     pad_token_id=tok.pad_id)
     model = Transformer(args)
     model.init_weights(seed=seed)
     save_pretrained(model, folder, tokenizer=tok)
