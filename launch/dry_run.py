@@ -11,8 +11,8 @@ What it does, in order (1024 ranks take a few seconds):
   2. Config.resolve(world) and ParallelDims: every degree checked, the rank map printed;
   3. the model shape: a Hugging Face folder (then launch.preflight checks weights, tokenizer, data,
      reward and run dir as a real launch would), or `model.path = "preset:<name>"` (shapes only,
-     see launch.plan.PRESETS: llama3-8b, llama3-70b, llama3-405b, llama-1.1b, smollm2-135m, tiny), so a 1024-GPU config
-     can be checked where the weights are not;
+     see launch.plan.PRESETS: llama3-8b, llama3-70b, llama3-405b, llama-1.1b, smollm2-135m,
+     tiny), so a 1024-GPU config can be checked where the weights are not;
   4. both meshes' layouts (Layout.from_placements: TP colwise/rowwise + FSDP2 strided shards) and
      the real weight-sync plan between them (weights_sync.plan), with its traffic summary;
   5. memory per rank (launch.cost_model) for the trainer and the generator, against H100 and
