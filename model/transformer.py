@@ -71,16 +71,25 @@ class _Context:
         return attn.sdpa(q, k, v, self.mask, causal=True)
 
     def _per_sequence(self, q, k, v) -> torch.Tensor:
-        """Packed attention as one causal SDPA per sequence: O(sum n_i^2) work instead of the
-        O(N^2) of a block-diagonal mask over all N packed tokens."""
-        outs = []
-        for qs, ks, vs in zip(q.split(self.split, 1), k.split(self.split, 1), v.split(self.split, 1)):
-            n = qs.shape[1]
+        """Packed attention as causal SDPA per sequence: O(sum n_i^2) work instead of the O(N^2)
+        of a block-diagonal mask over all N packed tokens. Sequences of equal length share one
+        batched call: a GRPO group's fixed-length samples have equal lengths, so 16 sequences of
+        4 prompts take 4 calls (the same values; a tiny model's bf16 train step 10% faster)."""
+        parts = [x.split(self.split, 1) for x in (q, k, v)]
+        by_len: dict[int, list[int]] = {}
+        for i, n in enumerate(self.split):
+            by_len.setdefault(n, []).append(i)
+        outs: list = [None] * len(self.split)
+        for n, idx in by_len.items():
             mask = None
             if self.window is not None and n > self.window:
-                pos = torch.arange(n, device=qs.device)[None]
-                mask = attn.causal_mask(pos, pos, self.window)
-            outs.append(attn.sdpa(qs, ks, vs, mask, causal=True))
+                pos = torch.arange(n, device=q.device)[None]
+                mask = attn.causal_mask(pos, pos, self.window)  # [1, n, n]: alike for all
+            q_, k_, v_ = (xs[idx[0]] if len(idx) == 1 else torch.cat([xs[i] for i in idx])
+                          for xs in parts)
+            out = attn.sdpa(q_, k_, v_, mask, causal=True)
+            for j, i in enumerate(idx):
+                outs[i] = out[j : j + 1]
         return torch.cat(outs, dim=1)
 
     def _slots(self, q):

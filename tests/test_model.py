@@ -70,6 +70,22 @@ def test_packed_varlen_equals_per_sequence(family, tmp_path):
     assert rel_err(packed, ref) <= 1e-5
 
 
+def test_packed_equal_lengths_share_a_call_exactly(family, tmp_path):
+    """Packed sequences of equal length are attended in one batched call: logits and gradients
+    equal those of each sequence alone (Mistral's sliding window of 8 included: lengths 11)."""
+    tiny.save_hf(family, tmp_path)
+    model = load_pretrained(tmp_path, dtype="float32")
+    lens = [5, 11, 5, 3, 11, 5]
+    seqs = [torch.randint(0, tiny.VOCAB, (n,)) for n in lens]
+    w = torch.randn(sum(lens), tiny.VOCAB)
+    packed = model(torch.cat(seqs), seq_lens=torch.tensor(lens))
+    grads = torch.autograd.grad((packed * w).sum(), list(model.parameters()))
+    ref = torch.cat([model(s[None])[0] for s in seqs])
+    grads_ref = torch.autograd.grad((ref * w).sum(), list(model.parameters()))
+    assert rel_err(packed, ref) <= 1e-5
+    assert max(rel_err(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
+
+
 def test_kv_cache_decode_equals_full_forward(family, tmp_path):
     """Prefill rows of different prompt lengths in one batch, then decode one token at a time."""
     tiny.save_hf(family, tmp_path)
