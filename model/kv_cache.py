@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.rope import inv_frequencies, rope_cos_sin, rope_tables
+
 
 class KVCache:
     """k, v: [layers, slots, kv_heads, max_len, head_dim]."""
@@ -19,6 +21,10 @@ class KVCache:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # RoPE tables (model.rope.rope_tables) of every position 0..max_len-1, [max_len, 1, D]
+        # each, set by `for_model`: a forward through this cache gathers its rows instead of
+        # computing them (the same values: each is cos/sin of the same fp32 product)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_model(cls, model: nn.Module, num_slots: int, max_len: int,
@@ -28,8 +34,13 @@ class KVCache:
         k_proj = model.model.layers[0].self_attn.k_proj.weight
         local = k_proj.to_local() if hasattr(k_proj, "to_local") else k_proj
         kv_heads = local.shape[0] // args.head_dim
-        return cls(args.num_layers, num_slots, max_len, kv_heads, args.head_dim,
-                   dtype or local.dtype, device or local.device)
+        cache = cls(args.num_layers, num_slots, max_len, kv_heads, args.head_dim,
+                    dtype or local.dtype, device or local.device)
+        device = cache.k.device
+        positions = torch.arange(max_len, device=device)
+        cos, sin = rope_tables(*rope_cos_sin(positions, inv_frequencies(args, device), cache.k.dtype))
+        cache.rope = (cos, sin)  # [max_len, 1, D]
+        return cache
 
     @property
     def num_slots(self) -> int:

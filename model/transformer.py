@@ -216,7 +216,10 @@ class Transformer(nn.Module):
             if kv_cache is not None:
                 raise ValueError("a KV-cache forward needs explicit `positions` [B, T]")
             positions = torch.arange(T, device=dev).expand(B, T)
-        cos, sin = rope_tables(*rope_cos_sin(positions, inv_frequencies(self.args, dev), x.dtype))
+        if kv_cache is not None and kv_cache.rope is not None and kv_cache.rope[0].dtype == x.dtype:
+            cos, sin = (table[positions] for table in kv_cache.rope)  # [B, T, 1, D]
+        else:
+            cos, sin = rope_tables(*rope_cos_sin(positions, inv_frequencies(self.args, dev), x.dtype))
         ctx = _Context(cos, sin, window=window, backend=self.attn_backend)
         if kv_cache is not None:
             ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions

@@ -7,7 +7,8 @@
 
 **Slots.** The KV cache (model/kv_cache.py) has `num_slots` rows of `max_len` positions; one slot
 holds one sample. Per-slot state (tokens, mu, versions, length, live flag, sampling parameters,
-stop ids) lives in device tensors (`_SlotState`), so a decode step is a fixed sequence of kernels
+stop ids, and the uniforms of every draw the sample may make, hashed at admission) lives in device
+tensors (`_SlotState`), so a decode step is a fixed sequence of kernels
 over all slots: `model(last_token[S, 1], positions=[S, 1], kv_cache)` with `slots=None` (no cache
 gather), sampling, and the state update. Slots that are free or finished compute garbage at
 position 0 that nobody reads. Decode attends only to the first `Lb` cache positions: a host-side
@@ -179,7 +180,10 @@ class _SlotState:
         self.seq_len = torch.ones(S, **i64)  # prompt + generated tokens
         self.gen = torch.zeros(S, **i64)  # generated tokens
         self.max_new = torch.ones(S, **i64)
-        self.key = torch.zeros(S, **i64)  # sampling key (rollout/sampling.py)
+        # the uniform of each completion token's draw (rollout/sampling.py: a hash of the sample's
+        # key and the token's index), hashed for the whole completion at admission: a decode
+        # step then gathers one instead of running ~25 small integer kernels
+        self.u = torch.zeros(S, L, dtype=torch.float64, device=device)
         self.top_k = torch.zeros(S, **i64)
         self.temp = torch.ones(S, dtype=torch.float32, device=device)
         self.top_p = torch.ones(S, dtype=torch.float32, device=device)
@@ -211,10 +215,11 @@ class _CacheView(KVCache):
 
     def __init__(self, cache: KVCache, Lb: int):  # no super().__init__: nothing is allocated
         self.k, self.v = cache.k[:, :, :, :Lb], cache.v[:, :, :, :Lb]
+        self.rope = cache.rope
 
 
-def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, key_R, counter_R,
-                 truncate: bool, tempered: bool, mode: str):
+def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, u_R, truncate: bool,
+                 tempered: bool, mode: str):
     """Sampled token [R] and its mu [R]. Host flags pick the kernels: `truncate` (any row uses
     top-k/top-p), `tempered` (any row's temperature is not 1: else no division, which at 1 would
     change nothing) and `mode` ("greedy": every row, "sample": no row, "mixed")."""
@@ -224,7 +229,7 @@ def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, key_R, counter_R
         temp = None
     else:  # sample() normalises and tempers in its one pass: the raw logits are enough
         x_RV = logits_RV.float()
-    u_R = None if mode == "greedy" else hashed_uniform(key_R, counter_R)
+    u_R = None if mode == "greedy" else u_R
     return sample(x_RV, u_R, {"greedy": True, "sample": False}.get(mode, greedy_R), temp)
 
 
@@ -488,21 +493,24 @@ class Engine:
                                  bound=P + 1 - self._steps, truncating=truncating,
                                  tempered=tempered, sampling=not greedy)
             g.live_slots.add(s)
+        M = int(ints[:, 2].max())  # the most tokens any of these samples may draw
         ints, floats, stops, prompts = (t.to(dev, non_blocking=True)
                                         for t in (ints, floats, stops, prompts))
         slot, P, max_new, key, top_k, greedy, ver = ints.unbind(1)
         greedy = greedy.bool()
         st = self.st
         st.tokens[slot, :P_max] = prompts
-        st.max_new[slot], st.key[slot], st.top_k[slot], st.greedy[slot] = max_new, key, top_k, greedy
+        st.max_new[slot], st.top_k[slot], st.greedy[slot] = max_new, top_k, greedy
+        u_RM = hashed_uniform(key[:, None].expand(R, M), torch.arange(M, device=dev).expand(R, M))
+        st.u[slot, :M] = u_RM
         st.temp[slot], st.top_p[slot], st.stop_ids[slot] = floats[:, 0], floats[:, 1], stops
         # first tokens: every sample of a group draws from the group's one set of logits
         groups = {id(g): g for _, g, _ in plan}
         logits_GV = torch.stack([groups[gid].logits_V for gid in group_row])
         rows = torch.tensor([group_row[id(g)] for _, g, _ in plan], device=dev)
         infos = [self._slot[s] for s, _, _ in plan]
-        tok, mu = _sample_rows(logits_GV[rows], floats[:, 0], top_k, floats[:, 1], greedy, key,
-                               torch.zeros_like(key), truncate=any(i["truncating"] for i in infos),
+        tok, mu = _sample_rows(logits_GV[rows], floats[:, 0], top_k, floats[:, 1], greedy,
+                               u_RM[:, 0], truncate=any(i["truncating"] for i in infos),
                                tempered=any(i["tempered"] for i in infos),
                                mode=_mode(sum(i["sampling"] for i in infos), R))
         st.tokens[slot, P], st.logp[slot, P], st.version[slot, P] = tok, mu, ver
@@ -580,8 +588,9 @@ class Engine:
         ids_S1 = st.tokens.gather(1, pos_S[:, None])
         cache = _CacheView(self.cache, Lb)
         logits_SV = self.model(ids_S1, positions=pos_S[:, None], kv_cache=cache)[:, 0]
-        tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, st.key, st.gen,
-                               truncate, tempered, mode)
+        u_S = None if mode == "greedy" else st.u.gather(1, st.gen[:, None])[:, 0]
+        tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, u_S, truncate,
+                               tempered, mode)
         col = torch.where(live, st.seq_len, L)[:, None]  # not live: the scratch column
         st.tokens.scatter_(1, col, tok[:, None])
         st.logp.scatter_(1, col, mu[:, None])

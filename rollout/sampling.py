@@ -159,6 +159,11 @@ def _inverse_cdf(e_BV: Tensor, u_B: Tensor) -> tuple[Tensor, Tensor]:
     sum differ by ~1e-7 relative, which moves that much of the block's mass to its last token."""
     B, V = e_BV.shape
     nb = -(-V // BLOCK)
+    if nb == 1:  # one block: the same sums and search, without locating the block
+        z_B1 = e_BV.sum(-1, keepdim=True).double()
+        in_BV = e_BV.double().cumsum_(-1)
+        idx_B = torch.minimum((in_BV <= u_B[:, None] * z_B1).sum(-1), (in_BV < in_BV[:, -1:]).sum(-1))
+        return idx_B, z_B1[:, 0].log()
     if nb * BLOCK != V:
         e_BV = F.pad(e_BV, (0, nb * BLOCK - V))
     e_BNK = e_BV.view(B, nb, BLOCK)

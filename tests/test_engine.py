@@ -377,6 +377,19 @@ def test_inverse_cdf_hand_computed_and_never_draws_masked():
     assert set(tok.tolist()) == {1, BLOCK + 6, V - 1}
 
 
+def test_inverse_cdf_one_block_hand_computed():
+    """A vocabulary of one block (the demo's 17 tokens) takes the one-level search: mass 0.2 at
+    token 2 and 0.8 at token 5, the trailing tokens masked; u near 1 must not run past token 5."""
+    V = 17
+    assert V <= BLOCK
+    x_V = torch.full((V,), float("-inf"))
+    x_V[[2, 5]] = torch.tensor([0.2, 0.8]).log()
+    u = torch.tensor([2.0 ** -53, 0.1999, 0.2001, 0.7, 1 - 2.0 ** -53], dtype=torch.float64)
+    tok, mu = sample(x_V.expand(len(u), V), u)
+    assert tok.tolist() == [2, 2, 5, 5, 5]
+    assert torch.allclose(mu.exp(), torch.tensor([0.2, 0.2, 0.8, 0.8, 0.8]))
+
+
 def test_hashed_uniform_is_a_pure_function():
     key = torch.tensor([stream_key(5, 0), stream_key(5, 1), stream_key(6, 0)])
     a = hashed_uniform(key, torch.tensor([0, 0, 0]))

@@ -108,6 +108,12 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path):
             want = ref[torch.arange(3), cur]
             assert rel_err(step[:, 0], want) <= 1e-5
             cur = cur + 1
+        # the cache's RoPE tables give bitwise what computing them in the forward gives
+        tables, computed = (KVCache.for_model(model, num_slots=4, max_len=total) for _ in range(2))
+        computed.rope = None
+        assert tables.rope is not None and tables.rope[0].shape == (total, 1, model.args.head_dim)
+        out = [model(full[:, :T], positions=pos, kv_cache=c, slots=slots) for c in (tables, computed)]
+        assert torch.equal(*out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
