@@ -498,7 +498,8 @@ def run_rl(a) -> int:
                       f"{r['tokens_per_s']:.0f} tok/s, weight sync {r['weights_sync_s'] * 1e3:.1f} "
                       f"ms (median of {r['steps']} steps; run wall {r['wall_s']:.0f}s)", flush=True)
     ok = all("error" not in r for r in res.values())
-    dims = PRESETS[a.rl_shape] if a.rl_shape else {"hidden_size": a.rl_hidden, "num_layers": a.rl_layers}
+    dims = PRESETS[a.rl_shape] if a.rl_shape else dict(hidden_size=a.rl_hidden,
+                                                        num_layers=a.rl_layers)
     out = {"bench": "weights_sync", "mode": "rl", "shape": a.rl_shape or "custom",
            "hidden": dims["hidden_size"], "layers": dims["num_layers"],
            "ipc_buffers": a.rl_ipc_buffers,
@@ -527,9 +528,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-hidden", type=int, default=1024)
     ap.add_argument("--rl-layers", type=int, default=8)
     ap.add_argument("--rl-shape", default=None, choices=sorted(PRESETS),
-                    help="a real architecture with random weights instead of --rl-hidden/--rl-layers "
-                         "(launch/plan.py PRESETS), e.g. smollm2-135m; the vocabulary beyond the "
-                         "task tokenizer's is sampled but decodes to nothing")
+                    help="a real architecture with random weights instead of --rl-hidden and "
+                         "--rl-layers (launch/plan.py PRESETS), e.g. smollm2-135m; the vocabulary "
+                         "beyond the task tokenizer's is sampled but decodes to nothing")
     ap.add_argument("--rl-gen-dtype", default="bfloat16")
     ap.add_argument("--rl-steps", type=int, default=12)
     ap.add_argument("--rl-warmup", type=int, default=3, help="steps left out of the medians")

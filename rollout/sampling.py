@@ -156,13 +156,15 @@ def _inverse_cdf(e_BV: Tensor, u_B: Tensor) -> tuple[Tensor, Tensor]:
     locate the block, a float64 running sum inside it locates the token; both searches are clamped
     to the last entry with mass. The block sums themselves are fp32 (a float64 copy of the whole
     [B, V] would cost more than the rest of the draw): a block's fp32 sum and its float64 running
-    sum differ by ~1e-7 relative, which moves that much of the block's mass to its last token."""
+    sum differ by ~1e-7 relative, which moves that much of the block's mass to its last token.
+    A vocabulary of one block (the demo's 17 tokens) skips locating the block."""
     B, V = e_BV.shape
     nb = -(-V // BLOCK)
-    if nb == 1:  # one block: the same sums and search, without locating the block
+    if nb == 1:
         z_B1 = e_BV.sum(-1, keepdim=True).double()
         in_BV = e_BV.double().cumsum_(-1)
-        idx_B = torch.minimum((in_BV <= u_B[:, None] * z_B1).sum(-1), (in_BV < in_BV[:, -1:]).sum(-1))
+        t_B1 = u_B[:, None] * z_B1
+        idx_B = torch.minimum((in_BV <= t_B1).sum(-1), (in_BV < in_BV[:, -1:]).sum(-1))
         return idx_B, z_B1[:, 0].log()
     if nb * BLOCK != V:
         e_BV = F.pad(e_BV, (0, nb * BLOCK - V))
