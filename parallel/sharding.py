@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.checkpoint import checkpoint
 
 from model import Transformer
-from model.hf_io import CheckpointReader, check_tensors, expected_tensors
+from model.hf_io import CheckpointReader, check_tensors, expected_tensors, to_dtype
 from parallel.dims import resolve_fsdp_units
 from parallel.layout import local_box
 
@@ -119,7 +119,7 @@ def compute_dtype(choice: str, device_type: str, param_dtype: torch.dtype) -> to
     if choice == "auto":
         want = torch.bfloat16 if device_type == "cuda" else param_dtype
     else:
-        want = getattr(torch, choice)
+        want = to_dtype(choice)
     return want if want == param_dtype or want.itemsize < param_dtype.itemsize else param_dtype
 
 

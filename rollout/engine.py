@@ -229,12 +229,31 @@ def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, u_R, truncate: b
         temp = None
     else:  # sample() normalises and tempers in its one pass: the raw logits are enough
         x_RV = logits_RV.float()
-    u_R = None if mode == "greedy" else u_R
     return sample(x_RV, u_R, {"greedy": True, "sample": False}.get(mode, greedy_R), temp)
 
 
-def _mode(n_sampling: int, n_rows: int) -> str:
-    return "greedy" if n_sampling == 0 else "sample" if n_sampling == n_rows else "mixed"
+def _needs(p: SamplingParams) -> tuple[int, int, int]:
+    """Whether a sample needs the top-k/top-p sort, the temperature division and a draw."""
+    return (int(not p.is_greedy and (p.top_k > 0 or p.top_p < 1)),
+            int(p.temperature > 0 and p.temperature != 1.0), int(not p.is_greedy))
+
+
+class _Needs:
+    """`_needs` counted over a set of slots: the host flags that pick the sampling kernels."""
+
+    def __init__(self, needs=()):
+        self.counts = [0, 0, 0]
+        for n in needs:
+            self.add(n)
+
+    def add(self, needs: tuple[int, int, int], sign: int = 1) -> None:
+        self.counts = [c + sign * n for c, n in zip(self.counts, needs)]
+
+    def flags(self, rows: int) -> tuple[bool, bool, str]:
+        """(truncate, tempered, mode) of `_sample_rows` for `rows` rows, these counted."""
+        truncating, tempered, sampling = self.counts
+        mode = "greedy" if sampling == 0 else "sample" if sampling == rows else "mixed"
+        return truncating > 0, tempered > 0, mode
 
 
 class Engine:
@@ -280,8 +299,7 @@ class Engine:
         self._finished: list[Completion] = []
         self._n_requests = self._steps = self._since_sync = 0
         self._bound_base = 0  # max over owned slots of (length at admission - admission step)
-        # owned slots needing the sort (top-k/p), temperature and draw kernels
-        self._n_truncating = self._n_tempered = self._n_sampling = 0
+        self._needs = _Needs()  # over the owned slots
         self._decode_fn = self._decode_body
         if use_compile:
             self._decode_fn = torch.compile(self._decode_body, dynamic=False)
@@ -398,9 +416,7 @@ class Engine:
             group, P, n = info["group"], info["P"], seq_len[j]
             group.live_slots.discard(s)
             self._free.append(s)
-            self._n_truncating -= info["truncating"]
-            self._n_tempered -= info["tempered"]
-            self._n_sampling -= info["sampling"]
+            self._needs.add(info["needs"], -1)
             self.stats.generated_tokens += n - P
             t = dict(submitted=group.submitted_at, admitted=info["admitted"],
                      first_token=info["first_token"], finished=now)
@@ -479,19 +495,13 @@ class Engine:
             greedy = p.is_greedy
             ints[r] = torch.tensor([s, P, min(p.max_new_tokens, L - P), stream_key(g.key_seed, i),
                                     0 if greedy else p.top_k, greedy, g.logits_version])
-            temperature = p.temperature if p.temperature > 0 else 1.0
-            floats[r, 0] = temperature
+            floats[r, 0] = p.temperature if p.temperature > 0 else 1.0
             floats[r, 1] = 1.0 if greedy else p.top_p
             stops[r, : len(stop)] = torch.tensor(stop, dtype=torch.int64)
             group_row.setdefault(id(g), len(group_row))
-            truncating = not greedy and (p.top_k > 0 or p.top_p < 1)
-            tempered = temperature != 1.0
-            self._n_truncating += truncating
-            self._n_tempered += tempered
-            self._n_sampling += not greedy
             self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit,
-                                 bound=P + 1 - self._steps, truncating=truncating,
-                                 tempered=tempered, sampling=not greedy)
+                                 bound=P + 1 - self._steps, needs=_needs(p))
+            self._needs.add(self._slot[s]["needs"])
             g.live_slots.add(s)
         M = int(ints[:, 2].max())  # the most tokens any of these samples may draw
         ints, floats, stops, prompts = (t.to(dev, non_blocking=True)
@@ -508,11 +518,9 @@ class Engine:
         groups = {id(g): g for _, g, _ in plan}
         logits_GV = torch.stack([groups[gid].logits_V for gid in group_row])
         rows = torch.tensor([group_row[id(g)] for _, g, _ in plan], device=dev)
-        infos = [self._slot[s] for s, _, _ in plan]
+        truncate, tempered, mode = _Needs(self._slot[s]["needs"] for s, _, _ in plan).flags(R)
         tok, mu = _sample_rows(logits_GV[rows], floats[:, 0], top_k, floats[:, 1], greedy,
-                               u_RM[:, 0], truncate=any(i["truncating"] for i in infos),
-                               tempered=any(i["tempered"] for i in infos),
-                               mode=_mode(sum(i["sampling"] for i in infos), R))
+                               None if mode == "greedy" else u_RM[:, 0], truncate, tempered, mode)
         st.tokens[slot, P], st.logp[slot, P], st.version[slot, P] = tok, mu, ver
         st.seq_len[slot], st.gen[slot] = P + 1, 1
         stop = (tok[:, None] == stops).any(-1)
@@ -578,7 +586,7 @@ class Engine:
         if self.device.type == "cpu" and Lb * FULL_READ_ABOVE > self.max_len:
             Lb = self.max_len
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
-        return self._n_truncating > 0, self._n_tempered > 0, _mode(self._n_sampling, owned), Lb
+        return (*self._needs.flags(owned), Lb)
 
     def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int) -> None:
         """One token for every live slot; pure device code (CUDA-graph capturable)."""
