@@ -28,6 +28,12 @@ count in `--trl-threads` (default 1 and all cores); its best is the baseline. Bo
 summed step times (tandem: `time_step_s` of metrics.jsonl; TRL: a callback's clock between step
 ends), and the ratio from median step times is printed beside it.
 
+Beside each ratio the bench prints its ceiling on this machine (`ceiling_w2` in the JSON): one
+step's matmul FLOPs on each side of tandem's split (`step_work`) over one core's measured matmul
+peak (`core_peak`, each rank runs one thread), as if every matmul ran at that peak and nothing else
+took time (`step_floor`). No code change can take the ratio past it; the goal's 3x needs the
+ceiling well above 3x and most of it reached.
+
 This machine is shared with other jobs, and contention only ever slows a run down: the sides run
 interleaved for `--rounds` rounds and each side's best round counts. The load average is printed
 after every run: read it before trusting a ratio.
@@ -209,6 +215,52 @@ def trl_missing() -> str | None:
     return None
 
 
+# ----- what the hardware allows ---------------------------------------------------------------
+def step_work(model: str, a) -> dict:
+    """Matmul FLOPs of one optimizer step on each side of tandem's split (both TRL's work too):
+    the trainer's forward + backward over every prompt + completion token (6 x linear weights x
+    tokens; attention scores are negligible at these lengths), and the generator's forward over
+    each group's prompt once and every sample's completion tokens (2 x weights x tokens)."""
+    import torch
+
+    from model import Transformer, load_model_args
+    from model.tokenizer import load_tokenizer
+    from rollout.data import load_prompts, render_prompt
+
+    with torch.device("meta"):
+        net = Transformer(load_model_args(model))
+    weights = sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear))
+    tok = load_tokenizer(model)
+    items = load_prompts("synthetic:addition", num_prompts=a.num_prompts, seed=0)
+    prompt = statistics.mean(len(render_prompt(it, tok, False)) for it in items)
+    samples = a.prompts * a.samples
+    return {"linear_weights": weights, "prompt_tokens_mean": prompt,
+            "train_flops": 6.0 * weights * samples * (prompt + a.new_tokens),
+            "gen_flops": 2.0 * weights * (a.prompts * prompt + samples * a.new_tokens)}
+
+
+def core_peak(bf16: bool) -> float:
+    """Best fp32 (or bf16) matmul FLOP/s of ONE core here: each tandem rank runs one thread."""
+    import torch
+
+    from common import matmul_peak_flops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return matmul_peak_flops("cpu", torch.bfloat16 if bf16 else torch.float32, n=1024)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def step_floor(work: dict, peak: float, world: int, cores: int) -> float:
+    """The shortest step tandem's split can take with every matmul at the one-core peak: one
+    generator rank, world - 1 trainer ranks (FSDP splits the trainer's work), the ranks sharing
+    `cores` cores. Overheads, the hand-off and the weight push all count as zero."""
+    gen, train = work["gen_flops"], work["train_flops"]
+    return max(gen, train / (world - 1), (gen + train) / min(world, cores)) / peak
+
+
 # ----- one comparison -----------------------------------------------------------------------
 def load() -> float:
     return os.getloadavg()[0]
@@ -259,6 +311,7 @@ def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
         errors["trl"] = why
         print(f"TRL: NOT MEASURED: {why}", flush=True)
     sides = side_names(a, trl=why is None)
+    floors = compute_floors(model, a, sides)
     for i in range(1, a.rounds + 1):
         for name, n, bf16 in sides:
             if name in errors:
@@ -280,10 +333,26 @@ def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
             extra = (f"  wait {r['wait_batch_s']:.3f}s + train {r['train_push_s']:.3f}s"
                      if "wait_batch_s" in r else "")
             print(f"  round {i}  " + fmt(desc, r) + extra + f"  [load {load():.2f}]", flush=True)
-    return summarise(runs, errors, a, [name for name, _, _ in sides])
+    out = summarise(runs, errors, a, [name for name, _, _ in sides], floors)
+    out["floor_s"] = floors
+    return out
 
 
-def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a, order: list[str]) -> dict:
+def compute_floors(model: str, a, sides) -> dict[str, float]:
+    """Each tandem side's `step_floor` (printed): what its ratio to TRL could at most become on
+    this machine, measured before the runs while it is quiet."""
+    work = step_work(model, a)
+    peaks = {bf16: core_peak(bf16) for bf16 in {b for _, _, b in sides}}
+    print(f"  compute per step: trainer {work['train_flops'] / 1e9:.2f} GFLOP, generator "
+          f"{work['gen_flops'] / 1e9:.2f} GFLOP (prompts {work['prompt_tokens_mean']:.1f} tokens); "
+          "one-core matmul peak " + ", ".join(f"{'bf16' if b else 'fp32'} {p / 1e9:.0f} GFLOP/s"
+                                               for b, p in sorted(peaks.items())), flush=True)
+    return {name: step_floor(work, peaks[bf16], n, os.cpu_count() or 1)
+            for name, n, bf16 in sides if name.startswith("tandem")}
+
+
+def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a, order: list[str],
+              floors: dict[str, float]) -> dict:
     """Best run per side, the TRL baseline (its best thread count and precision), and each tandem
     side's ratios against it and against TRL's best at the same precision, printed."""
     mismatched = sorted({f"{name}: {r['tokens_per_sample']:.1f} tokens/sample, "
@@ -308,15 +377,16 @@ def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a, order: lis
         if name == out.get("trl_best"):
             line += "  (the TRL baseline)"
         if name.startswith("tandem") and "trl" in out:
-            line += _ratios(out, name, r, trl_names)
+            line += _ratios(out, name, r, trl_names, floors[name])
         print(line, flush=True)
     return out
 
 
-def _ratios(out: dict, name: str, r: dict, trl_names: list[str]) -> str:
-    """Sets out["ratio_{tokens,samples,median}_w{w}"] against the TRL baseline and
-    out["ratio_same_precision_w{w}"] against TRL's best run at this side's precision; w is the
-    world size, with "_bf16" for bf16 (e.g. ratio_tokens_w2_bf16)."""
+def _ratios(out: dict, name: str, r: dict, trl_names: list[str], floor_s: float) -> str:
+    """Sets out["ratio_{tokens,samples,median}_w{w}"] against the TRL baseline,
+    out["ratio_same_precision_w{w}"] against TRL's best run at this side's precision, and
+    out["ceiling_w{w}"], the ratio at `step_floor` (no run can beat it here); w is the world
+    size, with "_bf16" for bf16 (e.g. ratio_tokens_w2_bf16)."""
     w, trl = name[len("tandem_w"):], out["trl"]
     out[f"ratio_tokens_w{w}"] = r["tokens_per_s"] / trl["tokens_per_s"]
     out[f"ratio_samples_w{w}"] = r["samples_per_s"] / trl["samples_per_s"]
@@ -326,6 +396,9 @@ def _ratios(out: dict, name: str, r: dict, trl_names: list[str]) -> str:
     text = (f"  -> {out[f'ratio_tokens_w{w}']:.2f}x TRL tok/s, "
             f"{out[f'ratio_samples_w{w}']:.2f}x samples/s, "
             f"{out[f'ratio_median_w{w}']:.2f}x by median step (goal >= 3x)")
+    out[f"ceiling_w{w}"] = trl["step_s"] / trl["samples_per_step"] * r["samples_per_step"] / floor_s
+    text += (f"; ceiling {out[f'ceiling_w{w}']:.2f}x (step >= {floor_s:.3f}s with every matmul "
+             "at the one-core peak)")
     same = [n for n in trl_names if n.endswith("_bf16") == name.endswith("_bf16")]
     if same:
         best = max(same, key=lambda n: out[n]["tokens_per_s"])
@@ -394,7 +467,7 @@ def main(argv=None) -> int:
             record["smollm2"] = compare("smollm2", "SmolLM2-135M-Instruct", str(convert()), tmp, a)
     record["load_end"] = load()
     record["wall_s"] = time.perf_counter() - t0
-    for key in [k for k in record["tiny"] if k.startswith("ratio_")]:
+    for key in [k for k in record["tiny"] if k.startswith(("ratio_", "ceiling_"))]:
         record[key] = record["tiny"][key]
     print(f"done in {record['wall_s']:.0f}s; load average {record['load_start']:.2f} -> "
           f"{record['load_end']:.2f} on {os.cpu_count()} cores (other jobs share this machine)")

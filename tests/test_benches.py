@@ -60,3 +60,28 @@ def test_random_model_takes_a_real_architecture(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="vocab_size=5 is below"):
         make_random_model(tmp_path / "small", shape={"vocab_size": 5})
+
+
+def test_vs_trl_compute_floor_by_hand(monkeypatch, tmp_path):
+    """The ceiling vs_trl prints beside its ratios: matmul FLOPs of a step, counted by hand."""
+    from types import SimpleNamespace
+
+    from model import load_model_args
+    from tools.make_tiny_model import make_random_model
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import vs_trl
+    model = make_random_model(tmp_path / "m", hidden=32, layers=2)  # 4 heads, 2 kv heads of 8
+    V = load_model_args(model).vocab_size
+    per_layer = 32 * 32 + 2 * (16 * 32) + 32 * 32 + 3 * (64 * 32)  # q, k, v, o, gate, up, down
+    weights = 2 * per_layer + V * 32  # + lm_head
+    a = SimpleNamespace(num_prompts=8, prompts=2, samples=3, new_tokens=5)
+    work = vs_trl.step_work(model, a)
+    p = work["prompt_tokens_mean"]
+    assert work["linear_weights"] == weights
+    assert 3 <= p <= 12  # "a+b=" style prompts of one-digit addition, BOS included
+    assert work["train_flops"] == pytest.approx(6 * weights * 6 * (p + 5))  # 6 samples
+    assert work["gen_flops"] == pytest.approx(2 * weights * (2 * p + 6 * 5))  # prompts once
+    w = {"gen_flops": 1.0, "train_flops": 4.0}
+    assert vs_trl.step_floor(w, 2.0, world=2, cores=2) == 2.0  # the trainer's 4 on one core
+    assert vs_trl.step_floor(w, 1.0, world=3, cores=2) == 2.5  # 5 on two shared cores
+    assert vs_trl.step_floor(w, 1.0, world=3, cores=4) == 2.0  # two trainers, a core each
