@@ -705,7 +705,13 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
                          f"oneDNN (device {device}, compiled decode: {compiled}, oneDNN kernels "
                          f"available: {packed_linear.available()}); leave pack_weights=None "
                          "(generator.pack_weights='auto') for the automatic choice")
-    return PackedLinears(model, min_numel=0)
+    packed = PackedLinears(model, min_numel=0)
+    if not packed.modules:
+        dtype = next(model.parameters()).dtype
+        raise ValueError(f"pack_weights=True: no linear of this {dtype} model can be packed on "
+                         f"this CPU (oneDNN packs {list(packed_linear.packed_dtypes())} here); "
+                         "leave pack_weights=None (generator.pack_weights='auto')")
+    return packed
 
 
 def _chunks(sorted_lengths: list[int], max_tokens: int, max_waste: float = 0.1) -> list[list[int]]:

@@ -19,8 +19,9 @@ changed since (in-place updates bump `Tensor._version`; a replaced tensor has a 
 Outside `active()` the modules are untouched, so a trainer sharing the model in the same process
 keeps autograd and MKL. Writes through `.data` or through a flat buffer the parameters view do not
 bump the version counter: whoever writes that way calls `invalidate()` (the engine does whenever
-its weight version is set). Only fp32 and bf16 weights that are plain tensors are packed: DTensor
-(TP) shards keep their distributed forward. bf16 gains the most where the CPU has AMX: a plain bf16
+its weight version is set). Only fp32 and bf16 weights that are plain tensors are packed (bf16
+only where the CPU has oneDNN's bf16 kernels: `packed_dtypes`): DTensor (TP) shards keep their
+distributed forward. bf16 gains the most where the CPU has AMX: a plain bf16
 linear re-lays its weight out for the tiles on every call (SmolLM2-135M generating in bf16 on the
 AMX Xeon: 1.85 s a batch packed, 2.3-2.45 s plain). Numerics: the same products summed in a
 different order (fp32: ~1e-6 relative on the outputs, well inside the engine's log-prob tolerance;
@@ -28,6 +29,7 @@ tested).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -54,7 +56,23 @@ MIN_NUMEL = 1 << 16
 # So the engine times both ways and packs only when the packed forward is faster by this fraction:
 # a packed copy also costs a second copy of the weights.
 MIN_GAIN = 0.02
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN can pack on this CPU: fp32, and bf16 where it has bf16 kernels
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU such as the 2-core AMD EPYC of
+    session 15, packing a bf16 weight raises). Found by packing a small weight of each."""
+    if not available():
+        return ()
+    ok = []
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+        except RuntimeError:
+            continue
+        ok.append(dtype)
+    return tuple(ok)
 
 
 def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_GAIN) -> bool:
@@ -100,7 +118,7 @@ def describe(trial_result: dict | None, rows: int) -> str | None:
 def _packable(m: nn.Module, min_numel: int) -> bool:
     w = getattr(m, "weight", None)
     return (isinstance(m, nn.Linear) and isinstance(w, Tensor) and not hasattr(w, "to_local")
-            and w.device.type == "cpu" and w.dtype in PACKED_DTYPES and w.dim() == 2
+            and w.device.type == "cpu" and w.dtype in packed_dtypes() and w.dim() == 2
             and w.numel() >= min_numel)
 
 

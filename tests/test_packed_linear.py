@@ -108,17 +108,39 @@ def test_tied_weight_is_packed_once():
     assert packed.repacks == 1
 
 
+BF16_PACKS = torch.bfloat16 in packed_linear.packed_dtypes()
+
+
 def test_refuses_grad_and_skips_other_dtypes():
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16),
                       nn.Linear(8, 8).to(torch.float16))
     packed = PackedLinears(m, min_numel=0)
-    assert packed.modules == [m[0], m[1]]  # fp32 and bf16 weights are packed, fp16 not
+    # fp32 weights are packed, bf16 ones where this CPU has oneDNN's bf16 kernels, fp16 never
+    assert packed.modules == [m[0], m[1]] if BF16_PACKS else packed.modules == [m[0]]
     with packed.active(), pytest.raises(RuntimeError, match="no_grad"):
         m[0](torch.randn(2, 8))
-    with torch.no_grad(), packed.active(), pytest.raises(RuntimeError, match="bfloat16 inputs only"):
-        m[1](torch.randn(2, 8))  # an fp32 input to a bf16 weight
+    if BF16_PACKS:
+        with torch.no_grad(), packed.active(), pytest.raises(RuntimeError,
+                                                             match="bfloat16 inputs only"):
+            m[1](torch.randn(2, 8))  # an fp32 input to a bf16 weight
 
 
+def test_bf16_left_plain_where_onednn_cannot_pack_it(tmp_path, monkeypatch):
+    """On a CPU without oneDNN's bf16 kernels (AVX2 only: packing a bf16 weight raises there) a
+    bf16 model is not packed: the automatic choice keeps MKL, pack_weights=True says why."""
+    monkeypatch.setattr(packed_linear, "packed_dtypes", lambda: (torch.float32,))
+    tiny.save_hf("qwen2", tmp_path)
+    model = load_pretrained(tmp_path, dtype="bfloat16").eval()
+    assert PackedLinears(model, min_numel=0).modules == []
+    engine = Engine(model, num_slots=2, max_len=16)
+    assert engine._packed is None and engine.pack_trial is None
+    sp = SamplingParams(max_new_tokens=4, seed=1, ignore_eos=True)
+    assert len(engine.generate([Request(0, [1, 5, 7], sp)])[0].completion_ids) == 4
+    with pytest.raises(ValueError, match=r"no linear of this torch.bfloat16 model can be packed"):
+        Engine(model, num_slots=2, max_len=16, pack_weights=True)
+
+
+@pytest.mark.skipif(not BF16_PACKS, reason="this CPU has no oneDNN bf16 kernels (AVX2 only)")
 def test_bf16_model_forward_and_engine_match_unpacked(tmp_path):
     """bf16 weights packed (stacked siblings too): the forward within bf16 rounding of the plain
     one, and the engine's sampled tokens and log-probs alike with and without packing."""
