@@ -244,9 +244,10 @@ def packed_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -
     sibling stack (q|k|v, gate|up) of at least MIN_NUMEL elements, biases stacked with their
     weights, and the LM head, in the generator's dtype. 0 elsewhere (GPUs, TP shards, fp16). An
     upper bound: the engine packs only where its timed trial finds packing faster on this CPU
-    (`Engine.pack_trial`). SmolLM2-135M (hidden 576, 30 layers, 9/3 heads of 64, intermediate
-    1536, vocab 49152): per layer 576*960 + 576*576 + 2*576*1536 + 1536*576 = 3.54M, head 28.3M:
-    (30*3.54M + 28.3M) * 4 B = 538 MB in fp32, half that in bf16."""
+    (`Engine.pack_trial`), and bf16 only where the CPU has oneDNN's bf16 kernels (AVX-512 or
+    AVX-NE-CONVERT; `packed_linear.packed_dtypes`). SmolLM2-135M (hidden 576, 30 layers, 9/3
+    heads of 64, intermediate 1536, vocab 49152): per layer 576*960 + 576*576 + 2*576*1536 +
+    1536*576 = 3.54M, head 28.3M: (30*3.54M + 28.3M) * 4 B = 538 MB in fp32, half in bf16."""
     from rollout.packed_linear import MIN_NUMEL, PACKED_DTYPES
     packed = [str(d).removeprefix("torch.") for d in PACKED_DTYPES]
     if not cl.shared_cores or wl.gen_dtype not in packed or gen_tp > 1:

@@ -56,17 +56,18 @@ MIN_NUMEL = 1 << 16
 # So the engine times both ways and packs only when the packed forward is faster by this fraction:
 # a packed copy also costs a second copy of the weights.
 MIN_GAIN = 0.02
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN may pack; `packed_dtypes`: here
 
 
 @functools.cache
 def packed_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN can pack on this CPU: fp32, and bf16 where it has bf16 kernels
+    """The PACKED_DTYPES oneDNN can pack on this CPU: fp32, and bf16 where it has bf16 kernels
     (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU such as the 2-core AMD EPYC of
     session 15, packing a bf16 weight raises). Found by packing a small weight of each."""
     if not available():
         return ()
     ok = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in PACKED_DTYPES:
         try:
             torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
         except RuntimeError:
