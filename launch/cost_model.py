@@ -12,7 +12,8 @@ Memory per rank (feasible iff <= mem_headroom * gpu_mem)
                       prefetches the next; only when fsdp > 1)
             acts    = micro_batch_tokens * (L * a + V * (cb + 8))    a = cb*(4h + (2q+2kv+4i)/tp)
                       with activation checkpointing: micro_batch_tokens * (L*cb*h + a + V*(cb+8))
-  generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*gen_bytes*slots*max_len
+  generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*kv_bytes*slots*max_len
+            (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`)
   colocated ranks hold both.
 Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
   T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
@@ -262,6 +263,14 @@ def packed_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -
                                                + (head if head >= MIN_NUMEL else 0))
 
 
+def kv_elem_bytes(cl: Cluster, gen_dtype: str) -> int:
+    """Bytes of one cached key/value element: the generator's dtype, but fp32 for a bf16/fp16
+    generator on CPU (`cl.shared_cores`), whose engine keeps its cache in fp32
+    (model.kv_cache.cache_dtype)."""
+    gb = dtype_bytes(gen_dtype)
+    return max(gb, 4) if cl.shared_cores else gb
+
+
 def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:
     """Static KV cache: 2 * L * (kv_heads/tp) * head_dim * bytes * slots * max_len.
     Llama-3-8B bf16, tp 1, 256 slots x 2560 positions: 131072 * 256 * 2560 = 85.9 GB."""
@@ -285,7 +294,7 @@ def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, ge
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     gb = dtype_bytes(wl.gen_dtype)
     weights = generator_weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
-    per_slot = kv_bytes_per_token(args, gb, gen_tp) * wl.seq_len
+    per_slot = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp) * wl.seq_len
     seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
     free = cap - reserved - weights
     if not slots:
@@ -423,7 +432,8 @@ def generation_time(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen
     else:
         n_mm, ctx = matmul_params(args), wl.prompt_len + wl.response_len / 2
         q = args.num_heads * args.head_dim
-        step_bytes = n_mm * gb / gen_tp + slots * ctx * kv_bytes_per_token(args, gb, gen_tp)
+        kvb = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp)
+        step_bytes = n_mm * gb / gen_tp + slots * ctx * kvb
         step_flops = (2 * n_mm + 4 * args.num_layers * q * ctx) * slots / gen_tp
         step = (max(step_bytes / (cl.hbm_gbps * GB * cl.hbm_eff), step_flops / (cl.flops * cl.mfu_decode))
                 + 2 * args.num_layers * ar)

@@ -57,11 +57,13 @@ def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
     share a kv head are folded into the query axis ([B, Hkv, T*G, D]), so every backend sees
     plain multi-head attention with Hkv heads. For decode (T = 1) the fold is a free view; SDPA's
     `enable_gqa` would instead fall back to kernels that copy k/v G times or ignore the mask.
-    `bias_BTS` (`additive_mask` of the mask) spares the CPU path making it in every layer."""
+    `bias_BTS` (`additive_mask` of the mask) spares the CPU path making it in every layer.
+    A cache kept in another dtype than q (fp32 for a bf16 model on CPU, `kv_cache.cache_dtype`)
+    sets the dtype of the computation; the output comes back in q's."""
     B, T, Hq, D = q_BTHD.shape
     S, Hkv = k_BSHD.shape[1], k_BSHD.shape[2]
     G = Hq // Hkv
-    q = q_BTHD.view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
+    q = q_BTHD.to(k_BSHD.dtype).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
     k, v = k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)
 
     def fold(m_BTS):  # [B, T, S] -> [B, 1, T*G, S], every query head of a group alike
@@ -72,7 +74,7 @@ def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
         bias = fold(bias_BTS if bias_BTS is not None else additive_mask(mask_BTS, q.dtype))
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(bias)
         out = torch.matmul(scores.softmax(-1), v)
-    return out.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
+    return out.to(q_BTHD.dtype).view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
 
 
 def varlen_flash(q_NHD, k_NHD, v_NHD, cu_seqlens: torch.Tensor, max_len: int,

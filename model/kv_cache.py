@@ -13,6 +13,17 @@ from torch import nn
 from model.rope import inv_frequencies, rope_cos_sin, rope_tables
 
 
+def cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The cache's default dtype: the model's, except fp32 for a bf16/fp16 model on CPU, where
+    attention then computes in fp32 over it (model/attention.py, as the trainer's CPU attention
+    does). The keys/values stay the model's values (a bf16 number is exact in fp32); what changes
+    is that the scores, softmax and weighted sum are no longer rounded to bf16, and that CPU bf16
+    matmuls copy a strided view of the cache before they start (a decode step's q @ k^T over
+    64 of 288 positions: 64 vs 22 us, against 24 us in fp32; BENCHMARKS.md "Against TRL")."""
+    reduced = model_dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if reduced and torch.device(device).type == "cpu" else model_dtype
+
+
 class KVCache:
     """k, v: [layers, slots, kv_heads, max_len, head_dim]."""
 
@@ -29,16 +40,18 @@ class KVCache:
     @classmethod
     def for_model(cls, model: nn.Module, num_slots: int, max_len: int,
                   dtype: torch.dtype | None = None, device=None) -> "KVCache":
-        """Sized from the model's *local* k_proj, so a tensor-parallel shard gets its own heads."""
+        """Sized from the model's *local* k_proj, so a tensor-parallel shard gets its own heads;
+        `dtype` None = `cache_dtype` of the model's. The RoPE tables are in the model's dtype
+        (that of the activations they rotate), whatever the cache's."""
         args = model.args
         k_proj = model.model.layers[0].self_attn.k_proj.weight
         local = k_proj.to_local() if hasattr(k_proj, "to_local") else k_proj
         kv_heads = local.shape[0] // args.head_dim
+        device = torch.device(device or local.device)
         cache = cls(args.num_layers, num_slots, max_len, kv_heads, args.head_dim,
-                    dtype or local.dtype, device or local.device)
-        device = cache.k.device
+                    dtype or cache_dtype(local.dtype, device), device)
         positions = torch.arange(max_len, device=device)
-        cos, sin = rope_tables(*rope_cos_sin(positions, inv_frequencies(args, device), cache.k.dtype))
+        cos, sin = rope_tables(*rope_cos_sin(positions, inv_frequencies(args, device), local.dtype))
         cache.rope = (cos, sin)  # [max_len, 1, D]
         return cache
 

@@ -225,7 +225,7 @@ class Transformer(nn.Module):
             ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions
             keys = torch.arange(kv_cache.max_len, device=dev).expand(B, -1)
             ctx.mask = attn.causal_mask(positions, keys, window)
-            ctx.bias = None if x.is_cuda else attn.additive_mask(ctx.mask, x.dtype)
+            ctx.bias = None if x.is_cuda else attn.additive_mask(ctx.mask, kv_cache.k.dtype)
         elif seq_ids is not None and attn.use_flash(x, self.attn_backend):
             ctx.cu_seqlens = F.pad(seq_lens.to(dev).cumsum(0), (1, 0)).to(torch.int32)
             ctx.max_len = int(seq_lens.max())

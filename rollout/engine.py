@@ -260,7 +260,8 @@ class Engine:
     """Generation over one (possibly tensor-parallel) model; one engine per DP replica.
 
     num_slots / max_len: KV-cache rows and positions (prompt + completion <= max_len).
-    device / dtype: where the cache lives (the model's device) and its dtype (the model's).
+    device / dtype: where the cache lives (the model's device) and its dtype (None: the model's,
+        but fp32 for a bf16/fp16 model on CPU, `model.kv_cache.cache_dtype`).
     seed: sampling seed of requests without their own `SamplingParams.seed`.
     kv_policy: "keep" | "recompute", what `load_weights` does to cached keys/values.
     sync_every: decode steps between device->host reads of the finished flags (1 on CPU, 8 on

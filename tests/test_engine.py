@@ -92,6 +92,32 @@ def test_logp_equals_trainer_forward(folders):
         assert diff <= 1e-5, (c.request_id, c.sample_idx, diff)
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_bf16_logp_equals_trainer_forward_on_cpu(folders, family):
+    """A bf16 model on CPU: mu equals the trainer's `token_logprobs` of a full bf16 forward of
+    the same weights within 1e-5. The engine's cache is fp32 there (`cache_dtype`), so decode
+    attention computes in fp32 like the full forward's CPU attention; a bf16 cache rounds scores
+    and softmax to bf16 and was 4.5e-3 off (llama3; 5.5e-3 qwen2)."""
+    from model.kv_cache import cache_dtype
+    from rollout import packed_linear
+    from trainer.losses import token_logprobs
+    model = load_pretrained(folders[family], dtype="bfloat16").eval()
+    assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    sp = SamplingParams(max_new_tokens=12, temperature=0.7, n=3, ignore_eos=True)
+    packs = [False] + ([True] if torch.bfloat16 in packed_linear.packed_dtypes() else [])
+    for pack in packs:  # plain MKL and oneDNN-packed bf16 linears alike
+        engine = Engine(model, num_slots=4, max_len=40, pack_weights=pack)
+        assert engine.cache.k.dtype == torch.float32
+        for c in engine.generate(requests(prompts([4, 11, 7]), sp)):
+            full = torch.tensor(c.prompt_ids + c.completion_ids)[None]
+            with torch.no_grad():
+                logits = model(full)[0, c.num_prompt_tokens - 1 : -1]
+            ref = token_logprobs(logits, torch.tensor(c.completion_ids), temperature=0.7)
+            diff = (torch.tensor(c.logp) - ref).abs().max().item()
+            assert diff <= 1e-5, (pack, c.request_id, c.sample_idx, diff)
+
+
 def test_greedy_logp_is_untruncated_tempered(folders):
     model = load(folders)
     engine = Engine(model, num_slots=3, max_len=32)

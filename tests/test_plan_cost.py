@@ -11,7 +11,7 @@ import torch
 from config import load_config
 from launch import cost_model as cm
 from launch.plan import best_plan, main as plan_main, preset_args
-from model import Transformer
+from model import KVCache, Transformer
 from model.args import ModelArgs
 
 L8B = preset_args("llama3-8b")
@@ -92,11 +92,29 @@ def test_packed_copies_count_in_cpu_generator_memory():
                for unit in packed._units for m in unit)
     assert cm.packed_copy_bytes(args, cpu, wl, 1) == 4 * real
     assert cm.packed_copy_bytes(args, cpu, bf16, 1) == 2 * real
-    half = cm.generator_memory(args, cpu, bf16, 1, 1)[0]
+    half, slots, _ = cm.generator_memory(args, cpu, bf16, 1, 1)
     fp16 = cm.generator_memory(args, cpu, cm.Workload(8, 8, 16, 32, gen_dtype="float16"), 1, 1)[0]
     used = cm.generator_memory(args, cpu, wl, 1, 1)[0]
     assert half - fp16 == pytest.approx(2 * real)  # the same bytes but for bf16's packed copies
-    assert used == pytest.approx(2 * half)  # bf16 -> fp32 doubles all of it, packed copies too
+    # the CPU engine's KV cache is fp32 for every generator dtype (model.kv_cache.cache_dtype)
+    kv = slots * 2 * 2 * 4 * 32 * 4 * bf16.seq_len  # K and V, 2 layers, 4 kv heads of 32, fp32
+    assert used == pytest.approx(2 * (half - kv) + kv)  # bf16 -> fp32 doubles the rest
+
+
+def test_kv_cache_bytes_follow_the_engine():
+    """What the engine allocates (KVCache.for_model) is what the cost model counts: the
+    generator's dtype on GPUs, fp32 for a bf16/fp16 generator on CPU."""
+    cpu, gpu = cm.cpu_cluster(3, 2), cm.gpu_cluster("h100", 1)
+    assert [cm.kv_elem_bytes(cpu, d) for d in ("float32", "bfloat16", "float16")] == [4, 4, 4]
+    assert [cm.kv_elem_bytes(gpu, d) for d in ("float32", "bfloat16", "float16")] == [4, 2, 2]
+    args = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2)
+    with torch.device("meta"):
+        model = Transformer(args).to(torch.bfloat16)
+    cache = KVCache.for_model(model, num_slots=3, max_len=10, device="cpu")
+    assert cache.k.element_size() == cm.kv_elem_bytes(cpu, "bfloat16")
+    assert 2 * cache.k.numel() * cache.k.element_size() == cm.generator_kv_bytes(
+        args, 1, cm.kv_elem_bytes(cpu, "bfloat16"), 3, 10)
 
 
 def test_generation_time_hand_computed():
