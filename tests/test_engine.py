@@ -164,10 +164,12 @@ def test_slots_batching_and_arrival_do_not_change_outputs(folders, sp):
     model = load(folders)
     ps = prompts([3, 9, 5, 14, 1, 7, 12, 2])
     ref, _ = run(model, 16, sp, ps)
-    for num_slots, incremental in [(2, False), (5, False), (5, True), (3, True)]:
-        got, _ = run(model, num_slots, sp, ps, incremental)
+    # kv_bucket: how far decode reads the cache (CPU default 1: the live bound; 48 = all of it)
+    for num_slots, incremental, bucket in [(2, False, None), (5, False, None), (5, True, None),
+                                           (3, True, None), (3, True, 32), (16, False, 48)]:
+        got, _ = run(model, num_slots, sp, ps, incremental, kv_bucket=bucket)
         assert [c.completion_ids for c in got] == [c.completion_ids for c in ref], \
-            (num_slots, incremental)
+            (num_slots, incremental, bucket)
         for a, b in zip(got, ref):
             assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
 
@@ -175,14 +177,17 @@ def test_slots_batching_and_arrival_do_not_change_outputs(folders, sp):
 def test_mixed_temperatures_share_a_batch(folders):
     """The division by the temperature runs only while some row needs it: a T=1 request gives
     the same tokens and mu alone (no division) as beside a T=0.6 one (every row divided), with
-    and without top-k, and each row's mu is still the trainer's log_softmax(logits / T)."""
+    and without top-k, and each row's mu is still the trainer's log_softmax(logits / T). Both
+    engines read the whole cache (kv_bucket = max_len): on CPU decode reads only up to the
+    longest live row by default, and a different read length changes the attention's rounding."""
     model = load(folders)
     ps = prompts([5, 9])
     for top_k in (0, 4):
         cool = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=top_k, seed=3, ignore_eos=True)
         warm = SamplingParams(max_new_tokens=8, temperature=0.6, top_k=top_k, seed=4, ignore_eos=True)
-        alone = Engine(model, num_slots=2, max_len=32).generate([Request(0, ps[0], cool)])[0]
-        mixed = Engine(model, num_slots=2, max_len=32).generate(
+        alone = Engine(model, num_slots=2, max_len=32, kv_bucket=32).generate(
+            [Request(0, ps[0], cool)])[0]
+        mixed = Engine(model, num_slots=2, max_len=32, kv_bucket=32).generate(
             [Request(0, ps[0], cool), Request(1, ps[1], warm)])
         assert mixed[0].completion_ids == alone.completion_ids
         assert mixed[0].logp == alone.logp
