@@ -115,11 +115,31 @@ class Meshes:
 
 
 def _placement(device: torch.device) -> tuple[str, int, str]:
-    """(host, CUDA index as this process sees it, the GPU's UUID); (host, -1, "") on CPU."""
+    """(host, CUDA index as this process sees it, the GPU's UUID); on CPU (host, -1, the host
+    memory's identity: `host_memory_id`)."""
     if device.type != "cuda":
-        return socket.gethostname(), -1, ""
+        return socket.gethostname(), -1, host_memory_id()
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", "")
     return socket.gethostname(), device.index, str(uuid)
+
+
+def host_memory_id(boot_id_file: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """What identifies the memory a CPU process can share with others: the host name and the
+    kernel's boot id, which differ between two machines even where their host names are alike
+    (cloned containers). "" where there is no boot id (not Linux): no shared-memory weight sync."""
+    try:
+        with open(boot_id_file) as f:
+            boot = f.read().strip()
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}/{boot}" if boot else ""
+
+
+def shared_host_memory(a: tuple | None, b: tuple | None) -> bool:
+    """Two CPU placements whose processes can share memory (weights_sync/ipc.py's CpuShmMemory)."""
+    def key(g):
+        return g[2] if g is not None and g[1] < 0 and len(g) > 2 and g[2] else None
+    return key(a) is not None and key(a) == key(b)
 
 
 def gpu_key(g: tuple | None) -> tuple | None:

@@ -10,7 +10,7 @@ from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
 from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link
-from weights_sync.sync import make_receiver, plan_between_meshes
+from weights_sync.sync import describe_receiver, make_receiver, plan_between_meshes
 
 
 def load_items(cfg, tokenizer):
@@ -50,8 +50,10 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     model = build_generator_model(cfg, meshes)
     plan = plan_between_meshes(model, meshes.generator_group, is_src_leader=False,
                                is_dst_leader=rank == dims.generator_rank_list[0])
-    receiver = make_receiver(model, plan, rank,
-                             meshes.weights_group, cfg.parallel.timeout_s, meshes.gpu_of)
+    receiver = make_receiver(model, plan, rank, meshes.weights_group, cfg.parallel.timeout_s,
+                             meshes.gpu_of, cpu_shm=cfg.parallel.cpu_shm)
+    if rank == dims.generator_rank_list[0]:
+        print(f"generator: {describe_receiver(receiver)}", flush=True)
     items, skipped, encode = load_items(cfg, tokenizer)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)

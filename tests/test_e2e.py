@@ -112,13 +112,19 @@ def test_final_hf_export_loads_in_transformers(async_run):
     assert transformers.AutoTokenizer.from_pretrained(str(run_dir / "hf_final")) is not None
 
 
-def test_eta_zero_is_on_policy(tmp_path):
+@pytest.mark.parametrize("cpu_shm,transport", [
+    ("true", "shared memory (parallel.cpu_shm) from trainer ranks [0, 1]"),
+    ("false", "gloo point-to-point from trainer ranks [0, 1]")])
+def test_eta_zero_is_on_policy(tmp_path, cpu_shm, transport):
+    """On-policy to 1e-5 whichever way the weights travel between the ranks of this host: the
+    generator samples with exactly the weights the trainer then scores (both FSDP shards)."""
     model = make_rl_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
                      f"--run.dir={run_dir}", "--trainer.max_steps=3", "--algo.max_staleness=0",
-                     "--trainer.lr=1e-2", *QUICK])
+                     "--trainer.lr=1e-2", f"--parallel.cpu_shm={cpu_shm}", *QUICK])
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert f"generator: weight sync by {transport}" in proc.stdout
     for r in read_metrics(run_dir):
         assert r["staleness_max"] == 0
         assert abs(r["is_ratio_mean"] - 1.0) <= 1e-5, r

@@ -67,6 +67,26 @@ def test_transport_per_pair(a, b, want):
     assert transport_for(0, 1, None) == "gloo"
 
 
+@pytest.mark.parametrize("a,b,shm,no_shm", [
+    (("h", -1, "h/boot1"), ("h", -1, "h/boot1"), "ipc", "gloo"),  # CPU ranks sharing this host
+    (("h", -1, "h/boot1"), ("h", -1, "h/boot2"), "gloo", "gloo"),  # same name, another machine
+    (("h", -1, ""), ("h", -1, ""), "gloo", "gloo"),  # no boot id (not Linux): never shared memory
+    (("h", -1, "h/boot1"), ("h", 0, "GPU-a"), "gloo", "gloo"),
+    (("h", 0, "GPU-a"), ("h", 0, "GPU-a"), "ipc", "ipc")])  # CUDA IPC whatever cpu_shm says
+def test_cpu_ranks_of_one_host_share_memory(a, b, shm, no_shm):
+    gpu_of = {0: a, 1: b}
+    assert transport_for(0, 1, gpu_of, cpu_shm=True) == shm
+    assert transport_for(0, 1, gpu_of, cpu_shm=False) == no_shm
+
+
+def test_host_memory_id(tmp_path):
+    import socket
+    from parallel.mesh import host_memory_id
+    (tmp_path / "boot_id").write_text("1234-abcd\n")
+    assert host_memory_id(str(tmp_path / "boot_id")) == f"{socket.gethostname()}/1234-abcd"
+    assert host_memory_id(str(tmp_path / "missing")) == ""
+
+
 def test_control_messages_are_consumed_and_polled_without_blocking():
     c = Control(dist.HashStore(), "t")
     assert c.take_ready(0, 1, 3) is None and c.acked(0, 1, 0) is None and c.latest(0, 1) is None

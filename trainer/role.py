@@ -32,10 +32,11 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     ref = build_trainer_model(cfg, meshes, cfg.model.ref_path).requires_grad_(False) \
         if cfg.model.ref_path else None
     plan = plan_between_meshes(model, meshes.trainer_group, is_src_leader=owner, is_dst_leader=False)
-    # CUDA IPC to a generator on this GPU, else NCCL/gloo
+    # CUDA IPC to a generator on this GPU (shared memory to a CPU one on this host), else NCCL/gloo
     sender = make_sender(model, plan, rank,
                          to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s,
-                         meshes.gpu_of, ipc_buffers=cfg.parallel.ipc_buffers)
+                         meshes.gpu_of, ipc_buffers=cfg.parallel.ipc_buffers,
+                         cpu_shm=cfg.parallel.cpu_shm)
     leaders = [row[0] for row in dims.generator_mesh_ranks()]
     link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
     path = resume_path(cfg)  # the same on every rank: they all read the run directory

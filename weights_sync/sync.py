@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel.mesh import gpu_key, same_gpu
+from parallel.mesh import gpu_key, same_gpu, shared_host_memory
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
@@ -255,19 +255,25 @@ class WeightReceiver:
 # ---------------------------------------------------------------------------------------------
 # Transport per peer: CUDA IPC on a shared GPU, NCCL across GPUs, gloo on CPU.
 
-def transport_for(src: int, dst: int, gpu_of: Mapping[int, tuple] | None) -> str:
+def transport_for(src: int, dst: int, gpu_of: Mapping[int, tuple] | None,
+                  cpu_shm: bool = False) -> str:
     """"ipc" when both ranks sit on the same GPU (NCCL refuses that pair), "nccl" when both are
-    on GPUs, else "gloo". `gpu_of`: rank -> (host, GPU index (-1 on CPU)[, GPU UUID]), as
-    `Meshes.gpu_of`; the UUID, where given, decides what "the same GPU" is."""
+    on GPUs, else "gloo"; with `cpu_shm`, also "ipc" for two CPU ranks that share host memory
+    (the same protocol over a shared-memory file: one memcpy each side instead of gloo's TCP
+    loopback). `gpu_of`: rank -> (host, GPU index (-1 on CPU)[, GPU UUID or, on CPU, the host
+    memory's id]), as `Meshes.gpu_of`; the UUID, where given, decides what "the same GPU" is."""
     a, b = (gpu_of or {}).get(src), (gpu_of or {}).get(dst)
+    if cpu_shm and shared_host_memory(a, b):
+        return "ipc"
     if gpu_key(a) is None or gpu_key(b) is None:
         return "gloo"
     return "ipc" if same_gpu(a, b) else "nccl"
 
 
-def _split(rank: int, peers, gpu_of, is_src: bool) -> tuple[set[int], set[int]]:
+def _split(rank: int, peers, gpu_of, is_src: bool, cpu_shm: bool) -> tuple[set[int], set[int]]:
     """(IPC peers, point-to-point peers) of this rank."""
-    kinds = {p: transport_for(*((rank, p) if is_src else (p, rank)), gpu_of) for p in peers}
+    kinds = {p: transport_for(*((rank, p) if is_src else (p, rank)), gpu_of, cpu_shm)
+             for p in peers}
     ipc = {p for p, k in kinds.items() if k == "ipc"}
     return ipc, set(kinds) - ipc
 
@@ -321,12 +327,13 @@ class MultiReceiver:
 def make_sender(model, plan, rank: int, dtype: torch.dtype, group, timeout_s: float,
                 gpu_of: Mapping[int, tuple] | None = None, *,
                 bucket_bytes: int = 64 << 20, ipc_buffers: int = 1, store=None,
-                channel: str = "weights"):
+                channel: str = "weights", cpu_shm: bool = False):
     """The trainer-side sender for this rank: `WeightSender` (NCCL/gloo on `group`) for peers
     on other GPUs or CPUs, `IpcSender` for peers on this rank's GPU, a `MultiSender` of both
-    when it has both kinds. `WeightSender`'s arguments plus the placement `gpu_of`."""
+    when it has both kinds. `WeightSender`'s arguments plus the placement `gpu_of`; `cpu_shm`:
+    CPU peers sharing this host's memory count as IPC peers (`transport_for`)."""
     from weights_sync.ipc import IpcSender
-    ipc, p2p = _split(rank, plan.sends_from(rank), gpu_of, is_src=True)
+    ipc, p2p = _split(rank, plan.sends_from(rank), gpu_of, is_src=True, cpu_shm=cpu_shm)
     parts = []
     if ipc:
         parts.append(IpcSender(model, plan, rank, dtype, timeout_s, peers=ipc,
@@ -340,11 +347,11 @@ def make_sender(model, plan, rank: int, dtype: torch.dtype, group, timeout_s: fl
 def make_receiver(model, plan, rank: int, group, timeout_s: float,
                   gpu_of: Mapping[int, tuple] | None = None, *,
                   bucket_bytes: int = 64 << 20, store=None, channel: str = "weights",
-                  ipc_direct: bool = False):
+                  ipc_direct: bool = False, cpu_shm: bool = False):
     """The generator-side counterpart of `make_sender` (same transport choice per peer).
     `ipc_direct`: apply straight from the trainer's IPC staging (`IpcReceiver(direct=True)`)."""
     from weights_sync.ipc import IpcReceiver
-    ipc, p2p = _split(rank, plan.recvs_to(rank), gpu_of, is_src=False)
+    ipc, p2p = _split(rank, plan.recvs_to(rank), gpu_of, is_src=False, cpu_shm=cpu_shm)
     ipc_part = IpcReceiver(model, plan, rank, timeout_s, peers=ipc, store=store,
                            channel=channel, direct=ipc_direct) if ipc else None
     p2p_part = WeightReceiver(model, plan, rank, group, timeout_s, bucket_bytes=bucket_bytes,
@@ -352,6 +359,20 @@ def make_receiver(model, plan, rank: int, group, timeout_s: float,
     if ipc_part is not None and p2p_part is not None:
         return MultiReceiver(p2p_part, ipc_part)
     return ipc_part or p2p_part
+
+
+def describe_receiver(receiver) -> str:
+    """How this generator rank gets its weights, for the start-up log: one phrase per part."""
+    parts = receiver.parts if isinstance(receiver, MultiReceiver) else [receiver]
+    words = []
+    for part in parts:
+        peers = sorted(part.peers)
+        if isinstance(part, WeightReceiver):
+            how = f"{dist.get_backend(part.group) if dist.is_initialized() else 'gloo'} point-to-point"
+        else:
+            how = "CUDA IPC" if part.device.type == "cuda" else "shared memory (parallel.cpu_shm)"
+        words.append(f"{how} from trainer ranks {peers}")
+    return "weight sync by " + "; ".join(words)
 
 
 def exchange_layouts(layout, is_src_leader: bool, is_dst_leader: bool):
