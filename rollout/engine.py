@@ -260,17 +260,14 @@ class Engine:
     """Generation over one (possibly tensor-parallel) model; one engine per DP replica.
 
     num_slots / max_len: KV-cache rows and positions (prompt + completion <= max_len).
-    device / dtype: where the cache lives (the model's device) and its dtype (None: the model's,
-        but fp32 for a bf16/fp16 model on CPU, `model.kv_cache.cache_dtype`).
+    device / dtype: where the cache lives (the model's device) and its dtype (`cache_dtype`).
     seed: sampling seed of requests without their own `SamplingParams.seed`.
     kv_policy: "keep" | "recompute", what `load_weights` does to cached keys/values.
     sync_every: decode steps between device->host reads of the finished flags (1 on CPU, 8 on
         CUDA). compile_decode: False (eager), "cudagraph" (CUDA graph of the eager step), True or
         "compile" (torch.compile, plus a CUDA graph on CUDA).
     max_prefill_tokens: padded tokens per prefill forward. kv_bucket: decode reads the cache up to
-        a multiple of this (each value is one CUDA graph); default 32 on CUDA, 1 on CPU (eager:
-        no graph to bound, so the live bound itself; the vs_trl generator 0.97x the time of 32),
-        max_len when compiled.
+        a multiple of this (one CUDA graph each): 32 on CUDA, 1 on CPU, max_len when compiled.
     pack_weights: run the fp32/bf16 linears on oneDNN-prepacked weights while the engine computes
         (rollout/packed_linear.py); None = on CPU where available, for linears of at least a
         256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
