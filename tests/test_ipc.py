@@ -483,3 +483,16 @@ def test_bench_rl_mode_on_cpu():
                  "--rl-new-tokens", "4", "--rl-timeout", "200")
     assert out["ok"] and out["results"]["sync"]["tokens_per_s"] > 0
     assert (out["shape"], out["hidden"], out["layers"]) == ("tiny", 64, 2)
+
+
+def test_unreachable_cpu_shared_memory_names_the_fix():
+    """A generator that cannot open the trainer's shared-memory file (ranks on one host that do
+    not share /dev/shm) is told which switch sends the weights over gloo instead."""
+    from weights_sync.ipc import CpuShmMemory
+    mem = CpuShmMemory(torch.device("cpu"))
+    shared = torch.zeros(4)
+    handle = mem.export(shared)
+    assert mem.open(handle).tolist() == [0.0] * 4  # the real handle opens
+    handle["name"] = _encode(b"/torch_tandem_no_such_segment")
+    with pytest.raises(RuntimeError, match=r"--parallel.cpu_shm=false"):
+        mem.open(handle)

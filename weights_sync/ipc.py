@@ -154,8 +154,13 @@ class CpuShmMemory:
                 "size": list(t.shape), "stride": list(t.stride())}
 
     def open(self, handle: dict) -> torch.Tensor:
-        storage = torch.UntypedStorage._new_shared_filename_cpu(
-            _decode(handle["manager"]), _decode(handle["name"]), handle["nbytes"])
+        try:
+            storage = torch.UntypedStorage._new_shared_filename_cpu(
+                _decode(handle["manager"]), _decode(handle["name"]), handle["nbytes"])
+        except RuntimeError as e:  # e.g. two containers with one boot id but apart /dev/shm
+            raise RuntimeError(f"cannot open the trainer's shared-memory weights "
+                               f"({_decode(handle['name'])!r}: {e}); if these ranks do not share "
+                               "/dev/shm, run with --parallel.cpu_shm=false (weights over gloo)") from e
         dtype = _decode({"dtype": handle["dtype"]})
         return torch.empty(0, dtype=dtype).set_(storage, handle["offset"], handle["size"],
                                                 handle["stride"])
