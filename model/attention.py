@@ -63,18 +63,23 @@ def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
     B, T, Hq, D = q_BTHD.shape
     S, Hkv = k_BSHD.shape[1], k_BSHD.shape[2]
     G = Hq // Hkv
-    q = q_BTHD.to(k_BSHD.dtype).view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
+    q = q_BTHD.to(k_BSHD.dtype)
+    # decode: [B, 1, Hkv*G, D] is already [B, Hkv, G, D] in memory (two ops fewer per layer)
+    q = q.view(B, Hkv, G, D) if T == 1 else q.view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
     k, v = k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)
-
-    def fold(m_BTS):  # [B, T, S] -> [B, 1, T*G, S], every query head of a group alike
-        return m_BTS[:, None, :, None, :].expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
-    if q.is_cuda:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=fold(mask_BTS))
+    if q.is_cuda:  # [B, T, S] -> [B, 1, T*G, S], every query head of a group alike
+        fold = mask_BTS[:, None, :, None, :].expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=fold)
     else:  # CPU: two batched matmuls beat SDPA's CPU kernel ~2x at decode sizes (BENCHMARKS.md)
-        bias = fold(bias_BTS if bias_BTS is not None else additive_mask(mask_BTS, q.dtype))
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5).add_(bias)
+        bias = bias_BTS if bias_BTS is not None else additive_mask(mask_BTS, q.dtype)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(D ** -0.5)
+        # the bias broadcasts over kv heads and the G query heads of each (no folded copy)
+        scores.view(B, Hkv, T, G, S).add_(bias[:, None, :, None, :])
         out = torch.matmul(scores.softmax(-1), v)
-    return out.to(q_BTHD.dtype).view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
+    out = out.to(q_BTHD.dtype)
+    if T == 1:
+        return out.view(B, 1, Hq, D)
+    return out.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
 
 
 def varlen_flash(q_NHD, k_NHD, v_NHD, cu_seqlens: torch.Tensor, max_len: int,

@@ -116,10 +116,11 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path):
         assert torch.equal(*out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_equals_transformers_bitwise(dtype):
-    """RMSNorm equals transformers' LlamaRMSNorm bit for bit in fp32 and bf16: forward, input
-    gradient and weight gradient, also under CPU bf16 autocast."""
+    """RMSNorm equals transformers' LlamaRMSNorm bit for bit in fp32, bf16 and fp16: forward,
+    input gradient and weight gradient, also under CPU bf16 autocast, and at a decode step's
+    shape under inference mode."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from model.transformer import RMSNorm
@@ -137,6 +138,9 @@ def test_rms_norm_equals_transformers_bitwise(dtype):
         grads = torch.autograd.grad(y, (x, ours.weight), g)
         grads_ref = torch.autograd.grad(y_ref, (x, ref.weight), g)
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+    with torch.inference_mode():
+        x = (torch.randn(16, 1, 48) * 3).to(dtype)
+        assert torch.equal(ours(x), ref(x))
 
 
 def test_meta_build_then_init():
