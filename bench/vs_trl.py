@@ -41,8 +41,9 @@ after every run: read it before trusting a ratio.
 Precision: every side runs once per `--precisions` entry. fp32 is fp32 throughout. bf16 is each
 side's CPU mixed precision, fp32 weights and optimizer state with bf16 matmuls: TRL's `bf16=True`
 (autocast over its whole step, generation included) and tandem's `--model.compute_dtype=bfloat16`
-(the trainer's forward under autocast; the generator stays fp32, or holds bf16 weights with
-`--gen-bf16`: faster for SmolLM2-135M, slower for the tiny model on this CPU). The TRL baseline
+(the trainer's forward under autocast; the generator holds bf16 weights, `model.gen_dtype`, or
+stays fp32 with `--gen-fp32`: bf16 was the faster generator for both models on the Zen 4 and
+Zen 5 machines of BENCHMARKS.md, and on an AMX Xeon for SmolLM2-135M only). The TRL baseline
 is TRL's best run of any thread count and precision; ratios are also printed against TRL at the
 same precision.
 
@@ -101,7 +102,7 @@ def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a) -> dict:
             "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
             "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}",
-            f"--model.gen_dtype={'bfloat16' if bf16 and a.gen_bf16 else 'float32'}"]
+            f"--model.gen_dtype={'bfloat16' if bf16 and not a.gen_fp32 else 'float32'}"]
     t0 = time.perf_counter()
     proc = run_train_rl(world, args, a.timeout)
     wall = time.perf_counter() - t0
@@ -415,8 +416,10 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", default="2,3", help="tandem world sizes (1 generator rank each)")
     ap.add_argument("--precisions", default="fp32,bf16",
                     help="fp32 and/or bf16 (CPU mixed precision, see above), for every side")
+    ap.add_argument("--gen-fp32", action="store_true",
+                    help="bf16 runs of tandem keep an fp32 generator (default: bf16 weights)")
     ap.add_argument("--gen-bf16", action="store_true",
-                    help="bf16 runs of tandem also generate with bf16 weights (model.gen_dtype)")
+                    help="accepted for older command lines: a bf16 generator is the default now")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4, help="prompt groups per optimizer step")
