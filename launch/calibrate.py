@@ -13,13 +13,15 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
   * the trainer's per-step overhead beyond forward/backward: a real `train_step` (optimizer,
     packing, statistics) minus what the layer fits predict for it;
   * between two spawned ranks (gloo on CPU, NCCL with 2+ GPUs): p2p one-way time (half a
-    ping-pong), all-reduce and all-gather times at a few sizes, and the cost of one FSDP2 / TP
-    collective with its DTensor overhead: a real 2-rank train step minus the plain one, over
-    their number; the per-step excess of the gradient-norm clip + AdamW step on DTensors; the
-    generator's TP collective: an engine decode step of a TP-sharded model minus the plain
-    model's, at one prompt group, over its 2L + 2 collectives (the training probe's backward and
-    DTensor overheads would overcharge decode, by about 2x here); and the generator's hand-off
-    per batch: its samples scored and its groups shipped over a Link to the other rank;
+    ping-pong), all-reduce and all-gather times at a few sizes (on CPU also a hand-off through
+    host shared memory, the weight sync's path between ranks of one host), and the cost of one
+    FSDP2 / TP collective with its DTensor overhead: a real 2-rank train step minus the plain
+    one, over their number; the per-step excess of the gradient-norm clip + AdamW step on
+    DTensors; the generator's TP collective: an engine decode step of a TP-sharded model minus
+    the plain model's, at one prompt group, over its 2L + 2 collectives (the training probe's
+    backward and DTensor overheads would overcharge decode, by about 2x here); and the
+    generator's hand-off per batch: its samples scored and its groups shipped over a Link to the
+    other rank;
   * on CPU, the slowdown of k busy ranks on the shared cores, and how much a phase's duration
     varies among them (cv): k processes running this model's decode steps and train steps at
     once; and the slowdown of k/2 generator TP pairs decoding at once, which wait on each other
@@ -239,6 +241,8 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
         full = torch.empty(nbytes // 4 // world * world, device=device)
         res["allgather"].append([nbytes, timed(lambda: all_gather_flat(
             full, x[:full.numel() // world]), device, reps=9)])
+        if not cuda:
+            res.setdefault("shm", []).append([nbytes, _shm_one_way(rank, x)])
     # FSDP/TP costs: the optimizer step on DTensors, then real train steps paired with plain ones
     args, wl = ModelArgs(**args_d), Workload(**wl_d)
     plain = build(args, device, dtype)
@@ -263,6 +267,37 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     res["handoff"] = _handoff_times(rank, wl, sorted({1, wl.prompts_per_step}))
     res["gather"] = [world, gather_time(rank, world, wl)]
     return res
+
+
+def _shm_one_way(rank: int, x: torch.Tensor) -> float:
+    """One hand-off of x's bytes between the two ranks through host shared memory, as the weight
+    sync between CPU ranks of one host does it (parallel.cpu_shm, weights_sync/ipc.py over
+    `CpuShmMemory`): the sender copies into its shared staging buffer and rings through the
+    store, the receiver waits for the ring and copies out. Half a ping-pong, like p2p."""
+    import torch.distributed as dist
+    from weights_sync.ipc import CpuShmMemory
+    shm, mine = CpuShmMemory(x.device), torch.empty_like(x)
+    handles: list = [None, None]
+    dist.all_gather_object(handles, shm.export(mine))  # mine now lives in shared memory
+    staging = [mine if r == rank else shm.open(h) for r, h in enumerate(handles)]  # rank r writes r
+    store, count = dist.distributed_c10d._get_default_store(), [0]
+
+    def hand_off(src: int) -> None:
+        key = f"calibrate/shm/{x.numel()}/{count[0]}"
+        if rank == src:
+            staging[src].copy_(x)
+            store.set(key, "1")
+        else:
+            store.wait([key])
+            x.copy_(staging[src])
+
+    def ping():
+        count[0] += 1
+        hand_off(0)
+        hand_off(1)
+    t = timed(ping, x.device, reps=9) / 2
+    dist.barrier()  # both ranks are done with the buffers before they go
+    return t
 
 
 def gather_time(rank: int, world: int, wl: Workload) -> float:
@@ -461,9 +496,12 @@ def measure(args: ModelArgs, wl: Workload, device: str = "cpu", threads: int = 1
         f"{prof.decode_step_s(batches[-1]) * 1e3:.2f} ms")
     if c is not None:
         prof.p2p, prof.allreduce, prof.allgather = c["p2p"], c["allreduce"], c["allgather"]
+        prof.shm = c.get("shm", [])
         prof.coloc_gather = [c["gather"], *four.get("coloc_gather", [])]
         _collective_costs(prof, args, c)
-        log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s; "
+        log(f"  comm: p2p {prof.p2p_gbps:.2f} GB/s"
+            + (f", shared memory {prof.shm_s(16 << 20) * 1e3:.2f} ms per 16 MB" if prof.shm else "")
+            + "; "
             f"per collective incl. DTensor: FSDP {prof.collective_s * 1e3:.2f} ms, TP "
             f"{prof.tp_collective_s * 1e3:.2f} ms, TP decode {prof.tp_decode_collective_s * 1e3:.2f} ms; generator hand-off "
             f"{prof.handoff_s(wl.prompts_per_step) * 1e3:.1f} ms per batch, "

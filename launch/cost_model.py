@@ -558,6 +558,9 @@ def sync_time(sb: SyncBytes, cl: Cluster, p: Placement, prof=None) -> float:
     """max(bytes out of the busiest sender, bytes into the busiest receiver) over the slowest link
     type any pair uses (inter-node as soon as the world spans nodes), plus one latency per peer.
     Colocated: each rank already holds its trainer shard; it receives its generator shard."""
+    if prof is not None and prof.shm and cl.nodes == 1 and cl.shared_cores > 0:
+        # CPU ranks of one host: weights go through host shared memory (parallel.cpu_shm)
+        return prof.shm_s(max(sb.max_send, sb.max_recv)) + (sb.peers_per_recv - 1) * prof.shm_latency
     if prof is not None and prof.p2p:
         return prof.p2p_s(max(sb.max_send, sb.max_recv)) + (sb.peers_per_recv - 1) * prof.p2p_latency
     bw = link_bw(cl, p.world)
@@ -736,6 +739,17 @@ def _interpolate(pts, x: float) -> float:
     return pts[-1][1]
 
 
+def _message_s(points, nbytes: float, gbps: float) -> float:
+    """One message of nbytes over a link measured at [[bytes, s]]: interpolated in the measured
+    sizes; below the smallest, its time; beyond the largest, that time plus the rest at gbps."""
+    pts = sorted(points)
+    if nbytes <= pts[0][0]:
+        return pts[0][1]
+    if nbytes >= pts[-1][0]:
+        return pts[-1][1] + (nbytes - pts[-1][0]) / (gbps * GB)
+    return _interpolate(pts, nbytes)
+
+
 def small_size_intercept(points) -> float:
     """The time at 0 bytes of the line through the two smallest sizes of [[bytes, s]] (>= 0): a
     link's latency. A fit through all sizes leans on the large ones, whose time varies 2-3x from
@@ -782,6 +796,7 @@ class Profile:
     concurrency: list = field(default_factory=list)  # [[k, slowdown, phase cv]] of k busy ranks
     tp_concurrency: list = field(default_factory=list)  # [[k, slowdown]] of k/2 generator TP=2 pairs
     coloc_gather: list = field(default_factory=list)  # [[k, s]] colocated exchange of a step's groups
+    shm: list = field(default_factory=list)  # [[bytes, s]] a hand-off through host shared memory (CPU)
     notes: dict = field(default_factory=dict)
 
     # ----- I/O
@@ -922,18 +937,26 @@ class Profile:
     @property
     def p2p_gbps(self) -> float:
         """Bandwidth: the fit's slope, which the large sizes set."""
-        c = self._c("p2p", 1)
+        return self._gbps("p2p")
+
+    def _gbps(self, key: str) -> float:
+        c = self._c(key, 1)
         return 1.0 / c[1] / GB if len(c) > 1 and c[1] > 0 else 1e3
 
     def p2p_s(self, nbytes: float) -> float:
         """One message of nbytes: interpolated in the measured sizes; below the smallest, its
         time; beyond the largest, that time plus the rest at p2p_gbps."""
-        pts = sorted(self.p2p)
-        if nbytes <= pts[0][0]:
-            return pts[0][1]
-        if nbytes >= pts[-1][0]:
-            return pts[-1][1] + (nbytes - pts[-1][0]) / (self.p2p_gbps * GB)
-        return _interpolate(pts, nbytes)
+        return _message_s(self.p2p, nbytes, self.p2p_gbps)
+
+    @property
+    def shm_latency(self) -> float:
+        """One shared-memory hand-off's fixed cost (store round trips), as p2p_latency."""
+        return small_size_intercept(self.shm)
+
+    def shm_s(self, nbytes: float) -> float:
+        """One weight hand-off of nbytes through host shared memory (weights_sync/ipc.py over
+        `CpuShmMemory`: a copy in, a store ring, a copy out), from the `shm` points as p2p_s."""
+        return _message_s(self.shm, nbytes, self._gbps("shm"))
 
 
 # ----- layouts and the real weight-sync plan ------------------------------------------------------------

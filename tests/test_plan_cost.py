@@ -385,6 +385,27 @@ def test_p2p_latency_and_message_times_follow_the_measured_sizes():
     assert prof.p2p_latency == 0.0  # nothing measured: no latency known
 
 
+def test_cpu_weight_sync_is_priced_on_the_shared_memory_points():
+    """CPU ranks of one host sync weights through shared memory (parallel.cpu_shm), so a CPU
+    profile's `shm` points price the sync there; other clusters keep the p2p points, and a
+    profile without `shm` (written before it was measured) keeps p2p on CPU too. Hand-computed
+    from the points: 4 MB interpolated, 2 extra peers at the small-size intercept."""
+    prof = _toy_profile()
+    prof.p2p = [[4096, 6e-5], [262144, 1.2e-4], [4 << 20, 9e-4], [16 << 20, 3.6e-3]]
+    prof.shm = [[4096, 2e-5], [262144, 3e-5], [4 << 20, 2e-4], [16 << 20, 1.5e-3]]
+    sb = cm.SyncBytes(1 << 20, 8 << 20, 3, "plan")
+    place = cm.Placement(4, "split", 1, 1, 1)
+    shm_latency = 2e-5 - 4096 * (3e-5 - 2e-5) / (262144 - 4096)
+    at_8mb = 2e-4 + (4 << 20) * (1.5e-3 - 2e-4) / (12 << 20)
+    assert cm.sync_time(sb, cm.cpu_cluster(4, 2), place, prof) == pytest.approx(
+        at_8mb + 2 * shm_latency)
+    assert cm.sync_time(sb, cm.gpu_cluster("h100", 1), place, prof) == pytest.approx(
+        prof.p2p_s(8 << 20) + 2 * prof.p2p_latency)
+    prof.shm = []
+    assert cm.sync_time(sb, cm.cpu_cluster(4, 2), place, prof) == pytest.approx(
+        prof.p2p_s(8 << 20) + 2 * prof.p2p_latency)
+
+
 def test_decode_is_priced_at_the_engine_slots_not_the_live_rows():
     """The engine decodes every KV slot each step, live or not (rollout/engine.py), so a replica
     with 16 slots and 8 sequences (2 of 4 prompts x 4 samples) pays 16 rows a step: hand-computed
@@ -433,13 +454,15 @@ def test_two_rank_probe_measures_every_cost():
     from launch.calibrate import comm_costs
     wl = cm.Workload(2, 2, 4, 8)
     c = comm_costs(TINY, torch.float32, wl, 64, 1)
-    assert {"p2p", "allreduce", "allgather", "fsdp", "tp", "tp_decode_excess", "handoff", "gather"} <= set(c)
+    assert {"p2p", "shm", "allreduce", "allgather", "fsdp", "tp", "tp_decode_excess", "handoff",
+            "gather"} <= set(c)
+    assert [n for n, _ in c["shm"]] == [n for n, _ in c["p2p"]]  # the same sizes, both links
     assert c["gather"][0] == 2 and c["gather"][1] > 0
     assert c["tp"]["train_excess"] > 0 and c["tp"]["micro"] >= 1
     assert [n for n, _ in c["handoff"]] == [1, 2] and all(t > 0 for _, t in c["handoff"])
     assert c["tp_decode_excess"] > 0  # 2L + 2 collectives per decode step on top of the compute
     assert c["fsdp"]["units"] == "model" and c["fsdp"]["micro"] >= 1
-    assert all(t > 0 for _, t in c["p2p"] + c["allreduce"] + c["allgather"])
+    assert all(t > 0 for _, t in c["p2p"] + c["shm"] + c["allreduce"] + c["allgather"])
 
 
 def test_core_sharing_probe_runs_rank_work():
