@@ -558,8 +558,9 @@ def sync_time(sb: SyncBytes, cl: Cluster, p: Placement, prof=None) -> float:
     """max(bytes out of the busiest sender, bytes into the busiest receiver) over the slowest link
     type any pair uses (inter-node as soon as the world spans nodes), plus one latency per peer.
     Colocated: each rank already holds its trainer shard; it receives its generator shard."""
-    if prof is not None and prof.shm and cl.nodes == 1 and cl.shared_cores > 0:
-        # CPU ranks of one host: weights go through host shared memory (parallel.cpu_shm)
+    if prof is not None and prof.shm and p.mode == "split" and cl.nodes == 1 and cl.shared_cores > 0:
+        # split CPU ranks of one host: weights go through host shared memory (parallel.cpu_shm);
+        # colocated ranks send theirs point to point (trainer/colocated.py)
         return prof.shm_s(max(sb.max_send, sb.max_recv)) + (sb.peers_per_recv - 1) * prof.shm_latency
     if prof is not None and prof.p2p:
         return prof.p2p_s(max(sb.max_send, sb.max_recv)) + (sb.peers_per_recv - 1) * prof.p2p_latency

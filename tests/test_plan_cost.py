@@ -386,9 +386,10 @@ def test_p2p_latency_and_message_times_follow_the_measured_sizes():
 
 
 def test_cpu_weight_sync_is_priced_on_the_shared_memory_points():
-    """CPU ranks of one host sync weights through shared memory (parallel.cpu_shm), so a CPU
-    profile's `shm` points price the sync there; other clusters keep the p2p points, and a
-    profile without `shm` (written before it was measured) keeps p2p on CPU too. Hand-computed
+    """Split-mode CPU ranks of one host sync weights through shared memory (parallel.cpu_shm),
+    so a CPU profile's `shm` points price the sync there; other clusters and colocated mode
+    (point to point) keep the p2p points, and a profile without `shm` (written before it was
+    measured) keeps p2p on CPU too. Hand-computed
     from the points: 4 MB interpolated, 2 extra peers at the small-size intercept."""
     prof = _toy_profile()
     prof.p2p = [[4096, 6e-5], [262144, 1.2e-4], [4 << 20, 9e-4], [16 << 20, 3.6e-3]]
@@ -400,6 +401,9 @@ def test_cpu_weight_sync_is_priced_on_the_shared_memory_points():
     assert cm.sync_time(sb, cm.cpu_cluster(4, 2), place, prof) == pytest.approx(
         at_8mb + 2 * shm_latency)
     assert cm.sync_time(sb, cm.gpu_cluster("h100", 1), place, prof) == pytest.approx(
+        prof.p2p_s(8 << 20) + 2 * prof.p2p_latency)
+    colocated = cm.Placement(4, "colocated", 4, 1, 1)  # its sync is point to point
+    assert cm.sync_time(sb, cm.cpu_cluster(4, 2), colocated, prof) == pytest.approx(
         prof.p2p_s(8 << 20) + 2 * prof.p2p_latency)
     prof.shm = []
     assert cm.sync_time(sb, cm.cpu_cluster(4, 2), place, prof) == pytest.approx(
