@@ -269,26 +269,29 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     return res
 
 
-def _shm_one_way(rank: int, x: torch.Tensor) -> float:
+def _shm_one_way(rank: int, x: torch.Tensor, timeout_s: float = 60.0) -> float:
     """One hand-off of x's bytes between the two ranks through host shared memory, as the weight
     sync between CPU ranks of one host does it (parallel.cpu_shm, weights_sync/ipc.py over
-    `CpuShmMemory`): the sender copies into its shared staging buffer and rings through the
-    store, the receiver waits for the ring and copies out. Half a ping-pong, like p2p."""
+    `CpuShmMemory`): the sender copies into its shared staging buffer and announces it on the
+    IPC control keys, the receiver polls for the announcement and copies out. Half a ping-pong,
+    like p2p."""
     import torch.distributed as dist
-    from weights_sync.ipc import CpuShmMemory
+    from weights_sync.ipc import Control, CpuShmMemory, poll_until
     shm, mine = CpuShmMemory(x.device), torch.empty_like(x)
     handles: list = [None, None]
     dist.all_gather_object(handles, shm.export(mine))  # mine now lives in shared memory
     staging = [mine if r == rank else shm.open(h) for r, h in enumerate(handles)]  # rank r writes r
-    store, count = dist.distributed_c10d._get_default_store(), [0]
+    ctl, count = Control(channel=f"calibrate-{x.numel()}"), [0]
 
     def hand_off(src: int) -> None:
-        key = f"calibrate/shm/{x.numel()}/{count[0]}"
+        version = count[0]
         if rank == src:
             staging[src].copy_(x)
-            store.set(key, "1")
+            ctl.publish_ready(src, 1 - src, version, 0)
         else:
-            store.wait([key])
+            poll_until(lambda: ctl.take_ready(src, rank, version), time.monotonic() + timeout_s,
+                       lambda: f"calibration: rank {src}'s shared-memory hand-off {version} of "
+                               f"{x.numel() * 4} bytes did not arrive within {timeout_s:.0f} s")
             x.copy_(staging[src])
 
     def ping():

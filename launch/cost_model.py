@@ -557,7 +557,9 @@ def sync_bytes_even(args: ModelArgs, p: Placement, gen_bytes: int) -> SyncBytes:
 def sync_time(sb: SyncBytes, cl: Cluster, p: Placement, prof=None) -> float:
     """max(bytes out of the busiest sender, bytes into the busiest receiver) over the slowest link
     type any pair uses (inter-node as soon as the world spans nodes), plus one latency per peer.
-    Colocated: each rank already holds its trainer shard; it receives its generator shard."""
+    Colocated: each rank already holds its trainer shard; it receives its generator shard.
+    A profile's measured links price it instead: its shared-memory hand-off for split mode on
+    one CPU host, else its p2p messages."""
     if prof is not None and prof.shm and p.mode == "split" and cl.nodes == 1 and cl.shared_cores > 0:
         # split CPU ranks of one host: weights go through host shared memory (parallel.cpu_shm);
         # colocated ranks send theirs point to point (trainer/colocated.py)

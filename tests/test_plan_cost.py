@@ -389,8 +389,8 @@ def test_cpu_weight_sync_is_priced_on_the_shared_memory_points():
     """Split-mode CPU ranks of one host sync weights through shared memory (parallel.cpu_shm),
     so a CPU profile's `shm` points price the sync there; other clusters and colocated mode
     (point to point) keep the p2p points, and a profile without `shm` (written before it was
-    measured) keeps p2p on CPU too. Hand-computed
-    from the points: 4 MB interpolated, 2 extra peers at the small-size intercept."""
+    measured) keeps p2p on CPU too. Hand-computed from the points: 8 MB interpolated between
+    4 and 16 MB, 2 extra peers at the small-size intercept."""
     prof = _toy_profile()
     prof.p2p = [[4096, 6e-5], [262144, 1.2e-4], [4 << 20, 9e-4], [16 << 20, 3.6e-3]]
     prof.shm = [[4096, 2e-5], [262144, 3e-5], [4 << 20, 2e-4], [16 << 20, 1.5e-3]]
