@@ -99,6 +99,11 @@ class Cluster:
         _at_least(0, shared_cores=self.shared_cores)
 
     @property
+    def one_cpu_host(self) -> bool:
+        """Every rank on one host's shared CPU cores (`cpu_cluster`)."""
+        return self.nodes == 1 and self.shared_cores > 0
+
+    @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
@@ -560,7 +565,7 @@ def sync_time(sb: SyncBytes, cl: Cluster, p: Placement, prof=None) -> float:
     Colocated: each rank already holds its trainer shard; it receives its generator shard.
     A profile's measured links price it instead: its shared-memory hand-off for split mode on
     one CPU host, else its p2p messages."""
-    if prof is not None and prof.shm and p.mode == "split" and cl.nodes == 1 and cl.shared_cores > 0:
+    if prof is not None and prof.shm and p.mode == "split" and cl.one_cpu_host:
         # split CPU ranks of one host: weights go through host shared memory (parallel.cpu_shm);
         # colocated ranks send theirs point to point (trainer/colocated.py)
         return prof.shm_s(max(sb.max_send, sb.max_recv)) + (sb.peers_per_recv - 1) * prof.shm_latency

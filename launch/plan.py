@@ -155,8 +155,8 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
     train_mem = functools.lru_cache(maxsize=None)(
         lambda f, tp, ac: cm.trainer_memory(args, cluster, wl, f, tp, ac))
     ests, why, searched = [], {}, 0
-    one_host = cluster.nodes == 1 and cluster.shared_cores > 0
-    for p in placements(args, world, cluster.gpus_per_node, wl.prompts_per_step, modes, one_host):
+    for p in placements(args, world, cluster.gpus_per_node, wl.prompts_per_step, modes,
+                        cluster.one_cpu_host):
         searched += 1
         # memory is separable in split mode: key it on the mesh, not the whole placement
         m = (cm.plan_memory(args, cluster, wl, p) if p.mode == "colocated"
