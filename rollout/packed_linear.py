@@ -91,13 +91,14 @@ def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_
 
 @torch.inference_mode()
 def trial(packed: "PackedLinears", forward, pairs: int = TRIAL_PAIRS, budget_s: float = 1.0) -> dict:
-    """Time `forward()` with and without `packed` active, alternated (the first pair warms up and
-    packs), up to `pairs` pairs or, past two, `budget_s`; `pays_off` decides. Returns the verdict
+    """Time `forward()` with and without `packed` active, in pairs (the first one warms up and
+    packs) whose order alternates, so that neither way always runs second in the caches the other
+    left; up to `pairs` pairs or, past two, `budget_s`; `pays_off` decides. Returns the verdict
     ("packed"), both medians in ms, the median ratio packed / plain and the pairs timed."""
     times: dict[str, list[float]] = {"packed": [], "plain": []}
     start = time.perf_counter()
     for i in range(pairs + 1):
-        for way in times:
+        for way in ("packed", "plain") if i % 2 else ("plain", "packed"):
             with packed.active() if way == "packed" else nullcontext():
                 t = time.perf_counter()
                 forward()
