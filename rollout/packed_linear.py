@@ -77,16 +77,20 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(ok)
 
 
-def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_GAIN) -> bool:
-    """The automatic choice from forwards timed in pairs, packed then plain (MKL), back to back:
-    pack when the median over pairs of packed / plain is below 1 - `min_gain`. A ratio per pair
-    cancels what the two forwards of a pair share, the machine's speed of the moment (other jobs,
-    the other ranks starting up), which two separate medians do not: under load the medians of 6
-    pairs picked the slower way in 3 of 12 trials, the ratios of 16 in 1 (BENCHMARKS.md)."""
+def pair_ratio(packed_s: list[float], plain_s: list[float]) -> float:
+    """The median over pairs of forwards timed back to back of packed / plain (MKL). A ratio per
+    pair cancels what the two forwards of a pair share, the machine's speed of the moment (other
+    jobs, the other ranks starting up), which two separate medians do not: under load the medians
+    of 6 pairs picked the slower way in 3 of 12 trials, the ratios of 16 in 1 (BENCHMARKS.md)."""
     if not packed_s or len(packed_s) != len(plain_s):
         raise ValueError(f"pays_off needs timings of both ways in pairs, got {len(packed_s)} "
                          f"packed and {len(plain_s)} plain")
-    return statistics.median(p / q for p, q in zip(packed_s, plain_s)) < 1 - min_gain
+    return statistics.median(p / q for p, q in zip(packed_s, plain_s))
+
+
+def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_GAIN) -> bool:
+    """The automatic choice: pack when `pair_ratio` is below 1 - `min_gain`."""
+    return pair_ratio(packed_s, plain_s) < 1 - min_gain
 
 
 @torch.inference_mode()
@@ -107,9 +111,8 @@ def trial(packed: "PackedLinears", forward, pairs: int = TRIAL_PAIRS, budget_s: 
         if i >= 2 and time.perf_counter() - start > budget_s:
             break
     ms = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}
-    ratio = statistics.median(p / q for p, q in zip(times["packed"], times["plain"]))
-    return {"packed": pays_off(times["packed"], times["plain"]), **ms, "ratio": round(ratio, 3),
-            "pairs": len(times["plain"])}
+    return {"packed": pays_off(times["packed"], times["plain"]), **ms,
+            "ratio": round(pair_ratio(times["packed"], times["plain"]), 3), "pairs": len(times["plain"])}
 
 
 def describe(trial_result: dict | None, rows: int) -> str | None:
