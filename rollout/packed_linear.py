@@ -83,7 +83,7 @@ def pair_ratio(packed_s: list[float], plain_s: list[float]) -> float:
     jobs, the other ranks starting up), which two separate medians do not: under load the medians
     of 6 pairs picked the slower way in 3 of 12 trials, the ratios of 16 in 1 (BENCHMARKS.md)."""
     if not packed_s or len(packed_s) != len(plain_s):
-        raise ValueError(f"pays_off needs timings of both ways in pairs, got {len(packed_s)} "
+        raise ValueError(f"the packing choice needs timings of both ways in pairs, got {len(packed_s)} "
                          f"packed and {len(plain_s)} plain")
     return statistics.median(p / q for p, q in zip(packed_s, plain_s))
 
