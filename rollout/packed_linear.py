@@ -83,8 +83,8 @@ def pair_ratio(packed_s: list[float], plain_s: list[float]) -> float:
     jobs, the other ranks starting up), which two separate medians do not: under load the medians
     of 6 pairs picked the slower way in 3 of 12 trials, the ratios of 16 in 1 (BENCHMARKS.md)."""
     if not packed_s or len(packed_s) != len(plain_s):
-        raise ValueError(f"the packing choice needs timings of both ways in pairs, got {len(packed_s)} "
-                         f"packed and {len(plain_s)} plain")
+        raise ValueError(f"the packing choice needs timings of both ways in pairs, got "
+                         f"{len(packed_s)} packed and {len(plain_s)} plain")
     return statistics.median(p / q for p, q in zip(packed_s, plain_s))
 
 
@@ -94,7 +94,8 @@ def pays_off(packed_s: list[float], plain_s: list[float], min_gain: float = MIN_
 
 
 @torch.inference_mode()
-def trial(packed: "PackedLinears", forward, pairs: int = TRIAL_PAIRS, budget_s: float = 1.0) -> dict:
+def trial(packed: "PackedLinears", forward, pairs: int = TRIAL_PAIRS,
+          budget_s: float = 1.0) -> dict:
     """Time `forward()` with and without `packed` active, in pairs (the first one warms up and
     packs) whose order alternates, so that neither way always runs second in the caches the other
     left; up to `pairs` pairs or, past two, `budget_s`; `pays_off` decides. Returns the verdict
@@ -111,8 +112,9 @@ def trial(packed: "PackedLinears", forward, pairs: int = TRIAL_PAIRS, budget_s: 
         if i >= 2 and time.perf_counter() - start > budget_s:
             break
     ms = {f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}
-    return {"packed": pays_off(times["packed"], times["plain"]), **ms,
-            "ratio": round(pair_ratio(times["packed"], times["plain"]), 3), "pairs": len(times["plain"])}
+    ratio = pair_ratio(times["packed"], times["plain"])
+    return {"packed": pays_off(times["packed"], times["plain"]), **ms, "ratio": round(ratio, 3),
+            "pairs": len(times["plain"])}
 
 
 def describe(trial_result: dict | None, rows: int) -> str | None:

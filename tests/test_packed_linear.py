@@ -257,7 +257,8 @@ def test_engine_packs_by_its_timed_trial(monkeypatch, verdict):
     monkeypatch.setattr(packed_linear, "pays_off", judge)
     engine = Engine(big, num_slots=4, max_len=16)
     trial = engine.pack_trial
-    assert seen == [(trial["pairs"], trial["pairs"])] and 2 <= trial["pairs"] <= packed_linear.TRIAL_PAIRS
+    assert seen == [(trial["pairs"], trial["pairs"])]
+    assert 2 <= trial["pairs"] <= packed_linear.TRIAL_PAIRS
     assert 0 < trial["ratio"]
     line = packed_linear.describe(trial, 4)
     assert ("oneDNN-packed" if verdict else "plain (MKL)") in line
