@@ -9,11 +9,22 @@
 holds one sample. Per-slot state (tokens, mu, versions, length, live flag, sampling parameters,
 stop ids, and the uniforms of every draw the sample may make, hashed at admission) lives in device
 tensors (`_SlotState`), so a decode step is a fixed sequence of kernels
-over all slots: `model(last_token[S, 1], positions=[S, 1], kv_cache)` with `slots=None` (no cache
-gather), sampling, and the state update. Slots that are free or finished compute garbage at
-position 0 that nobody reads. Decode attends only to the first `Lb` cache positions: a host-side
-upper bound on every live length (no sync needed), rounded up to `kv_bucket` (on CPU: the whole
-cache once that passes half of it, `FULL_READ_ABOVE`).
+over the first R slots: `model(last_token[R, 1], positions=[R, 1], kv_cache)` with `slots=None`
+(no cache gather: slots [0, R) of the cache are a view), sampling, and the state update. Slots
+among them that are free or finished compute garbage at position 0 that nobody reads. Decode
+attends only to the first `Lb` cache positions: a host-side upper bound on every live length (no
+sync needed), rounded up to `kv_bucket` (on CPU: the whole cache once that passes half of it,
+`FULL_READ_ABOVE`).
+
+**Rows (`compact`, on by default with eager decode on CPU).** Samples finish at different lengths,
+and once the queue is empty (the end of an RL step's batch) their slots stay free. With `compact`
+each harvest moves the samples above the n owned slots into the freed slots below (their state
+rows, their cached keys/values and their bookkeeping: `stats.slot_moves`), and free slots are
+taken lowest first, so the owned slots are always [0, n) and decode computes R = n rows instead of
+`num_slots`: SmolLM2-135M in fp32 took 88 ms a decode step at 16 rows and 42 ms at 4
+(BENCHMARKS.md, "Row compaction"). A sample's draws depend on its key, never on its slot, so a
+move changes no draw; the row count does change the matmuls' rounding (fp32: mu within 1e-5).
+Without it (CUDA, where each (R, Lb) would be a graph of its own) R = num_slots.
 
 **One engine iteration (`step`).**
 1. Harvest, at most every `sync_every` steps (1 on CPU, where a sync is free; 8 on CUDA) or when
@@ -25,7 +36,7 @@ cache once that passes half of it, `FULL_READ_ABOVE`).
    other samples' slots, and every sample draws its first token from the same last-position
    logits. When fewer than n slots are free, the rest of the group waits; its samples later copy
    the prefix from a still-running sibling (or the prompt is prefilled again if none is left).
-3. One decode step over all slots (eager, or a replayed CUDA graph; `compile_decode`).
+3. One decode step over the first R slots (eager, or a replayed CUDA graph; `compile_decode`).
 
 **Weights (`load_weights(apply_fn, version)`, between two steps).** `apply_fn()` overwrites the
 model's parameters in place (addresses must not change: CUDA graphs hold them; if they do change
@@ -153,6 +164,8 @@ class EngineStats:
     harvests: int = 0  # device->host syncs of the live flags
     generated_tokens: int = 0  # completion tokens of harvested samples
     recompute_tokens: int = 0  # tokens re-prefilled by kv_policy="recompute"
+    decode_rows: int = 0  # slot rows computed by decode steps, live or not (`compact`)
+    slot_moves: int = 0  # samples moved to a lower slot by `compact`
 
 
 @dataclass
@@ -197,6 +210,25 @@ class _SlotState:
     def _tensors(self) -> dict[str, Tensor]:
         return {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
 
+    def _rows_tensors(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self._tensors().items() if k != "version_now"}
+
+    def rows(self, R: int) -> "_SlotState":
+        """The state of slots [0, R) as views (writes land here); itself when R is all."""
+        if R == self.seq_len.shape[0]:
+            return self
+        view = object.__new__(_SlotState)
+        vars(view).update({k: v[:R] for k, v in self._rows_tensors().items()},
+                          version_now=self.version_now)
+        return view
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        """Copy the rows `src` to the rows `dst`; the rows left behind are neither owned nor live."""
+        for t in self._rows_tensors().values():
+            t[dst] = t[src]
+        self.owned[src] = False
+        self.live[src] = False
+
     def snapshot(self) -> dict[str, Tensor]:
         return {k: v.clone() for k, v in self._tensors().items()}
 
@@ -211,10 +243,11 @@ class _SlotState:
 
 
 class _CacheView(KVCache):
-    """The first `Lb` positions of a KVCache, as views: writes land in the full cache."""
+    """The first `Lb` positions of a KVCache's first `R` slots (None: all), as views: writes
+    land in the full cache."""
 
-    def __init__(self, cache: KVCache, Lb: int):  # no super().__init__: nothing is allocated
-        self.k, self.v = cache.k[:, :, :, :Lb], cache.v[:, :, :, :Lb]
+    def __init__(self, cache: KVCache, Lb: int, R: int | None = None):  # nothing is allocated
+        self.k, self.v = cache.k[:, :R, :, :Lb], cache.v[:, :R, :, :Lb]
         self.rope = cache.rope
 
 
@@ -273,14 +306,18 @@ class Engine:
         256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
         (`pack_trial`; it depends on the CPU); True = all of them; False = none. The two ways
         differ by rounding only (fp32: log-probs within 1e-5); pin it for bitwise-repeatable runs.
+    compact: keep the owned slots at the front (see "Rows" above), so that decode computes only
+        them; None = with eager decode on CPU; True needs eager decode (every row count would be
+        a CUDA graph or a compilation of its own); False = decode always computes every slot.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
                  dtype: torch.dtype | None = None, *, seed: int = 0, kv_policy: str = "keep",
                  sync_every: int | None = None, compile_decode: bool | str = False,
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
-                 pack_weights: bool | None = None):
+                 pack_weights: bool | None = None, compact: bool | None = None):
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
+        self.compact = _compact_choice(compact, device, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
         # decode reads the cache up to a length bucket; each bucket is one graph (and, compiled,
         # one compilation), so a compiled engine reads the whole cache by default
@@ -426,11 +463,39 @@ class Engine:
                 tokens[j][P:n], logp[j][P:n], versions[j][P:n],
                 "stop" if stopped[j] else "length", t, P))
         self._bound_base = max((i["bound"] for i in self._slot if i is not None), default=0)
+        if self.compact:
+            self._compact()
         if len(self._free) == self.num_slots:
             # Idle: back to the initial slot order and step count, so what an engine computes
             # never depends on its history (a resumed job regenerates bit for bit).
             self._free = list(range(self.num_slots - 1, -1, -1))
             self._steps = self._bound_base = 0
+
+    def _compact(self) -> None:
+        """Move the samples in slots at or above n (the number of owned slots) into the free
+        slots below n, so that the owned slots are [0, n) and the free ones, taken lowest first,
+        [n, num_slots): decode then computes n rows (`_decode_key`)."""
+        n = self.num_slots - len(self._free)
+        holes = sorted(s for s in self._free if s < n)
+        if holes:
+            movers = [s for s in range(n, self.num_slots) if self._slot[s] is not None]
+            self._move(movers, holes)
+        self._free = list(range(self.num_slots - 1, n - 1, -1))
+
+    def _move(self, src: list[int], dst: list[int]) -> None:
+        """Move samples from slots `src` to the free slots `dst`: their state rows, their cached
+        keys/values up to the engine's bound on their lengths, and their host bookkeeping."""
+        cached = min(self.max_len, max(self._slot[s]["bound"] for s in src) + self._steps)
+        src_t, dst_t = (torch.tensor(x, device=self.device) for x in (src, dst))
+        self.st.move(src_t, dst_t)
+        for kv in (self.cache.k, self.cache.v):
+            kv[:, dst_t, :, :cached] = kv[:, src_t, :, :cached]
+        for s, d in zip(src, dst):
+            info, self._slot[s] = self._slot[s], None
+            self._slot[d] = info
+            info["group"].live_slots.discard(s)
+            info["group"].live_slots.add(d)
+        self.stats.slot_moves += len(src)
 
     # ----- admission: prefill, prefix copies, first tokens --------------------------------------
     def _admit(self) -> None:
@@ -577,24 +642,27 @@ class Engine:
             self._decode_fn(*key)
         self._steps += 1
         self.stats.decode_steps += 1
+        self.stats.decode_rows += key[-1]
 
-    def _decode_key(self) -> tuple[bool, bool, str, int]:
+    def _decode_key(self) -> tuple[bool, bool, str, int, int]:
         """Host-side choice of the decode kernels: (truncate, tempered, sampling mode, cache
-        length read)."""
+        length read, slot rows computed)."""
         bound = max(1, min(self.max_len, self._bound_base + self._steps))  # idle: a 1-long read
         Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
         if self.device.type == "cpu" and Lb * FULL_READ_ABOVE > self.max_len:
             Lb = self.max_len
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
-        return (*self._needs.flags(owned), Lb)
+        rows = max(1, owned) if self.compact else self.num_slots  # the owned are [0, owned)
+        return (*self._needs.flags(owned), Lb, rows)
 
-    def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int) -> None:
-        """One token for every live slot; pure device code (CUDA-graph capturable)."""
-        st, L = self.st, self.max_len
+    def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int, R: int) -> None:
+        """One token for every live slot of the first R; pure device code (CUDA-graph
+        capturable)."""
+        st, L = self.st.rows(R), self.max_len
         live = st.live
         pos_S = torch.where(live, st.seq_len - 1, 0)  # not live: harmless garbage at position 0
         ids_S1 = st.tokens.gather(1, pos_S[:, None])
-        cache = _CacheView(self.cache, Lb)
+        cache = _CacheView(self.cache, Lb, R)
         logits_SV = self.model(ids_S1, positions=pos_S[:, None], kv_cache=cache)[:, 0]
         u_S = None if mode == "greedy" else st.u.gather(1, st.gen[:, None])[:, 0]
         tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, u_S, truncate,
@@ -686,6 +754,18 @@ def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
     if compile_decode == "cudagraph" and device.type != "cuda":
         raise ValueError("compile_decode='cudagraph' needs a CUDA device")
     return device
+
+
+def _compact_choice(choice: bool | None, device: torch.device, compile_decode) -> bool:
+    """`compact`: None = with eager decode on CPU. The GPU default stays off for now: there decode
+    is a CUDA graph per cache-length bucket, and rows would multiply the graphs."""
+    if choice is None:
+        return device.type == "cpu" and compile_decode is False
+    if choice and compile_decode is not False:
+        raise ValueError(f"compact=True needs eager decode (compile_decode=False, got "
+                         f"{compile_decode!r}): every row count would be a CUDA graph or a "
+                         "compilation of its own; leave compact=None for the default")
+    return bool(choice)
 
 
 def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool | None,

@@ -178,17 +178,17 @@ def test_mixed_temperatures_share_a_batch(folders):
     """The division by the temperature runs only while some row needs it: a T=1 request gives
     the same tokens and mu alone (no division) as beside a T=0.6 one (every row divided), with
     and without top-k, and each row's mu is still the trainer's log_softmax(logits / T). Both
-    engines read the whole cache (kv_bucket = max_len): on CPU decode reads only up to the
-    longest live row by default, and a different read length changes the attention's rounding."""
+    engines read the whole cache (kv_bucket = max_len) and compute both rows (compact=False): on
+    CPU decode reads only up to the longest live row and computes only the owned rows by
+    default, and another read length or row count changes the matmuls' rounding."""
     model = load(folders)
     ps = prompts([5, 9])
+    same = dict(num_slots=2, max_len=32, kv_bucket=32, compact=False)
     for top_k in (0, 4):
         cool = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=top_k, seed=3, ignore_eos=True)
         warm = SamplingParams(max_new_tokens=8, temperature=0.6, top_k=top_k, seed=4, ignore_eos=True)
-        alone = Engine(model, num_slots=2, max_len=32, kv_bucket=32).generate(
-            [Request(0, ps[0], cool)])[0]
-        mixed = Engine(model, num_slots=2, max_len=32, kv_bucket=32).generate(
-            [Request(0, ps[0], cool), Request(1, ps[1], warm)])
+        alone = Engine(model, **same).generate([Request(0, ps[0], cool)])[0]
+        mixed = Engine(model, **same).generate([Request(0, ps[0], cool), Request(1, ps[1], warm)])
         assert mixed[0].completion_ids == alone.completion_ids
         assert mixed[0].logp == alone.logp
         if top_k == 0:
@@ -205,6 +205,83 @@ def test_sync_every_only_delays_harvest(folders):
     got, engine = run(model, 3, sp, ps, sync_every=4)
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     assert engine.stats.harvests < engine.stats.decode_steps
+
+
+def staggered(ps, n=2, seed=5):
+    """Requests whose samples end at different lengths (max_new_tokens 2..12 by request)."""
+    return [Request(i, p, SamplingParams(max_new_tokens=2 + 5 * i % 11, temperature=0.9, n=n,
+                                         ignore_eos=True, seed=seed + i)) for i, p in enumerate(ps)]
+
+
+def owned_prefix(engine) -> bool:
+    n = engine.num_slots - len(engine._free)
+    return (all(i is not None for i in engine._slot[:n])
+            and all(i is None for i in engine._slot[n:])
+            and bool(engine.st.owned[:n].all()) and not bool(engine.st.owned[n:].any()))
+
+
+def test_compaction_computes_owned_rows_only_and_changes_no_output(folders):
+    """`compact` moves samples down into freed slots (state, KV and bookkeeping) so decode
+    computes only the owned rows: the same tokens as computing every slot, mu within rounding of
+    it and equal to the trainer's forward (a moved sample's cached keys/values are its own), and
+    siblings admitted later copy their prompt from a sibling that moved."""
+    model = load(folders)
+    reqs = staggered(prompts([3, 9, 5, 14, 1, 7, 12, 2]), n=3)
+    runs = {}
+    for compact in (False, True):
+        engine = Engine(model, num_slots=4, max_len=48, compact=compact)
+        engine.add_requests(reqs)
+        while engine.has_work():
+            engine.step()
+            assert owned_prefix(engine) or not compact
+        runs[compact] = (sorted(engine.poll_finished(), key=lambda c: (c.request_id, c.sample_idx)),
+                         engine.stats)
+    (ref, plain), (got, packed) = runs[False], runs[True]
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    assert [len(c.completion_ids) for c in got] == [2 + 5 * i % 11 for i in range(8) for _ in range(3)]
+    for a, b in zip(got, ref):
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+        assert torch.allclose(torch.tensor(a.logp), trainer_logp(model, a, 0.9), atol=1e-5)
+    assert plain.slot_moves == 0 and plain.decode_rows == 4 * plain.decode_steps
+    assert packed.slot_moves > 0 and packed.kv_copies == plain.kv_copies > 0
+    assert packed.decode_steps == plain.decode_steps
+    assert packed.decode_rows < plain.decode_rows
+
+
+def test_compaction_move_hand_checked(folders):
+    """One move by hand: slot 0's sample finishes first, the sample in slot 2 moves to slot 0
+    with its state row and cached prefix, and the group's waiting sample copies its prompt
+    from the moved sibling."""
+    model = load(folders)
+    p0, p1 = prompts([4, 6])
+    short = SamplingParams(max_new_tokens=2, temperature=0.9, ignore_eos=True, seed=1)
+    long = SamplingParams(max_new_tokens=6, temperature=0.9, n=3, ignore_eos=True, seed=2)
+    engine = Engine(model, num_slots=3, max_len=24)
+    engine.add_requests([Request("a", p0, short), Request("b", p1, long)])
+    engine.step()  # a -> slot 0, b's samples 0 and 1 -> slots 1 and 2; sample 2 waits
+    assert [i["sample_idx"] for i in engine._slot] == [0, 0, 1]
+    before = engine.st.tokens[2].clone(), engine.cache.k[:, 2, :, :7].clone()
+    engine.step()  # a finishes (2 tokens)
+    engine.step()  # harvest: b/1 moves 2 -> 0; b/2 is admitted into slot 2 and copies the prompt
+    assert engine.stats.slot_moves == 1
+    info = engine._slot[0]
+    assert info["group"].request.request_id == "b" and info["sample_idx"] == 1
+    assert torch.equal(engine.st.tokens[0, :7], before[0][:7])
+    assert torch.equal(engine.cache.k[:, 0, :, :7], before[1])
+    assert engine._slot[2]["sample_idx"] == 2 and engine.stats.kv_copies == 2
+    assert torch.equal(engine.cache.k[:, 2, :, :6], engine.cache.k[:, 0, :, :6])
+    while engine.has_work():
+        engine.step()
+    done = engine.poll_finished()
+    assert sorted(len(c.completion_ids) for c in done) == [2, 6, 6, 6]
+    for c in done:
+        assert torch.allclose(torch.tensor(c.logp), trainer_logp(model, c, 0.9), atol=1e-5)
+
+
+def test_compaction_needs_eager_decode(folders):
+    with pytest.raises(ValueError, match="compact=True needs eager decode.*compile_decode=False"):
+        Engine(load(folders), num_slots=2, max_len=16, compact=True, compile_decode=True)
+    assert not Engine(load(folders), num_slots=2, max_len=16, compile_decode=True).compact
 
 
 @pytest.mark.slow
@@ -326,6 +403,32 @@ def test_weight_swap_versions_and_kv_policy(folders, policy):
                    for c in swapped) > 1e-3
     else:
         assert engine.stats.recompute_tokens > 0
+
+
+def test_recompute_after_compaction_moves(folders):
+    """kv_policy="recompute" prefills the running samples again in the slots they were moved to:
+    every token sampled after the swap is what a fresh forward of the new weights gives."""
+    model, old, new = load(folders), load(folders), load(folders, ("llama3", 1))
+    engine = Engine(model, num_slots=3, max_len=40, kv_policy="recompute")
+    engine.add_requests(staggered(prompts([4, 9, 6, 3, 8]), n=1))
+    while engine.stats.slot_moves == 0:
+        engine.step()
+    engine.step()
+
+    def apply():
+        for p, q in zip(model.parameters(), new.parameters()):
+            p.copy_(q)
+
+    engine.load_weights(apply, version=1)
+    while engine.has_work():
+        engine.step()
+    done = engine.poll_finished()
+    assert len(done) == 5 and any(set(c.token_versions) == {0, 1} for c in done)
+    for c in done:
+        k = c.token_versions.count(0)
+        mu = torch.tensor(c.logp)
+        assert torch.allclose(mu[:k], trainer_logp(old, c, 0.9)[:k], atol=1e-5)
+        assert torch.allclose(mu[k:], trainer_logp(new, c, 0.9)[k:], atol=1e-5)
 
 
 # ----- sampling functions ---------------------------------------------------------------------
