@@ -71,14 +71,16 @@ def compare(name: str, model, prompts: list[list[int]], samples: int, new_tokens
             if i:
                 times[c].append(time.perf_counter() - t)
         if i:
-            same += sum(a.completion_ids == b.completion_ids for a, b in zip(outs[True], outs[False]))
+            pairs_out = zip(outs[True], outs[False])
+            same += sum(a.completion_ids == b.completion_ids for a, b in pairs_out)
             total += len(outs[True])
             tokens += sum(len(c.completion_ids) for c in outs[False])
     st = {c: engines[c].stats for c in engines}
     ratio = statistics.median(a / b for a, b in zip(times[True], times[False]))
     res = {"slots": slots, "max_new_tokens": new_tokens, "pairs": pairs,
            "tokens_per_batch": tokens / pairs,
-           "compact_s": statistics.median(times[True]), "all_rows_s": statistics.median(times[False]),
+           "compact_s": statistics.median(times[True]),
+           "all_rows_s": statistics.median(times[False]),
            "time_ratio": ratio, "speedup": 1 / ratio,
            "rows_share": st[True].decode_rows / st[False].decode_rows,
            "slot_moves_per_batch": st[True].slot_moves / (pairs + 1),

@@ -223,7 +223,7 @@ class _SlotState:
         return view
 
     def move(self, src: Tensor, dst: Tensor) -> None:
-        """Copy the rows `src` to the rows `dst`; the rows left behind are neither owned nor live."""
+        """Copy rows `src` to rows `dst`; the rows left behind are neither owned nor live."""
         for t in self._rows_tensors().values():
             t[dst] = t[src]
         self.owned[src] = False

@@ -238,7 +238,8 @@ def test_compaction_computes_owned_rows_only_and_changes_no_output(folders):
                          engine.stats)
     (ref, plain), (got, packed) = runs[False], runs[True]
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
-    assert [len(c.completion_ids) for c in got] == [2 + 5 * i % 11 for i in range(8) for _ in range(3)]
+    lengths = [2 + 5 * i % 11 for i in range(8) for _ in range(3)]
+    assert [len(c.completion_ids) for c in got] == lengths
     for a, b in zip(got, ref):
         assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
         assert torch.allclose(torch.tensor(a.logp), trainer_logp(model, a, 0.9), atol=1e-5)
