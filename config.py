@@ -17,7 +17,9 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -32,7 +34,8 @@ class ConfigError(ValueError):
 def _f(default, help: str, **bounds):
     """A field with its help text and optional numeric bounds (gt/ge/lt/le) in its metadata."""
     assert set(bounds) <= {"gt", "ge", "lt", "le"}, bounds
-    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    mutable = isinstance(default, (list, dict))
+    kw = {"default_factory": lambda: copy.copy(default)} if mutable else {"default": default}
     return field(metadata={"help": help, **bounds}, **kw)
 
 
@@ -138,6 +141,8 @@ class DataConfig:
     seed: int = _f(0, "Shuffle / synthetic generation seed.")
     shuffle: bool = _f(True, "Shuffle prompts each epoch.")
     synthetic_digits: int = _f(2, "Digits per operand of synthetic arithmetic tasks.", ge=1)
+    task_options: dict = _f({}, "Options of a synthetic or reasoning_gym task, as a TOML table "
+                                "(on the command line a JSON object), e.g. {max_digits = 1}.")
 
 
 @dataclass
@@ -410,6 +415,8 @@ def _type_name(tp) -> str:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"{tp} (comma separated)"
+    if tp is dict:
+        return "a table (on the command line a JSON object)"
     return getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
@@ -427,7 +434,16 @@ def _coerce(raw, tp, key: str, text: bool = False):
             raise ConfigError(f"{key}={raw!r} is not a valid choice; choose one of "
                               f"{', '.join(repr(c) for c in args)} (e.g. --{key}={args[0]})")
         return raw
-    if origin is list:
+    if tp is dict:
+        if text and isinstance(raw, str):
+            try:
+                raw = json.loads(raw) if raw.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{key}={raw!r} is not a JSON object ({e.msg}); write it as "
+                                  f"--{key}='{{\"max_digits\": 1}}'") from None
+        if isinstance(raw, dict) and all(isinstance(k, str) for k in raw):
+            return raw
+    elif origin is list:
         if text and isinstance(raw, str):
             raw = [p.strip().strip("'\"") for p in raw.strip().strip("[]").split(",") if p.strip()]
         if isinstance(raw, list):
@@ -455,6 +471,9 @@ def _toml_value(v) -> str:
         return repr(v)  # repr round-trips floats; TOML accepts 1e-05, inf and nan as written
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        keys = (k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k) for k in v)
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in zip(keys, v.values())) + "}"
     assert isinstance(v, str), f"cannot write {v!r} to TOML"
     esc = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
     return '"' + "".join(esc.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)

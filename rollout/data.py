@@ -72,7 +72,8 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
     if path.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"prompt source {source!r} is not one of {SOURCE_FORMS}")
     if source_kwargs:
-        raise ValueError(f"prompt file {source!r} takes no task parameters, got {sorted(source_kwargs)}")
+        raise ValueError(f"prompt file {source!r} takes no task parameters, got "
+                         f"{sorted(source_kwargs)}; leave data.task_options empty for files")
     if not path.is_file():
         raise ValueError(f"prompt file {str(path)!r} does not exist (data.source); give the path "
                          f"of a .jsonl/.parquet file, relative to the directory you launch from")

@@ -16,9 +16,10 @@ from weights_sync.sync import describe_receiver, make_receiver, plan_between_mes
 def load_items(cfg, tokenizer):
     """Prompts that fit `data.max_prompt_len`, plus their token ids (tokens in, tokens out)."""
     d = cfg.data
+    digits = {"digits": d.synthetic_digits} if d.source.startswith("synthetic:") else {}
     items = load_prompts(d.source, prompt_field=d.prompt_field, messages_field=d.messages_field,
                          answer_field=d.answer_field, num_prompts=d.num_prompts, seed=d.seed,
-                         **({"digits": d.synthetic_digits} if d.source.startswith("synthetic:") else {}))
+                         **{**digits, **d.task_options})
     encode = lambda it: render_prompt(it, tokenizer, d.chat_template)  # noqa: E731
     kept, skipped = filter_by_length(items, encode, d.max_prompt_len)
     return kept, skipped, encode

@@ -50,7 +50,31 @@ def test_every_section_and_field_has_help():
 def test_default_lists_are_not_shared():
     a, b = Config(), Config()
     a.generator.stop_token_ids.append(7)
-    assert b.generator.stop_token_ids == []
+    a.data.task_options["digits"] = 3
+    assert b.generator.stop_token_ids == [] and b.data.task_options == {}
+
+
+def test_task_options_table_from_toml_and_json_from_the_command_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\ntask_options = {max_digits = 1, operators = ["+", "-"]}\n')
+    cfg = load_config(str(path))
+    assert cfg.data.task_options == {"max_digits": 1, "operators": ["+", "-"]}
+    cfg = load_config(str(path), ['--data.task_options={"allow_negation": false, "x y": 2.5}'])
+    assert cfg.data.task_options == {"allow_negation": False, "x y": 2.5}
+    saved = str(tmp_path / "run" / "config.toml")
+    cfg.save(saved)
+    assert 'task_options = {allow_negation = false, "x y" = 2.5}' in open(saved).read()
+    assert load_config(saved) == cfg
+    assert load_config(None, ["--data.task_options="]).data.task_options == {}
+    with pytest.raises(ConfigError, match=r"data.task_options='\{digits: 2\}' is not a JSON "
+                                          r"object .*--data.task_options='\{\"max_digits\": 1\}'"):
+        load_config(None, ["--data.task_options={digits: 2}"])
+    with pytest.raises(ConfigError, match=r"data.task_options=\[1\] has the wrong type: expected "
+                                          r"a table \(on the command line a JSON object\)"):
+        load_config(None, ["--data.task_options=[1]"])
+    path.write_text("[data]\ntask_options = 3\n")
+    with pytest.raises(ConfigError, match=r"c.toml: data.task_options=3 has the wrong type"):
+        load_config(str(path))
 
 
 def test_tiny_cpu_preset_loads_and_resolves_on_3_ranks():

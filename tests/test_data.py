@@ -123,6 +123,29 @@ def test_load_reasoning_gym():
     assert items[0].meta["reasoning_gym"]["entry"]["answer"] == items[0].answer
     with pytest.raises(ValueError, match="reasoning_gym could not create dataset 'no_such_task'"):
         load_prompts("reasoning_gym:no_such_task", num_prompts=2)
+    easy = dict(min_terms=2, max_terms=2, max_digits=1, operators=["+"], allow_parentheses=False,
+                allow_negation=False)
+    for it in load_prompts("reasoning_gym:basic_arithmetic", num_prompts=20, seed=1, **easy):
+        a, b = (int(x) for x in it.prompt.removeprefix("Calculate ").rstrip(".").split(" + "))
+        assert 0 <= a <= 10 and 0 <= b <= 10 and it.answer == str(a + b)  # "1 digit": 0..10
+
+
+def test_role_passes_task_options_to_the_task(tmp_path):
+    """data.task_options reach the task (on top of synthetic_digits, which they override), and
+    a prompt file refuses them by name."""
+    from config import load_config
+    from model.tokenizer import build_char_tokenizer
+    from rollout.role import load_items
+    from rollout.tasks import make_task
+    tok = build_char_tokenizer(make_task("addition").alphabet)
+    cfg = load_config(None, ["--data.source=synthetic:addition", "--data.num_prompts=30",
+                             '--data.task_options={"digits": 3}'])
+    items, _, _ = load_items(cfg, tok)
+    assert max(len(it.prompt.split("+")[0]) for it in items) == 3
+    cfg.data.source = _jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"takes no task parameters, got \['digits'\]; leave "
+                                         r"data.task_options empty for files"):
+        load_items(cfg, tok)
 
 
 # ------------------------------------------------------------------------------ source/sharding
