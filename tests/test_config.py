@@ -13,6 +13,7 @@ from config import Config, ConfigError, load_config, parse_cli
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny_cpu.toml")
 MULTINODE = os.path.join(REPO, "configs", "example_multinode.toml")
+SMOLLM2 = os.path.join(REPO, "configs", "smollm2_135m_arith.toml")
 
 
 def _write(tmp_path, text, name="c.toml"):
@@ -96,6 +97,13 @@ def test_multinode_preset_loads_and_resolves_on_64_ranks():
     assert r.model.gen_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="world_size=3"):
         load_config(MULTINODE).resolve(3)
+
+
+def test_smollm2_preset_loads_and_resolves_on_3_ranks():
+    r = load_config(SMOLLM2).resolve(3)
+    assert (r.parallel.generator_ranks, r.parallel.trainer_fsdp) == (1, 2)
+    assert r.data.source == "reasoning_gym:basic_arithmetic" and r.data.chat_template
+    assert r.data.task_options["max_digits"] == 1 and r.data.task_options["operators"] == ["+", "-"]
 
 
 # ---- overrides -------------------------------------------------------------------------------------
