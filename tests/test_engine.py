@@ -279,6 +279,24 @@ def test_compaction_move_hand_checked(folders):
         assert torch.allclose(torch.tensor(c.logp), trainer_logp(model, c, 0.9), atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compaction_on_cuda_eager_decode(folders):
+    """On CUDA compaction is off by default (decode is a CUDA graph per bucket) and may be asked
+    for with eager decode: the same samples as computing every slot (bench/gpu_check.sh a2)."""
+    model = load(folders).cuda()
+    reqs = staggered(prompts([3, 9, 5, 14, 1, 7]), n=2)
+    assert not Engine(model, num_slots=4, max_len=48).compact
+    runs = []
+    for compact in (False, True):
+        engine = Engine(model, num_slots=4, max_len=48, compact=compact)
+        runs.append((engine.generate(reqs), engine.stats))
+    (ref, plain), (got, packed) = runs
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-4
+    assert packed.slot_moves > 0 and packed.decode_rows < plain.decode_rows
+
+
 def test_compaction_needs_eager_decode(folders):
     with pytest.raises(ValueError, match="compact=True needs eager decode.*compile_decode=False"):
         Engine(load(folders), num_slots=2, max_len=16, compact=True, compile_decode=True)
