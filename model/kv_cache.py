@@ -79,6 +79,12 @@ class KVCache:
             k, v = k[slots_B], v[slots_B]
         return k.transpose(1, 2), v.transpose(1, 2)
 
+    def move(self, src_R: torch.Tensor, dst_R: torch.Tensor, length: int) -> None:
+        """Copy the keys/values at positions [0, length) of slots `src_R` into slots `dst_R`
+        (a source may repeat: one prompt's prefix into several slots)."""
+        for kv in (self.k, self.v):
+            kv[:, dst_R, :, :length] = kv[:, src_R, :, :length]
+
     def reset(self) -> None:
         self.k.zero_()
         self.v.zero_()

@@ -251,6 +251,38 @@ class _CacheView(KVCache):
         self.rope = cache.rope
 
 
+def _completion(info: dict, tokens: list, logp: list, versions: list, n: int, stopped: bool,
+                now: float) -> Completion:
+    """The Completion of a harvested sample: its slot's host info and its rows up to length n."""
+    group, P = info["group"], info["P"]
+    t = dict(submitted=group.submitted_at, admitted=info["admitted"],
+             first_token=info["first_token"], finished=now)
+    t.update(prefill_s=t["first_token"] - t["admitted"], decode_s=now - t["first_token"])
+    return Completion(group.request.request_id, info["sample_idx"], list(group.request.prompt_ids),
+                      tokens[P:n], logp[P:n], versions[P:n], "stop" if stopped else "length", t, P)
+
+
+def _sample_table(plan, stop_sets: list[list[int]], L: int, P_max: int, K: int):
+    """Host tensors of the admitted samples `plan` [(slot, group, sample index)], one row each:
+    prompts [R, P_max], ints [R, 7] (slot, P, max_new, key, top_k, greedy, version), floats
+    [R, 2] (temperature, top_p) and stop ids [R, K] (-1 padded)."""
+    R = len(plan)
+    prompts = torch.zeros(R, P_max, dtype=torch.int64)
+    ints = torch.zeros(R, 7, dtype=torch.int64)
+    floats = torch.zeros(R, 2, dtype=torch.float32)
+    stops = torch.full((R, K), -1, dtype=torch.int64)
+    for r, ((s, g, i), stop) in enumerate(zip(plan, stop_sets)):
+        p, P = g.request.params, len(g.request.prompt_ids)
+        prompts[r, :P] = torch.tensor(g.request.prompt_ids)
+        greedy = p.is_greedy
+        ints[r] = torch.tensor([s, P, min(p.max_new_tokens, L - P), stream_key(g.key_seed, i),
+                                0 if greedy else p.top_k, greedy, g.logits_version])
+        floats[r, 0] = p.temperature if p.temperature > 0 else 1.0
+        floats[r, 1] = 1.0 if greedy else p.top_p
+        stops[r, : len(stop)] = torch.tensor(stop, dtype=torch.int64)
+    return prompts, ints, floats, stops
+
+
 def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, u_R, truncate: bool,
                  tempered: bool, mode: str):
     """Sampled token [R] and its mu [R]. Host flags pick the kernels: `truncate` (any row uses
@@ -306,9 +338,8 @@ class Engine:
         256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
         (`pack_trial`; it depends on the CPU); True = all of them; False = none. The two ways
         differ by rounding only (fp32: log-probs within 1e-5); pin it for bitwise-repeatable runs.
-    compact: keep the owned slots at the front (see "Rows" above), so that decode computes only
-        them; None = with eager decode on CPU; True needs eager decode (every row count would be
-        a CUDA graph or a compilation of its own); False = decode always computes every slot.
+    compact: keep the owned slots at the front, decode computes only them ("Rows" above); None =
+        with eager decode on CPU; True needs eager decode; False = decode computes every slot.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
@@ -344,12 +375,9 @@ class Engine:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._param_ptrs = self._param_pointers()
-        self._packed = _packed_linears(model, device, pack_weights, use_compile)
-        self.pack_trial: dict | None = None  # the automatic choice's timings, for the logs
-        if pack_weights is None and self._packed is not None and not _has_dtensor(model):
-            self.pack_trial = _time_decode_packing(model, self.cache, self._packed)
-            if not self.pack_trial["packed"]:
-                self._packed = None
+        # pack_trial: the automatic choice's timings, for the logs (None if none was timed)
+        self._packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
+                                                        use_compile)
 
     # ----- public API ---------------------------------------------------------------------------
     @property
@@ -450,18 +478,12 @@ class Engine:
         now = time.perf_counter()
         for j, s in enumerate(done):
             info, self._slot[s] = self._slot[s], None
-            group, P, n = info["group"], info["P"], seq_len[j]
-            group.live_slots.discard(s)
+            info["group"].live_slots.discard(s)
             self._free.append(s)
             self._needs.add(info["needs"], -1)
-            self.stats.generated_tokens += n - P
-            t = dict(submitted=group.submitted_at, admitted=info["admitted"],
-                     first_token=info["first_token"], finished=now)
-            t.update(prefill_s=t["first_token"] - t["admitted"], decode_s=now - t["first_token"])
-            self._finished.append(Completion(
-                group.request.request_id, info["sample_idx"], list(group.request.prompt_ids),
-                tokens[j][P:n], logp[j][P:n], versions[j][P:n],
-                "stop" if stopped[j] else "length", t, P))
+            self.stats.generated_tokens += seq_len[j] - info["P"]
+            self._finished.append(_completion(info, tokens[j], logp[j], versions[j], seq_len[j],
+                                              stopped[j], now))
         self._bound_base = max((i["bound"] for i in self._slot if i is not None), default=0)
         if self.compact:
             self._compact()
@@ -476,10 +498,9 @@ class Engine:
         slots below n, so that the owned slots are [0, n) and the free ones, taken lowest first,
         [n, num_slots): decode then computes n rows (`_decode_key`)."""
         n = self.num_slots - len(self._free)
-        holes = sorted(s for s in self._free if s < n)
-        if holes:
-            movers = [s for s in range(n, self.num_slots) if self._slot[s] is not None]
-            self._move(movers, holes)
+        src, dst = _compaction_moves(self._slot)
+        if src:
+            self._move(src, dst)
         self._free = list(range(self.num_slots - 1, n - 1, -1))
 
     def _move(self, src: list[int], dst: list[int]) -> None:
@@ -488,8 +509,7 @@ class Engine:
         cached = min(self.max_len, max(self._slot[s]["bound"] for s in src) + self._steps)
         src_t, dst_t = (torch.tensor(x, device=self.device) for x in (src, dst))
         self.st.move(src_t, dst_t)
-        for kv in (self.cache.k, self.cache.v):
-            kv[:, dst_t, :, :cached] = kv[:, src_t, :, :cached]
+        self.cache.move(src_t, dst_t, cached)
         for s, d in zip(src, dst):
             info, self._slot[s] = self._slot[s], None
             self._slot[d] = info
@@ -536,8 +556,7 @@ class Engine:
         for gid, dst in dsts.items():
             P, src = len(groups[gid].request.prompt_ids), src_of[gid]
             d = torch.tensor(dst, device=self.device)
-            self.cache.k[:, d, :, :P] = self.cache.k[:, src : src + 1, :, :P]
-            self.cache.v[:, d, :, :P] = self.cache.v[:, src : src + 1, :, :P]
+            self.cache.move(torch.full_like(d, src), d, P)
             self.stats.kv_copies += len(dst)
 
     def _start_samples(self, plan, t_admit: float) -> None:
@@ -549,20 +568,10 @@ class Engine:
             self.st.grow_stop_ids(max(map(len, stop_sets)))
             self._graphs.clear()
         K = self.st.stop_ids.shape[1]
-        prompts = torch.zeros(R, P_max, dtype=torch.int64)
-        ints = torch.zeros(R, 7, dtype=torch.int64)  # slot, P, max_new, key, top_k, greedy, version
-        floats = torch.zeros(R, 2, dtype=torch.float32)  # temperature, top_p
-        stops = torch.full((R, K), -1, dtype=torch.int64)
+        prompts, ints, floats, stops = _sample_table(plan, stop_sets, L, P_max, K)
         group_row: dict[int, int] = {}
-        for r, ((s, g, i), stop) in enumerate(zip(plan, stop_sets)):
+        for s, g, i in plan:
             p, P = g.request.params, len(g.request.prompt_ids)
-            prompts[r, :P] = torch.tensor(g.request.prompt_ids)
-            greedy = p.is_greedy
-            ints[r] = torch.tensor([s, P, min(p.max_new_tokens, L - P), stream_key(g.key_seed, i),
-                                    0 if greedy else p.top_k, greedy, g.logits_version])
-            floats[r, 0] = p.temperature if p.temperature > 0 else 1.0
-            floats[r, 1] = 1.0 if greedy else p.top_p
-            stops[r, : len(stop)] = torch.tensor(stop, dtype=torch.int64)
             group_row.setdefault(id(g), len(group_row))
             self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit,
                                  bound=P + 1 - self._steps, needs=_needs(p))
@@ -608,19 +617,15 @@ class Engine:
         order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
         for chunk in _chunks([len(items[i][0]) for i in order], self.max_prefill_tokens):
             idx = [order[c] for c in chunk]
-            T = len(items[idx[-1]][0])
-            ids = torch.zeros(len(idx), T, dtype=torch.int64)
-            for r, i in enumerate(idx):
-                ids[r, : len(items[i][0])] = torch.as_tensor(items[i][0])
-            last = torch.tensor([len(items[i][0]) - 1 for i in idx], device=self.device)
-            h = self._prefill_forward(ids.to(self.device, non_blocking=True),
+            seqs = [items[i][0] for i in idx]
+            h = self._prefill_forward(_right_padded(seqs).to(self.device, non_blocking=True),
                                       torch.tensor([items[i][1] for i in idx], device=self.device))
+            self.stats.prefill_tokens += sum(map(len, seqs))
             if logits:
+                last = torch.tensor([len(q) - 1 for q in seqs], device=self.device)
                 rows_V = self.model.lm_head(h[torch.arange(len(idx), device=self.device), last])
                 for r, i in enumerate(idx):
                     out[i] = rows_V[r]
-            self.stats.prefill_tokens += sum(len(items[i][0]) for i in idx)
-            if logits:
                 self.stats.prefill_prompts += len(idx)
         return out
 
@@ -656,8 +661,7 @@ class Engine:
         return (*self._needs.flags(owned), Lb, rows)
 
     def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int, R: int) -> None:
-        """One token for every live slot of the first R; pure device code (CUDA-graph
-        capturable)."""
+        """One token for each live slot of the first R; pure device code (CUDA-graph safe)."""
         st, L = self.st.rows(R), self.max_len
         live = st.live
         pos_S = torch.where(live, st.seq_len - 1, 0)  # not live: harmless garbage at position 0
@@ -732,6 +736,17 @@ def _time_decode_packing(model: torch.nn.Module, cache: KVCache, packed: PackedL
     return packed_linear.trial(packed, lambda: model(ids, positions=ids, kv_cache=view))
 
 
+def _choose_packing(model, cache: KVCache, device, choice: bool | None, compiled: bool):
+    """(the engine's PackedLinears or None, the timed trial or None): `_packed_linears`, and
+    for the automatic choice of a model without DTensor shards, packed only if the trial shows
+    it faster."""
+    packed = _packed_linears(model, device, choice, compiled)
+    if choice is not None or packed is None or _has_dtensor(model):
+        return packed, None
+    trial = _time_decode_packing(model, cache, packed)
+    return (packed if trial["packed"] else None), trial
+
+
 def _has_dtensor(model: torch.nn.Module) -> bool:
     """A tensor-parallel model: its ranks must compute alike, so no per-rank timed choice."""
     return any(hasattr(p, "to_local") for p in model.parameters())
@@ -754,6 +769,14 @@ def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
     if compile_decode == "cudagraph" and device.type != "cuda":
         raise ValueError("compile_decode='cudagraph' needs a CUDA device")
     return device
+
+
+def _compaction_moves(slot_info: list) -> tuple[list[int], list[int]]:
+    """(src, dst) that make the owned slots (info not None) a prefix [0, n): the owned slots at
+    or above n, and the free ones below n, both in ascending order."""
+    n = sum(i is not None for i in slot_info)
+    return ([s for s in range(n, len(slot_info)) if slot_info[s] is not None],
+            [s for s in range(n) if slot_info[s] is None])
 
 
 def _compact_choice(choice: bool | None, device: torch.device, compile_decode) -> bool:
@@ -792,6 +815,14 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
                          f"this CPU (oneDNN packs {list(packed_linear.packed_dtypes())} here); "
                          "leave pack_weights=None (generator.pack_weights='auto')")
     return packed
+
+
+def _right_padded(seqs: list[Sequence[int]]) -> Tensor:
+    """Token lists as one [B, T] batch, right-padded with 0 to the longest."""
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.int64)
+    for r, q in enumerate(seqs):
+        ids[r, : len(q)] = torch.as_tensor(q)
+    return ids
 
 
 def _chunks(sorted_lengths: list[int], max_tokens: int, max_waste: float = 0.1) -> list[list[int]]:
