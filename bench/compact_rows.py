@@ -11,8 +11,9 @@ their slots fall idle before the batch is done (the tail of every RL step).
   addition prompts x 8 samples in 256 slots, +8 tokens at most) on the warm-started model that
   `make demo` writes (runs/_models/tiny_addition), whose answers end after 2-3 tokens;
 - `--smollm2`: SmolLM2-135M-Instruct (tools/convert_smollm2.py), the preset's task
-  (configs/smollm2_135m_arith.toml: reasoning-gym's basic_arithmetic through the chat template;
-  synthetic addition where reasoning-gym is not installed), +48 tokens at most, fp32.
+  (configs/smollm2_135m_arith.toml, read from it: reasoning-gym's basic_arithmetic with its
+  `data.task_options`, through the chat template; one-digit synthetic addition where
+  reasoning-gym is not installed), +48 tokens at most, fp32.
 
 Both engines get the same requests with the same seeds, so they draw the same samples; the sides
 alternate batch by batch for `--pairs` pairs and the ratio is the median over pairs of
@@ -31,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import fixed_malloc, print_json  # also puts the repo on sys.path
+from common import REPO, fixed_malloc, print_json  # also puts the repo on sys.path
 
 import torch  # noqa: E402
 
@@ -41,11 +42,9 @@ from rollout.data import load_prompts, render_prompt  # noqa: E402
 from rollout.engine import Engine, Request, SamplingParams  # noqa: E402
 
 
-def prompt_ids(folder: str, source: str, chat: bool, count: int,
-               digits: int = 2) -> list[list[int]]:
+def prompt_ids(folder: str, source: str, chat: bool, count: int, **options) -> list[list[int]]:
     tok = load_tokenizer(folder)
-    kw = {"digits": digits} if source.startswith("synthetic:") else {}
-    items = load_prompts(source, num_prompts=count, seed=0, **kw)
+    items = load_prompts(source, num_prompts=count, seed=0, **options)
     return [render_prompt(it, tok, chat) for it in items]
 
 
@@ -109,22 +108,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         folder = make_random_model(Path(d) / "tiny", hidden=256, layers=4)
         model = load_pretrained(folder, dtype=a.dtype).eval()
-        ps = prompt_ids(folder, "synthetic:addition", False, a.prompts)
+        ps = prompt_ids(folder, "synthetic:addition", False, a.prompts, digits=2)
         out["tiny"] = compare("tiny", model, ps, a.samples, 32, a.pairs)
     if a.demo_model:
         model = load_pretrained(a.demo_model, dtype=a.dtype).eval()
         ps = prompt_ids(a.demo_model, "synthetic:addition", False, 32, digits=1)
         out["demo"] = compare("demo", model, ps, 8, 8, a.pairs)
     if a.smollm2:
+        from config import load_config
         from tools.convert_smollm2 import convert
         folder = str(convert())
+        data = load_config(str(REPO / "configs/smollm2_135m_arith.toml")).data  # its task
+        source, options = data.source, data.task_options
         try:
             import reasoning_gym  # noqa: F401
-            source, chat = "reasoning_gym:basic_arithmetic", True
         except ImportError:
-            source, chat = "synthetic:addition", True
+            source, options = "synthetic:addition", {"digits": 1}
         model = load_pretrained(folder, dtype=a.dtype).eval()
-        ps = prompt_ids(folder, source, chat, a.prompts)
+        ps = prompt_ids(folder, source, data.chat_template, a.prompts, **options)
         out["smollm2"] = {"source": source, **compare(
             "SmolLM2-135M", model, ps, a.samples, 48, max(2, a.pairs // 2))}
     print_json(out)
