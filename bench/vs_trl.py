@@ -34,6 +34,15 @@ peak (`core_peak`, each rank runs one thread), as if every matmul ran at that pe
 took time (`step_floor`). No code change can take the ratio past it; the goal's 3x needs the
 ceiling well above 3x and most of it reached.
 
+A tighter ceiling comes from tandem's own work (`overlap_ceiling_w2`): after each of its runs the
+same ranks run synchronously (eta = 0), where generator and trainer take turns, so each side's time
+per step is measured with the other one idle (T_gen: the trainer's wait for its batch; T_train:
+train + weight push). Overlap cannot make a step shorter than max(T_gen, T_train), LlamaRL's
+T_async (`overlap_step`), so TRL's step over that is the most this code reaches with perfect
+overlap and no contention between the cores: below it the gap is overlap and contention, past it
+each side must get faster on its core. `async_vs_sync_w2` is the async step against that sync run.
+`--no-overlap-bound` skips the sync runs.
+
 This machine is shared with other jobs, and contention only ever slows a run down: the sides run
 interleaved for `--rounds` rounds and each side's best round counts. The load average is printed
 after every run: read it before trusting a ratio.
@@ -96,9 +105,9 @@ def _root_cause(stderr: str) -> str:
 
 
 # ----- tandem ---------------------------------------------------------------------------------
-def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a) -> dict:
+def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a, eta: int = 1) -> dict:
     args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.samples,
-                     new_tokens=a.new_tokens, eta=1),
+                     new_tokens=a.new_tokens, eta=eta),
             "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
             "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}",
@@ -107,7 +116,7 @@ def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a) -> dict:
     proc = run_train_rl(world, args, a.timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"tandem world={world} failed (rc {proc.returncode}): "
+        raise RuntimeError(f"tandem world={world} eta={eta} failed (rc {proc.returncode}): "
                            f"{_root_cause(proc.stderr)}")
     rows = read_metrics(run_dir)
     timed = rows[a.warmup:]
@@ -285,6 +294,10 @@ def _run_side(name: str, n: int, bf16: bool, key: str, model: str, tmp: Path, i:
         r = run_trl(model, tmp / f"{key}_{name}_{i}", n, bf16, a)
         return r, f"TRL {r['trl_version']}, {n} thread(s), {precision}"
     r = run_tandem(model, tmp / f"{key}_{name}_{i}", n, bf16, a)
+    if a.overlap_bound:  # the same ranks in lockstep: each side's work per step, not overlapped
+        s = run_tandem(model, tmp / f"{key}_{name}_{i}_sync", n, bf16, a, eta=0)
+        r["sync"] = {"step_s": s["step_s"], "t_gen_s": s["wait_batch_s"],
+                     "t_train_s": s["train_push_s"]}
     return r, f"tandem 1 gen + {n - 1} train, {precision}"
 
 
@@ -333,6 +346,10 @@ def compare(key: str, label: str, model: str, tmp: Path, a) -> dict:
             runs.setdefault(name, []).append(r)
             extra = (f"  wait {r['wait_batch_s']:.3f}s + train {r['train_push_s']:.3f}s"
                      if "wait_batch_s" in r else "")
+            if "sync" in r:
+                s = r["sync"]
+                extra += (f"; sync step {s['step_s']:.3f}s = gen {s['t_gen_s']:.3f}s + train "
+                          f"{s['t_train_s']:.3f}s")
             print(f"  round {i}  " + fmt(desc, r) + extra + f"  [load {load():.2f}]", flush=True)
     out = summarise(runs, errors, a, [name for name, _, _ in sides], floors)
     out["floor_s"] = floors
@@ -383,11 +400,23 @@ def summarise(runs: dict[str, list[dict]], errors: dict[str, str], a, order: lis
     return out
 
 
+def overlap_step(syncs: list[dict]) -> float:
+    """LlamaRL's idealised asynchronous step, T_async = max(T_gen, T_train) (REFERENCES.md), from
+    the synchronous (eta = 0) runs of one tandem side. There the meshes take turns, so T_gen (the
+    trainer's wait for its batch: weight receive, generation, hand-off) and T_train (train +
+    weight push) are each side's work per step with the other one idle. Overlapping the two
+    cannot make the step shorter than the longer of them, and on shared cores it makes each
+    longer. The best round counts (contention only slows a run down)."""
+    return min(max(s["t_gen_s"], s["t_train_s"]) for s in syncs)
+
+
 def _ratios(out: dict, name: str, r: dict, trl_names: list[str], floor_s: float) -> str:
     """Sets out["ratio_{tokens,samples,median}_w{w}"] against the TRL baseline,
-    out["ratio_same_precision_w{w}"] against TRL's best run at this side's precision, and
-    out["ceiling_w{w}"], the ratio at `step_floor` (no run can beat it here); w is the world
-    size, with "_bf16" for bf16 (e.g. ratio_tokens_w2_bf16)."""
+    out["ratio_same_precision_w{w}"] against TRL's best run at this side's precision,
+    out["ceiling_w{w}"], the ratio at `step_floor` (no run can beat it here), and with the sync
+    runs out["overlap_ceiling_w{w}"], the ratio at `overlap_step` (no overlap of this code's two
+    sides can beat it here) and out["async_vs_sync_w{w}"]; w is the world size, with "_bf16" for
+    bf16 (e.g. ratio_tokens_w2_bf16)."""
     w, trl = name[len("tandem_w"):], out["trl"]
     out[f"ratio_tokens_w{w}"] = r["tokens_per_s"] / trl["tokens_per_s"]
     out[f"ratio_samples_w{w}"] = r["samples_per_s"] / trl["samples_per_s"]
@@ -397,9 +426,18 @@ def _ratios(out: dict, name: str, r: dict, trl_names: list[str], floor_s: float)
     text = (f"  -> {out[f'ratio_tokens_w{w}']:.2f}x TRL tok/s, "
             f"{out[f'ratio_samples_w{w}']:.2f}x samples/s, "
             f"{out[f'ratio_median_w{w}']:.2f}x by median step (goal >= 3x)")
-    out[f"ceiling_w{w}"] = trl["step_s"] / trl["samples_per_step"] * r["samples_per_step"] / floor_s
+    per_step = trl["step_s"] / trl["samples_per_step"] * r["samples_per_step"]  # TRL's time
+    out[f"ceiling_w{w}"] = per_step / floor_s
     text += (f"; ceiling {out[f'ceiling_w{w}']:.2f}x (step >= {floor_s:.3f}s with every matmul "
              "at the one-core peak)")
+    syncs = [run["sync"] for run in out["runs"][name] if "sync" in run]
+    if syncs:
+        t_async = overlap_step(syncs)
+        out[f"overlap_ceiling_w{w}"] = per_step / t_async
+        out[f"async_vs_sync_w{w}"] = min(s["step_s"] for s in syncs) / r["step_s"]
+        text += (f"; overlap ceiling {out[f'overlap_ceiling_w{w}']:.2f}x (step >= "
+                 f"{t_async:.3f}s, the longer side of its sync run); async "
+                 f"{out[f'async_vs_sync_w{w}']:.2f}x its sync run")
     same = [n for n in trl_names if n.endswith("_bf16") == name.endswith("_bf16")]
     if same:
         best = max(same, key=lambda n: out[n]["tokens_per_s"])
@@ -434,6 +472,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="interleaved rounds of every side; each side's best round counts")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--no-overlap-bound", dest="overlap_bound", action="store_false",
+                    help="skip tandem's synchronous (eta = 0) run after each of its runs, which "
+                         "measures each side's work alone for the overlap ceiling")
     ap.add_argument("--smollm2", action="store_true",
                     help="also compare on SmolLM2-135M-Instruct (slow on CPU: few steps)")
     ap.add_argument("--smollm2-steps", type=int, default=5)
@@ -470,7 +511,8 @@ def main(argv=None) -> int:
             record["smollm2"] = compare("smollm2", "SmolLM2-135M-Instruct", str(convert()), tmp, a)
     record["load_end"] = load()
     record["wall_s"] = time.perf_counter() - t0
-    for key in [k for k in record["tiny"] if k.startswith(("ratio_", "ceiling_"))]:
+    for key in [k for k in record["tiny"]
+                if k.startswith(("ratio_", "ceiling_", "overlap_ceiling_", "async_vs_sync_"))]:
         record[key] = record["tiny"][key]
     print(f"done in {record['wall_s']:.0f}s; load average {record['load_start']:.2f} -> "
           f"{record['load_end']:.2f} on {os.cpu_count()} cores (other jobs share this machine)")

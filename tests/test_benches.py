@@ -85,3 +85,31 @@ def test_vs_trl_compute_floor_by_hand(monkeypatch, tmp_path):
     assert vs_trl.step_floor(w, 2.0, world=2, cores=2) == 2.0  # the trainer's 4 on one core
     assert vs_trl.step_floor(w, 1.0, world=3, cores=2) == 2.5  # 5 on two shared cores
     assert vs_trl.step_floor(w, 1.0, world=3, cores=4) == 2.0  # two trainers, a core each
+
+
+def test_vs_trl_overlap_ceiling_by_hand(monkeypatch, capsys):
+    """The overlap ceiling: TRL's time for tandem's samples per step over the longer side of the
+    best synchronous run (T_async = max(T_gen, T_train)), and async against its sync run."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import vs_trl
+    syncs = [{"step_s": 0.50, "t_gen_s": 0.30, "t_train_s": 0.20},   # max 0.30
+             {"step_s": 0.45, "t_gen_s": 0.21, "t_train_s": 0.24}]   # max 0.24: the best
+    assert vs_trl.overlap_step(syncs) == 0.24
+
+    def run(step_s, **extra):
+        return {"tokens_per_s": 16 * 32 / step_s, "samples_per_s": 16 / step_s, "step_s": step_s,
+                "step_s_median": step_s, "tokens_per_sample": 32.0, "samples_per_step": 16,
+                **extra}
+    runs = {"trl_t2": [run(0.60)],
+            "tandem_w2": [run(0.32, sync=syncs[0]), run(0.30, sync=syncs[1])]}
+    a = SimpleNamespace(prompts=4, samples=4, new_tokens=32, rounds=2)
+    out = vs_trl.summarise(runs, {}, a, ["trl_t2", "tandem_w2"], {"tandem_w2": 0.15})
+    assert out["ratio_tokens_w2"] == pytest.approx(0.60 / 0.30)
+    assert out["ceiling_w2"] == pytest.approx(0.60 / 0.15)
+    assert out["overlap_ceiling_w2"] == pytest.approx(0.60 / 0.24)
+    assert out["async_vs_sync_w2"] == pytest.approx(0.45 / 0.30)  # best sync over best async
+    assert "overlap ceiling 2.50x" in capsys.readouterr().out
+    del runs["tandem_w2"][0]["sync"], runs["tandem_w2"][1]["sync"]  # --no-overlap-bound
+    assert "overlap_ceiling_w2" not in vs_trl.summarise(runs, {}, a, ["trl_t2", "tandem_w2"],
+                                                        {"tandem_w2": 0.15})
