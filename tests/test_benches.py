@@ -113,3 +113,20 @@ def test_vs_trl_overlap_ceiling_by_hand(monkeypatch, capsys):
     del runs["tandem_w2"][0]["sync"], runs["tandem_w2"][1]["sync"]  # --no-overlap-bound
     assert "overlap_ceiling_w2" not in vs_trl.summarise(runs, {}, a, ["trl_t2", "tandem_w2"],
                                                         {"tandem_w2": 0.15})
+
+
+def test_vs_trl_a_failed_sync_run_keeps_the_async_result(monkeypatch, tmp_path):
+    """The sync run only feeds the overlap ceiling: when it fails, the async run still counts."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import vs_trl
+
+    def run_tandem(model, run_dir, world, bf16, a, eta=1):
+        if eta == 0:
+            raise RuntimeError("tandem world=2 eta=0 failed (rc 1): boom\nmore")
+        return {"step_s": 0.3}
+    monkeypatch.setattr(vs_trl, "run_tandem", run_tandem)
+    a = SimpleNamespace(overlap_bound=True)
+    r, desc = vs_trl._run_side("tandem_w2", 2, False, "tiny", "m", tmp_path, 1, a)
+    assert r == {"step_s": 0.3, "sync_error": "tandem world=2 eta=0 failed (rc 1): boom"}
+    assert desc == "tandem 1 gen + 1 train, fp32"
