@@ -123,6 +123,7 @@ class AlgoConfig:
     max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy.", ge=0)
     buffer_capacity: int = _f(0, "Off-policy buffer size in samples; 0 = derived: prompts_per_step * n_samples * (max_staleness + 1).", ge=0)
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference model; 0 = off.", ge=0)
+    entropy_coef: float = _f(0.0, "Weight of an entropy bonus (loss -= coef * token entropy); keeps a policy exploring. 0 = off.", ge=0)
     kl_estimator: Literal["k1", "k3"] = _f("k3", "KL estimator (Schulman's k1 or k3).")
     token_is: Literal["none", "truncate", "mask"] = _f("none", "Extra per-token IS correction for engine/trainer mismatch.")
     token_is_cap: float = _f(5.0, "Cap of the per-token IS ratio for token_is.", gt=0)

@@ -214,6 +214,26 @@ def test_logprobs_and_entropy_in_one_pass_equal_the_two_functions(temperature):
         logprobs_and_entropy(logits, targets[:1], mask, temperature)
 
 
+def test_entropy_gradient_by_hand_for_the_bonus():
+    """dH/dz_i = -p_i (log p_i + H) for H of softmax(z): with entropy_grad the one-pass entropy
+    carries exactly that gradient (and none without it); the log-probs are unchanged."""
+    z = torch.tensor([[LN(0.5), LN(0.3), LN(0.2)], [0.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([True, True, False])
+    logits = z.clone().requires_grad_()
+    lp, h = logprobs_and_entropy(logits, torch.tensor([0, 1, 2]), mask, entropy_grad=True)
+    p = torch.tensor([0.5, 0.3, 0.2])
+    h0 = -(p * p.log()).sum()
+    assert h.item() == pytest.approx(h0.item() + LN(3), rel=1e-6)
+    h.backward()
+    expect = torch.zeros(3, 3)
+    expect[0] = -p * (p.log() + h0)              # the uniform row's gradient is 0, the masked row's 0
+    torch.testing.assert_close(logits.grad, expect, atol=1e-6, rtol=0)
+    assert [round(x, 4) for x in lp.tolist()] == [round(LN(0.5), 4), round(-LN(3), 4),
+                                                  round(-LN(math.exp(2) + 2), 4)]
+    _, h_plain = logprobs_and_entropy(z.clone().requires_grad_(), torch.tensor([0, 1, 2]), mask)
+    assert not h_plain.requires_grad
+
+
 def test_entropy_known_numbers_and_chunking():
     logits_NV = torch.stack([torch.zeros(3), torch.tensor([LN(0.5), LN(0.25), LN(0.25)]),
                              torch.tensor([9.0, 0.0, 0.0])])
@@ -381,9 +401,50 @@ def test_train_step_skips_a_nonfinite_update():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     cfg = types.SimpleNamespace(
-        algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0),
+        algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
+                                   entropy_coef=0.0),
         generator=types.SimpleNamespace(temperature=1.0),
         trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1.0))
     trajs = [Trajectory(0, i, [1, 2], [3, 4], [-1.0, -1.0], [0, 0], float(i), "stop") for i in range(2)]
     res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
     assert res.skipped and torch.equal(model.w, torch.zeros(5, 7))
+
+
+def test_train_step_entropy_bonus_adds_coef_times_entropy_gradient():
+    """algo.entropy_coef: the step's gradient is the policy loss's minus coef * grad(sum of token
+    entropies) / global tokens, checked against the entropy gradient computed by hand."""
+    import types
+    from trainer.batch import Group, Trajectory
+    from trainer.step import train_step
+    trajs = [Trajectory(0, i, [1, 2], [3, 4, 0], [-1.2, -0.7, -2.0], [0, 0, 0], float(i), "stop")
+             for i in range(2)]
+
+    def grad_after_step(coef):
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.randn(5, 7, dtype=torch.float64))
+        model.forward = lambda input_ids_N, seq_lens=None: model.w[input_ids_N]
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        cfg = types.SimpleNamespace(
+            algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
+                                       entropy_coef=coef),
+            generator=types.SimpleNamespace(temperature=1.0),
+            trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9))
+        grads = []
+        opt.step = lambda: grads.append(model.w.grad.clone())  # the gradient at the update
+        res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
+        return model.w.detach(), grads[0], res
+
+    w, g0, res0 = grad_after_step(0.0)
+    _, g1, res1 = grad_after_step(0.3)
+    # Hand entropy gradient: each loss token's input id i (inputs 2, 3, 4 predict 3, 4, 0) has a row
+    # of logits w[i]; dH/dw[i] = -p (log p + H) per occurrence; 6 loss tokens in the step.
+    expect = torch.zeros_like(w)
+    for i in (2, 3, 4):
+        p = torch.softmax(w[i], -1)
+        h = -(p * p.log()).sum()
+        expect[i] += 2 * (-p * (p.log() + h))        # two trajectories, the same tokens
+    torch.testing.assert_close(g1 - g0, -0.3 * expect / 6, atol=1e-7, rtol=1e-5)  # fp32 log-softmax
+    assert res0.stats["entropy_sum"] == pytest.approx(res1.stats["entropy_sum"])
+    assert res0.stats["loss_sum"] == pytest.approx(res1.stats["loss_sum"])

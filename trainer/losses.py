@@ -273,10 +273,12 @@ def token_logprobs(logits_NV: Tensor, targets_N: Tensor, temperature: float = 1.
 
 
 def logprobs_and_entropy(logits_NV: Tensor, targets_N: Tensor, mask_N: Tensor,
-                         temperature: float = 1.0, chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
+                         temperature: float = 1.0, chunk_size: int = 4096,
+                         entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """(`token_logprobs`, `entropy_from_logits` over `mask_N`) of the same finite logits, both
     from one fused log-softmax per chunk: the picked log-probs keep their gradient, the entropy
-    -sum_v p_v log p_v is a logged metric (no gradient). At SmolLM2's 49152-token vocabulary, 800
+    -sum_v p_v log p_v is a logged metric (no gradient) unless `entropy_grad` (an entropy bonus,
+    `algo.entropy_coef`). At SmolLM2's 49152-token vocabulary, 800
     bf16 rows on one core: 0.58 s for the log-probs' forward and backward and the entropy, against
     0.79 s for the two functions apart (BENCHMARKS.md, "Against TRL").
 
@@ -290,8 +292,9 @@ def logprobs_and_entropy(logits_NV: Tensor, targets_N: Tensor, mask_N: Tensor,
     for s in range(0, flat_N.numel(), chunk_size):
         logp_CV = torch.log_softmax(_tempered(flat_NV[s:s + chunk_size], temperature), -1)
         out.append(logp_CV.gather(1, flat_N[s:s + chunk_size, None])[:, 0])
-        with torch.no_grad():  # every row, then the mask: cheaper than copying the masked rows
-            entropy += _row_entropy(logp_CV)[flat_mask_N[s:s + chunk_size]].sum()
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            # every row, then the mask: cheaper than copying the masked rows
+            entropy = entropy + _row_entropy(logp_CV)[flat_mask_N[s:s + chunk_size]].sum()
     return _joined(out, flat_NV, targets_N), entropy
 
 

@@ -109,9 +109,12 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
         real = i < len(batches)
         batch = batches[i if real else 0]
         logp, entropy = losses.logprobs_and_entropy(_logits(model, batch), batch.targets_N,
-                                                    batch.loss_mask_N, temp)
+                                                    batch.loss_mask_N, temp,
+                                                    entropy_grad=acfg.entropy_coef > 0)
         out = _loss(acfg, logp, batch, prox[i if real else 0])
         loss_sum = out.loss_sum
+        if acfg.entropy_coef > 0:  # a bonus: maximising entropy lowers the loss
+            loss_sum = loss_sum - acfg.entropy_coef * entropy
         if acfg.kl_coef > 0 and ref_model is not None:
             with torch.no_grad():
                 ref_logp = _policy_logp(ref_model, batch, temp)
@@ -164,7 +167,7 @@ def _accumulate(stats, out: losses.LossOutput, logp, entropy, batch: PackedBatch
     stats["is_ratio_max"] = max(stats["is_ratio_max"], float(out.is_ratio_max))
     stats["truncated"] += float(out.truncated_count)
     stats["clipped"] += float(out.clipped_count)
-    stats["entropy_sum"] += float(entropy)
+    stats["entropy_sum"] += float(entropy.detach())
     # Mismatch between generator and trainer numerics: only tokens sampled by these very weights.
     same = m & (batch.versions_N == version)
     stats["mismatch_kl_sum"] += float(losses.mismatch_kl(logp, batch.logp_mu_N, same))
