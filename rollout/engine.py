@@ -321,6 +321,49 @@ class _Needs:
         return truncating > 0, tempered > 0, mode
 
 
+class _DecodeGraphs:
+    """The decode step as CUDA graphs, one per decode key, all in one memory pool. A key's graph
+    is captured at its first use; `clear()` drops them all (parameters replaced, or slot-state
+    tensors regrown)."""
+
+    def __init__(self, device: torch.device, decode_fn: Callable, state: _SlotState):
+        self.device, self.decode_fn, self.state = device, decode_fn, state
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    def run(self, key: tuple) -> None:
+        (self._graphs.get(key) or self._capture(key)).replay()
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def _capture(self, key: tuple) -> "torch.cuda.CUDAGraph":
+        """Warm up (and compile) on a side stream, restore the state, capture one decode step.
+        Warm-up steps rewrite the KV entries the real step writes, with the same values."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            _warm_up(self.decode_fn, self.state, key, runs=3)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):  # records, runs nothing
+            self.decode_fn(*key)
+        self._graphs[key] = graph
+        return graph
+
+
+def _warm_up(decode_fn: Callable, state: _SlotState, key: tuple, runs: int) -> None:
+    """Run decode steps (compiling on the first) and undo their effect on the slot state.
+    Their KV writes need no undo: a live slot rewrites the entry of its last token with the
+    values the real step writes, other slots write garbage at position 0."""
+    snap = state.snapshot()
+    for _ in range(runs):
+        decode_fn(*key)
+        state.restore(snap)
+
+
 class Engine:
     """Generation over one (possibly tensor-parallel) model; one engine per DP replica.
 
@@ -372,8 +415,7 @@ class Engine:
         if use_compile:
             self._decode_fn = torch.compile(self._decode_body, dynamic=False)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._graph_pool = None
+        self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()
         # pack_trial: the automatic choice's timings, for the logs (None if none was timed)
         self._packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
@@ -641,8 +683,7 @@ class Engine:
     def _decode(self) -> None:
         key = self._decode_key()
         if self._use_graphs:
-            graph = self._graphs.get(key) or self._capture(key)
-            graph.replay()
+            self._graphs.run(key)
         else:
             self._decode_fn(*key)
         self._steps += 1
@@ -681,31 +722,6 @@ class Engine:
         done = live & (stop | (st.gen >= st.max_new) | (st.seq_len >= L))
         st.stopped |= done & stop
         st.live &= ~done
-
-    def _capture(self, key: tuple) -> "torch.cuda.CUDAGraph":
-        """Warm up (and compile) on a side stream, restore the state, capture one decode step.
-        Warm-up steps rewrite the KV entries the real step writes, with the same values."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._warm_up(key, runs=3)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):  # records, runs nothing
-            self._decode_fn(*key)
-        self._graphs[key] = graph
-        return graph
-
-    def _warm_up(self, key: tuple, runs: int) -> None:
-        """Run decode steps (compiling on the first) and undo their effect on the slot state.
-        Their KV writes need no undo: a live slot rewrites the entry of its last token with the
-        values the real step writes, other slots write garbage at position 0."""
-        snap = self.st.snapshot()
-        for _ in range(runs):
-            self._decode_fn(*key)
-            self.st.restore(snap)
 
     # ----- weights ------------------------------------------------------------------------------
     def _recompute(self) -> None:

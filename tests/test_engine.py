@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model import load_pretrained
-from rollout.engine import Engine, Request, SamplingParams
+from rollout.engine import Engine, Request, SamplingParams, _warm_up
 from rollout.sampling import BLOCK, hashed_uniform, mix32, process_logits, sample, stream_key
 from tests import tiny
 
@@ -328,7 +328,7 @@ def test_decode_warm_up_leaves_no_trace(folders):
     engine.add_requests(requests(ps, sp))
     while engine.has_work():
         engine.step()
-        engine._warm_up(engine._decode_key(), runs=2)
+        _warm_up(engine._decode_fn, engine.st, engine._decode_key(), runs=2)
     got = sorted(engine.poll_finished(), key=lambda c: (c.request_id, c.sample_idx))
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     for a, b in zip(got, ref):
