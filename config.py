@@ -50,7 +50,7 @@ class ModelConfig:
     gen_dtype: Dtype = _f("float32", "Dtype of the generator's weights copy, e.g. 'bfloat16'.")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Dtype the trainer computes in (its parameters stay model.dtype): 'auto' = bfloat16 on CUDA, model.dtype on CPU; 'bfloat16' on CPU pays off with AMX (a tiny Llama's train step 1.5x faster, BENCHMARKS.md). With FSDP it is FSDP's param dtype, on one rank an autocast.")
     attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "'auto' = flash-attn if importable, else SDPA.")
-    ref_path: str = _f("", "Reference model folder for the KL penalty; '' = no reference model.")
+    ref_path: str = _f("", "Reference model folder for the KL penalty (used when algo.kl_coef > 0); '' = the starting policy, model.path.")
 
 
 @dataclass
@@ -247,9 +247,6 @@ class Config:
         if a.advantage == "rloo" and g.n_samples < 2:
             raise ConfigError(f"algo.advantage='rloo' needs generator.n_samples >= 2, got {g.n_samples} "
                               "(set --generator.n_samples=4 or --algo.advantage=group_mean)")
-        if a.kl_coef > 0 and not self.model.ref_path:
-            raise ConfigError(f"algo.kl_coef={a.kl_coef} needs a reference model but model.ref_path is '' "
-                              "(set --model.ref_path=<model folder> or --algo.kl_coef=0)")
         step = t.prompts_per_step * g.n_samples
         if 0 < a.buffer_capacity < step:
             raise ConfigError(f"algo.buffer_capacity={a.buffer_capacity} cannot hold one step of "
@@ -273,6 +270,8 @@ class Config:
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
         if a.buffer_capacity == 0:
             a.buffer_capacity = t.prompts_per_step * g.n_samples * (a.max_staleness + 1)
+        if a.kl_coef > 0 and not cfg.model.ref_path:  # KL to the starting policy, as usual
+            cfg.model.ref_path = cfg.model.path
         if not cfg.run.dir:
             cfg.run.dir = os.path.join("runs", cfg.run.name)
         return cfg

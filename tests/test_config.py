@@ -239,8 +239,6 @@ def test_invalid_values_name_value_and_fix(item, expected):
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match=r"rloo' needs generator.n_samples >= 2, got 1.*--generator.n_samples"):
         load_config(None, ["--algo.advantage=rloo", "--generator.n_samples=1"])
-    with pytest.raises(ConfigError, match=r"kl_coef=0.1 needs a reference model.*--model.ref_path"):
-        load_config(None, ["--algo.kl_coef=0.1"])
     with pytest.raises(ConfigError, match=r"buffer_capacity=10 cannot hold one step.*8\*4 = 32"):
         load_config(None, ["--algo.buffer_capacity=10"])
     with pytest.raises(ConfigError, match=r"compute_dtype='float32' cannot compute wider.*"
@@ -389,3 +387,13 @@ def test_train_rl_help_exits_cleanly(argv, words, rc):
     for w in words:
         assert w in out, (w, out[-500:])
     assert "Traceback" not in out
+
+
+def test_kl_reference_defaults_to_the_starting_policy():
+    """algo.kl_coef > 0 with no model.ref_path: KL to model.path; an explicit ref_path is kept;
+    without KL no reference is named."""
+    start = ["--model.path=/m/start"]
+    assert load_config(None, [*start, "--algo.kl_coef=0.1"]).resolve(3).model.ref_path == "/m/start"
+    assert load_config(None, [*start, "--algo.kl_coef=0.1", "--model.ref_path=/m/ref"]
+                       ).resolve(3).model.ref_path == "/m/ref"
+    assert load_config(None, start).resolve(3).model.ref_path == ""

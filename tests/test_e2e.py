@@ -152,16 +152,18 @@ def test_two_nodes_on_one_machine(tmp_path):
 
 
 def test_colocated_mode_trains_on_two_ranks(tmp_path):
-    """Every rank generates and trains (time-shared, on-policy): versions advance, IS = 1."""
+    """Every rank generates and trains (time-shared, on-policy): versions advance, IS = 1; the
+    KL to the starting policy (the default reference) is 0 at the first step and grows after."""
     model = make_rl_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
                      f"--run.dir={run_dir}", "--trainer.max_steps=3", "--parallel.mode=colocated",
-                     "--trainer.lr=1e-2", *QUICK], nproc=2)
+                     "--trainer.lr=1e-2", "--algo.kl_coef=0.3", "--model.ref_path=", *QUICK], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = read_metrics(run_dir)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert set(CONTRACT_KEYS) <= set(r) and r["staleness_max"] == 0
         assert abs(r["is_ratio_mean"] - 1.0) <= 1e-5, r  # the reshard is exact
+    assert abs(rows[0]["kl"]) <= 1e-7 and rows[-1]["kl"] > 1e-4, [r["kl"] for r in rows]
     assert (run_dir / "hf_final" / "config.json").is_file()

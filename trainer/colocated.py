@@ -65,11 +65,11 @@ def all_gather_json(obj, group=None) -> list:
 
 class ColocatedWorker:
     def __init__(self, cfg, meshes, t_model, g_model, opt, sched, sender, receiver, local,
-                 prompts, encode, tokenizer, rewards, logger=None):
+                 prompts, encode, tokenizer, rewards, logger=None, ref_model=None):
         self.cfg, self.meshes, self.t_model, self.g_model = cfg, meshes, t_model, g_model
         self.opt, self.sched, self.sender, self.receiver = opt, sched, sender, receiver
         self.local, self.prompts, self.encode, self.tok = local, prompts, encode, tokenizer
-        self.rewards, self.logger = rewards, logger
+        self.rewards, self.logger, self.ref_model = rewards, logger, ref_model
         dims = meshes.dims
         self.replica, self.tp_rank = dims.generator_coord(meshes.rank)
         self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
@@ -90,7 +90,7 @@ class ColocatedWorker:
             groups = gather_groups(self._generate())
             mine = groups[self.dp_rank::self.meshes.dims.trainer_fsdp]
             res = train_step(self.t_model, self.opt, self.sched, mine, self.cfg, self.dp_group,
-                             self.meshes.device, self.version)
+                             self.meshes.device, self.version, self.ref_model)
             self.nonfinite.check(res)
             lr = self.sched.get_last_lr()[0]
             self.version += 1
@@ -145,7 +145,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     from rollout.role import build_generator_model, load_items
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_optimizer, build_scheduler
-    from trainer.role import build_trainer_model, finish_run
+    from trainer.role import build_ref_model, build_trainer_model, finish_run
     from weights_sync.plan import plan_cached
     from weights_sync.sync import WeightReceiver, WeightSender, transfer_specs
 
@@ -166,7 +166,8 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every) \
         if rank == 0 else None
     worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
-                             sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger)
+                             sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger,
+                             build_ref_model(cfg, meshes))
     try:
         worker.run()
     finally:

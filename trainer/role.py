@@ -25,12 +25,19 @@ def build_trainer_model(cfg, meshes, path: str):
                        path=path)
 
 
+def build_ref_model(cfg, meshes):
+    """The frozen KL reference, sharded like the trainer; None without KL (algo.kl_coef = 0).
+    `Config.resolve` made model.ref_path the starting policy where it was ''."""
+    if cfg.algo.kl_coef == 0:
+        return None
+    return build_trainer_model(cfg, meshes, cfg.model.ref_path).requires_grad_(False)
+
+
 def run_trainer(cfg, meshes, tokenizer=None) -> None:
     dims, rank = meshes.dims, meshes.rank
     owner = rank == dims.trainer_rank_list[0]
     model = build_trainer_model(cfg, meshes, cfg.model.path)
-    ref = build_trainer_model(cfg, meshes, cfg.model.ref_path).requires_grad_(False) \
-        if cfg.model.ref_path else None
+    ref = build_ref_model(cfg, meshes)
     plan = plan_between_meshes(model, meshes.trainer_group, is_src_leader=owner, is_dst_leader=False)
     # CUDA IPC to a generator on this GPU (shared memory to a CPU one on this host), else NCCL/gloo
     sender = make_sender(model, plan, rank,

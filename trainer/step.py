@@ -95,6 +95,9 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     `before_update()` runs just before the parameters change (the weight sender waits there
     until the previous version has left, so it streams while we compute)."""
     acfg, temp = cfg.algo, cfg.generator.temperature
+    if acfg.kl_coef > 0 and ref_model is None:
+        raise ValueError(f"algo.kl_coef={acfg.kl_coef} but no reference model was given to the "
+                         "trainer step (trainer.role.build_ref_model builds it)")
     batches = [b.to(device) for b in micro_batches(groups, acfg.advantage, cfg.trainer.micro_batch_tokens)]
     counts = torch.tensor([len(batches), sum(int(b.loss_mask_N.sum()) for b in batches)])
     rows = gather_rows(counts, dp_group)  # every rank runs the most micro-batches of any
@@ -115,7 +118,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
         loss_sum = out.loss_sum
         if acfg.entropy_coef > 0:  # a bonus: maximising entropy lowers the loss
             loss_sum = loss_sum - acfg.entropy_coef * entropy
-        if acfg.kl_coef > 0 and ref_model is not None:
+        if acfg.kl_coef > 0:
             with torch.no_grad():
                 ref_logp = _policy_logp(ref_model, batch, temp)
             kl = losses.kl_penalty(logp, ref_logp, batch.loss_mask_N, acfg.kl_estimator)
