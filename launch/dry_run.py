@@ -129,6 +129,10 @@ def _print_memory(cfg, args, dims) -> None:
         tr, _, _ = cm.trainer_memory(args, cl, wl, dims.trainer_fsdp, dims.trainer_tp,
                                      cfg.parallel.activation_checkpointing, 0.0, t.micro_batch_tokens)
         gen, _, _ = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
+        # the KL reference: frozen parameters only, sharded like the trainer's
+        ref = cm.generator_weight_bytes(args, dims.trainer_fsdp * dims.trainer_tp,
+                                        cm.dtype_bytes(cfg.model.dtype)) if cfg.algo.kl_coef > 0 else 0.0
+        tr += ref
         total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
                                        cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes, units)
@@ -136,7 +140,8 @@ def _print_memory(cfg, args, dims) -> None:
         if name == "h100":
             print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "
                   f"{t.micro_batch_tokens} tokens (activation checkpointing "
-                  f"{'on' if cfg.parallel.activation_checkpointing else 'off'})")
+                  f"{'on' if cfg.parallel.activation_checkpointing else 'off'})"
+                  + (f" + KL reference shard {_gb(ref)}" if ref else ""))
             print(f"  generator rank: {_gb(gen)} = weights {_gb(gen - kv)} + KV cache {_gb(kv)} "
                   f"({g.num_slots} slots x {max_len} positions)")
         verdict = "fits" if total <= cap else "DOES NOT FIT"

@@ -67,6 +67,17 @@ def test_dry_run_of_a_real_model_folder_runs_preflight(tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert "dry run: world_size=4" in out and "preflight: model folder, tokenizer" in out
     assert "weight sync plan: 2 src ranks -> 2 dst ranks (1 replicas)" in out
+    # with a KL penalty the trainer rank also holds its shard of the frozen reference
+    kl = load_config("configs/tiny_cpu.toml", [f"--model.path={model}", f"--run.dir={tmp_path / 'run'}",
+                                               "--parallel.trainer_fsdp=2", "--parallel.gen_tp=2",
+                                               "--parallel.generator_ranks=2", "--algo.kl_coef=0.1"])
+    assert dry_run(kl) == 0
+    kl_out = capsys.readouterr().out
+    from launch.dry_run import _gb
+    from model import load_pretrained
+    shard = load_pretrained(model, dtype="float32").args.num_params() * 4 / 2   # fp32, fsdp 2
+    assert "KL reference shard" not in out
+    assert f"KL reference shard {_gb(shard)}" in kl_out
 
 
 def test_dry_run_rejects_heads_that_tp_cannot_split(monkeypatch):
