@@ -84,7 +84,9 @@ def test_tiny_cpu_preset_loads_and_resolves_on_3_ranks():
     assert (cfg.data.source, cfg.reward.fn, cfg.algo.loss) == ("synthetic:addition", "exact_match", "aipo")
     assert (cfg.generator.n_samples, cfg.trainer.prompts_per_step, cfg.generator.max_new_tokens) == (8, 32, 8)
     assert cfg.trainer.lr == 2e-4 and cfg.algo.max_staleness == 1 and cfg.trainer.max_steps == 800
+    assert cfg.algo.kl_coef == 0.2 and cfg.model.ref_path == ""
     r = cfg.resolve(3)
+    assert r.model.ref_path == cfg.model.path  # the KL reference is the warm start
     assert (r.parallel.generator_ranks, r.parallel.gen_dp, r.parallel.trainer_fsdp) == (1, 1, 2)
     assert r.algo.buffer_capacity == 32 * 8 * 2  # prompts_per_step * n_samples * (eta + 1)
     assert r.run.dir == os.path.join("runs", "tiny_cpu")
