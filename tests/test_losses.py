@@ -432,7 +432,7 @@ def test_train_step_entropy_bonus_adds_coef_times_entropy_gradient():
             generator=types.SimpleNamespace(temperature=1.0),
             trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9))
         grads = []
-        opt.step = lambda: grads.append(model.w.grad.clone())  # the gradient at the update
+        opt.register_step_pre_hook(lambda *_: grads.append(model.w.grad.clone()))  # at the update
         res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
         return model.w.detach(), grads[0], res
 
