@@ -75,10 +75,11 @@ class ParallelConfig:
 @dataclass
 class GeneratorConfig:
     """Rollout engine and sampling."""
-    num_slots: int = _f(16, "Concurrent sequences per generator replica (KV-cache slots). Every "
-                        "decode step computes all of them, filled or not: more than the replica's "
-                        "sequences per step (prompts_per_step / gen_dp x n_samples) only costs "
-                        "compute, most on CPU.", ge=1)
+    num_slots: int = _f(16, "Concurrent sequences per generator replica (KV-cache slots). On CUDA "
+                        "every decode step computes all of them, filled or not (one CUDA graph per "
+                        "shape); on CPU only the filled ones. More than the replica's sequences per "
+                        "step (prompts_per_step / gen_dp x n_samples) costs cache memory, and on "
+                        "CUDA compute.", ge=1)
     max_new_tokens: int = _f(32, "Maximum tokens generated per completion.", ge=1)
     temperature: float = _f(1.0, "Sampling temperature (ignored when greedy).", ge=0)
     top_p: float = _f(1.0, "Nucleus sampling mass, in (0, 1]; 1 = off.", gt=0, le=1)
