@@ -111,7 +111,8 @@ def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a, eta: int = 
             "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
             "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}",
-            f"--model.gen_dtype={'bfloat16' if bf16 and not a.gen_fp32 else 'float32'}"]
+            f"--model.gen_dtype={'bfloat16' if bf16 and not a.gen_fp32 else 'float32'}",
+            f"--generator.decode={a.gen_decode}"]
     t0 = time.perf_counter()
     proc = run_train_rl(world, args, a.timeout)
     wall = time.perf_counter() - t0
@@ -463,6 +464,9 @@ def main(argv=None) -> int:
                     help="bf16 runs of tandem keep an fp32 generator (default: bf16 weights)")
     ap.add_argument("--gen-bf16", action="store_true",
                     help="accepted for older command lines: a bf16 generator is the default now")
+    ap.add_argument("--gen-decode", default="auto", choices=("auto", "eager", "compile"),
+                    help="tandem's generator.decode: 'compile' = torch.compile of the decode step "
+                         "(its compilation, ~30 s on one core, falls in the warm-up steps)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4, help="prompt groups per optimizer step")

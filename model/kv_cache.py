@@ -24,6 +24,22 @@ def cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.d
     return torch.float32 if reduced and torch.device(device).type == "cpu" else model_dtype
 
 
+def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots_B: torch.Tensor,
+               pos_BT: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> None:
+    """One layer's write: caches [slots, H, max_len, D], new keys/values [B, T, H, D] of rows
+    `slots_B` at positions `pos_BT`. Each (row, position) pair indexes one [H, D] block of the
+    cache seen as [slots, max_len, H, D], which takes half the time of indexing slot, head and
+    position apart (17 vs 31 us at a decode step's 64 slots x 4 heads on CPU)."""
+    idx = (slots_B[:, None], pos_BT)  # -> [B, T]
+    k_cache.transpose(1, 2).index_put_(idx, k_BTHD.to(k_cache.dtype))
+    v_cache.transpose(1, 2).index_put_(idx, v_BTHD.to(v_cache.dtype))
+
+
+# The same write as an operator that declares its in-place mutation, for compiled code only:
+# eager calls skip its dispatch (tens of microseconds a call on CPU).
+kv_write = torch.library.custom_op("tandem::kv_write", scatter_kv, mutates_args=("k_cache", "v_cache"))
+
+
 class KVCache:
     """k, v: [layers, slots, kv_heads, max_len, head_dim]."""
 
@@ -64,13 +80,12 @@ class KVCache:
         return self.k.shape[3]
 
     def write(self, layer: int, slots_B, pos_BT, k_BTHD, v_BTHD) -> None:
-        """Scatter new keys/values of rows `slots_B` at positions `pos_BT`: each (row, position)
-        pair indexes one [H, D] block of the cache seen as [slots, max_len, H, D], which takes
-        half the time of indexing slot, head and position apart (17 vs 31 us at a decode step's
-        64 slots x 4 heads on CPU)."""
-        idx = (slots_B[:, None], pos_BT)  # -> [B, T]
-        self.k[layer].transpose(1, 2).index_put_(idx, k_BTHD.to(self.k.dtype))
-        self.v[layer].transpose(1, 2).index_put_(idx, v_BTHD.to(self.v.dtype))
+        """Scatter new keys/values of rows `slots_B` at positions `pos_BT` (`scatter_kv`). Under
+        torch.compile through the `tandem::kv_write` op, which writes in place: traced as plain
+        `index_put_`s on views of the cache, inductor copied the whole cache of every layer
+        before each layer's write (BENCHMARKS.md, "Generation")."""
+        write = kv_write if torch.compiler.is_compiling() else scatter_kv
+        write(self.k[layer], self.v[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
 
     def read(self, layer: int, slots_B=None):
         """Keys/values [B, max_len, H, D] (a view when all slots are read, as in decode)."""

@@ -375,7 +375,7 @@ class Engine:
         CUDA). compile_decode: False (eager), "cudagraph" (CUDA graph of the eager step), True or
         "compile" (torch.compile, plus a CUDA graph on CUDA).
     max_prefill_tokens: padded tokens per prefill forward. kv_bucket: decode reads the cache up to
-        a multiple of this (one CUDA graph each): 32 on CUDA, 1 on CPU, max_len when compiled.
+        a multiple of this (one CUDA graph each): 32 on CUDA, 1 on CPU.
     pack_weights: run the fp32/bf16 linears on oneDNN-prepacked weights while the engine computes
         (rollout/packed_linear.py); None = on CPU where available, for linears of at least a
         256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
@@ -393,10 +393,9 @@ class Engine:
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
-        # decode reads the cache up to a length bucket; each bucket is one graph (and, compiled,
-        # one compilation), so a compiled engine reads the whole cache by default
+        # decode reads the cache up to a length bucket; on CUDA each bucket is one graph
         use_compile = compile_decode in (True, "compile")
-        self.kv_bucket = kv_bucket or (max_len if use_compile else 32 if device.type == "cuda" else 1)
+        self.kv_bucket = kv_bucket or (32 if device.type == "cuda" else 1)
         self.seed, self.kv_policy = seed, kv_policy
         self.max_prefill_tokens = max_prefill_tokens
         self.sync_every = sync_every or (8 if device.type == "cuda" else 1)
@@ -413,7 +412,10 @@ class Engine:
         self._needs = _Needs()  # over the owned slots
         self._decode_fn = self._decode_body
         if use_compile:
-            self._decode_fn = torch.compile(self._decode_body, dynamic=False)
+            # the cache length read is the one size that changes from step to step: the second
+            # length seen recompiles with it symbolic (dynamo's automatic dynamic shapes), and
+            # that one graph serves every later length
+            self._decode_fn = torch.compile(self._decode_body, dynamic=None)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()

@@ -5,6 +5,7 @@ forward; slot count, batching and arrival order change nothing; stop/length rule
 prefills, seeds and weight swaps; the pure sampling functions against hand-computed values.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -280,6 +281,20 @@ def test_compaction_move_hand_checked(folders):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["cudagraph", "compile"])
+def test_cuda_graph_decode_matches_eager(folders, mode):
+    """The replayed decode graphs (plain, and of the compiled step with its in-place cache writes
+    and dynamic cache length) sample what eager decode samples (bench/gpu_check.sh a2)."""
+    model = load(folders).cuda()
+    reqs = staggered(prompts([3, 9, 5, 14, 1, 7]), n=2)
+    ref = Engine(model, num_slots=4, max_len=48, compile_decode=False).generate(reqs)
+    got = Engine(model, num_slots=4, max_len=48, compile_decode=mode).generate(reqs)
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compaction_on_cuda_eager_decode(folders):
     """On CUDA compaction is off by default (decode is a CUDA graph per bucket) and may be asked
     for with eager decode: the same samples as computing every slot (bench/gpu_check.sh a2)."""
@@ -307,14 +322,23 @@ def test_compaction_needs_eager_decode(folders):
 def test_compiled_decode_matches_eager(folders):
     """compile_decode=True (torch.compile of the decode step; + a CUDA graph on CUDA) samples the
     same tokens with the same log-probs as the eager step (here on CPU, inductor's C++ code)."""
+    from torch._inductor.utils import run_and_get_code
     model = load(folders)
     sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
     ps = prompts([3, 9, 5])
     ref, _ = run(model, 2, sp, ps)
-    got, _ = run(model, 2, sp, ps, compile_decode=True)
+    engine = Engine(model, num_slots=2, max_len=48, compile_decode=True)
+    got, codes = run_and_get_code(engine.generate, requests(ps, sp))
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     for a, b in zip(got, ref):
         assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+    # The cache length read changes every step: one graph for the first, one with it symbolic.
+    assert engine.stats.decode_steps >= 6 and len(codes) == 2
+    # Keys/values are written in place by the declared-mutating op: no buffer of the cache's
+    # size is allocated to copy it into (traced as index_put_ on views, every layer's write did).
+    new_cache_copy = re.compile(r"empty_strided_\w+\(" + re.escape(str(tuple(engine.cache.k.shape))))
+    for code in codes:
+        assert "torch.ops.tandem.kv_write" in code and not new_cache_copy.search(code)
 
 
 def test_decode_warm_up_leaves_no_trace(folders):
