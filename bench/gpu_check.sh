@@ -19,7 +19,7 @@
 #       New since the last GPU run (2026-11-30, 8.8k tok/s, half the plain graph's speed): the
 #       KV-cache writes are in place (`tandem::kv_write`; inductor had copied the whole cache
 #       before each layer's write) and the cache length read is a dynamic size (it read all of
-#       it); on CPU that took the compiled step from 1.2-1.9x slower than eager to 1.2-1.45x
+#       it); on CPU that took the compiled step from 1.2-1.9x slower than eager to 1.15-1.45x
 #       faster. The candidate for the >= 40k tok/s goal: it fuses the step's small kernels.
 #   c   bench/train_step.py --no-cpu --gpu --compile
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC)
