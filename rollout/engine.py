@@ -414,7 +414,8 @@ class Engine:
         if use_compile:
             # the cache length read is the one size that changes from step to step: the second
             # length seen recompiles with it symbolic (dynamo's automatic dynamic shapes), and
-            # that one graph serves every later length
+            # that one graph serves every later length (dynamic=True, every size symbolic from
+            # the start, computed other logits than eager's on CPU: BENCHMARKS.md "Generation")
             self._decode_fn = torch.compile(self._decode_body, dynamic=None)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
