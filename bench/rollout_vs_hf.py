@@ -70,6 +70,13 @@ def run_ours(engine: Engine, prompts, new_tokens: int) -> int:
     return sum(len(c.completion_ids) for c in done)
 
 
+def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> dict:
+    """One engine per decode mode (eager, cudagraph, compile), keyed `ours_<mode>`."""
+    return {f"ours_{m}": Engine(model, num_slots=num_slots, max_len=max_len,
+                                compile_decode=decode_mode(m, torch.device(device)))
+            for m in modes}
+
+
 def run_hf(model, ids, mask, new_tokens: int, **kw) -> int:
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -131,10 +138,7 @@ def cpu_section(repeats: int, modes: tuple = ("eager", "compile")) -> dict:
     lens = torch.randint(16, 49, (64,), generator=gen).tolist()
     prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in lens]
     new = 64
-    engines = {("ours" if m == "eager" else f"ours_{m}"):
-               Engine(ours, num_slots=64, max_len=max(lens) + new,
-                      compile_decode=decode_mode(m, torch.device("cpu")))
-               for m in modes}
+    engines = engines_by_mode(ours, modes, "cpu", 64, max(lens) + new)
     ids, mask = left_padded(prompts, "cpu")
     params = sum(p.numel() for p in ours.parameters())
     print(f"CPU: {params / 1e6:.2f}M-param Llama, 64 prompts of {min(lens)}-{max(lens)} tokens, "
@@ -179,11 +183,8 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"GPU ({name}): {args.num_params() / 1e9:.2f}B Llama shape bf16, B={B}, prompt {P}, +{new}")
     res: dict = {"device": name}
-    fns = {}
-    for mode in modes if device == "cuda" else ("eager",):
-        engine = Engine(ours, num_slots=B, max_len=P + new,
-                        compile_decode=decode_mode(mode, torch.device(device)))
-        fns[f"ours_{mode}"] = lambda e=engine: run_ours(e, prompts, new)
+    engines = engines_by_mode(ours, modes if device == "cuda" else ("eager",), device, B, P + new)
+    fns = {k: lambda e=e: run_ours(e, prompts, new) for k, e in engines.items()}
     fns["hf_dynamic_cache"] = lambda: run_hf(hf, ids, mask, new)
     if hf_static:  # transformers compiles the forward for a static cache: ~1 min more
         fns["hf_static_cache"] = lambda: run_hf(hf, ids, mask, new, cache_implementation="static")
