@@ -35,9 +35,17 @@ def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots_B: torch.Tens
     v_cache.transpose(1, 2).index_put_(idx, v_BTHD.to(v_cache.dtype))
 
 
-# The same write as an operator that declares its in-place mutation, for compiled code only:
-# eager calls skip its dispatch (tens of microseconds a call on CPU).
-kv_write = torch.library.custom_op("tandem::kv_write", scatter_kv, mutates_args=("k_cache", "v_cache"))
+def _write_layer(k_all: torch.Tensor, v_all: torch.Tensor, layer: int, slots_B: torch.Tensor,
+                 pos_BT: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> None:
+    scatter_kv(k_all[layer], v_all[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
+
+
+# `scatter_kv` of one layer as an operator that declares its in-place mutation, for compiled code
+# only (eager calls skip its dispatch: tens of microseconds a call on CPU). It takes the whole
+# cache tensors and the layer, not the layer's view: with the cache's sizes symbolic (a second
+# cache shape compiled in one process), torch 2.13's compiled code dropped a mutated view's
+# storage offset, and every layer's keys landed in layer 0 (tests/test_engine.py).
+kv_write = torch.library.custom_op("tandem::kv_write", _write_layer, mutates_args=("k_all", "v_all"))
 
 
 class KVCache:
@@ -84,8 +92,15 @@ class KVCache:
         torch.compile through the `tandem::kv_write` op, which writes in place: traced as plain
         `index_put_`s on views of the cache, inductor copied the whole cache of every layer
         before each layer's write (BENCHMARKS.md, "Generation")."""
-        write = kv_write if torch.compiler.is_compiling() else scatter_kv
-        write(self.k[layer], self.v[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
+        if torch.compiler.is_compiling():
+            whole = self.whole()
+            kv_write(whole.k, whole.v, layer, slots_B, pos_BT, k_BTHD, v_BTHD)
+        else:
+            scatter_kv(self.k[layer], self.v[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
+
+    def whole(self) -> "KVCache":
+        """The cache whose tensors are not views (a view of a cache returns the cache)."""
+        return self
 
     def read(self, layer: int, slots_B=None):
         """Keys/values [B, max_len, H, D] (a view when all slots are read, as in decode)."""

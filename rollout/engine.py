@@ -248,7 +248,10 @@ class _CacheView(KVCache):
 
     def __init__(self, cache: KVCache, Lb: int, R: int | None = None):  # nothing is allocated
         self.k, self.v = cache.k[:, :R, :, :Lb], cache.v[:, :R, :, :Lb]
-        self.rope = cache.rope
+        self.rope, self._whole = cache.rope, cache.whole()
+
+    def whole(self) -> KVCache:
+        return self._whole
 
 
 def _completion(info: dict, tokens: list, logp: list, versions: list, n: int, stopped: bool,
@@ -415,7 +418,7 @@ class Engine:
             # the cache length read is the one size that changes from step to step: the second
             # length seen recompiles with it symbolic (dynamo's automatic dynamic shapes), and
             # that one graph serves every later length (dynamic=True, every size symbolic from
-            # the start, computed other logits than eager's on CPU: BENCHMARKS.md "Generation")
+            # the start, compiled longer and ran slower on CPU: BENCHMARKS.md "Generation")
             self._decode_fn = torch.compile(self._decode_body, dynamic=None)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)

@@ -340,6 +340,13 @@ def test_compiled_decode_matches_eager(folders):
     new_cache_copy = re.compile(r"empty_strided_\w+\(" + re.escape(str(tuple(engine.cache.k.shape))))
     for code in codes:
         assert "torch.ops.tandem.kv_write" in code and not new_cache_copy.search(code)
+    # A second engine of another cache shape in the same process: dynamo recompiles the same
+    # code with the cache's sizes symbolic, and each layer's keys must still land in its layer.
+    other = Engine(model, num_slots=3, max_len=40, compile_decode=True)
+    got = other.generate(requests(ps, sp))
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
 
 
 def test_decode_warm_up_leaves_no_trace(folders):
