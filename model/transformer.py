@@ -66,12 +66,20 @@ class _Context:
             self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
             k, v = self.kv_cache.read(layer, self.slots)
             return attn.sdpa_grouped(q, k, v, self.mask, self.bias)
-        elif self.cu_seqlens is not None:
+        if self.cu_seqlens is not None or self.split is not None:
+            return self._packed(q, k, v)
+        return attn.sdpa(q, k, v, self.mask, causal=True)
+
+    # Left out of compiled code (`parallel.compile`): the sequence lengths are Python ints, so a
+    # compiled layer would specialise on every batch's packing and recompile each step, until
+    # dynamo's recompile limit silently sent it back to eager. The compiled regions before and
+    # after this call see only the token count, which becomes a symbolic size.
+    @torch.compiler.disable
+    def _packed(self, q, k, v) -> torch.Tensor:
+        if self.cu_seqlens is not None:
             out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window)
             return out[None]
-        elif self.split is not None:
-            return self._per_sequence(q, k, v)
-        return attn.sdpa(q, k, v, self.mask, causal=True)
+        return self._per_sequence(q, k, v)
 
     def _per_sequence(self, q, k, v) -> torch.Tensor:
         """Packed attention as causal SDPA per sequence: O(sum n_i^2) work instead of the O(N^2)

@@ -370,3 +370,37 @@ def test_build_model_keeps_tied_embeddings_without_a_process_group(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         _close(model(_batch()), load_pretrained(tmp_path, dtype="float32")(_batch()))
+
+
+def test_compiled_layers_train_packed_batches_without_recompiling(tmp_path):
+    """parallel.compile: the trainer's compiled decoder layers on packed batches whose packings
+    all differ (as every RL step's do) give eager's logits and gradients, and compile only for
+    the first two token counts (then one graph with the count symbolic). Per-sequence lengths
+    inside the compiled code had recompiled every step, then fallen back to eager at dynamo's
+    recompile limit."""
+    import copy
+    from model import load_pretrained
+    from parallel.sharding import apply_compile
+    from torch._dynamo.utils import counters
+    tiny.save_hf("llama3", tmp_path)
+    eager = load_pretrained(tmp_path, dtype="float32")
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for lens in ([9, 5, 7], [6, 12, 4, 3], [8, 8, 2, 11], [3, 14, 6], [10, 4, 4, 9]):
+        seq_lens = torch.tensor(lens)
+        ids = torch.randint(0, tiny.VOCAB, (sum(lens),), generator=g)
+        out = []
+        for m in (eager, compiled):
+            m.zero_grad()
+            logits = m(ids, seq_lens=seq_lens)
+            logits.float().logsumexp(-1).mean().backward()
+            out.append((logits.detach(), [p.grad.clone() for p in m.parameters()]))
+        _close(out[1][0], out[0][0])
+        for a, b in zip(out[1][1], out[0][1]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] > graphs[0] > 0  # the second token count compiles it symbolic ...
+    assert graphs[-1] == graphs[1]  # ... and that serves every later packing
