@@ -62,8 +62,14 @@ def apply_ac(model: Transformer) -> None:
 
 
 def apply_compile(model: Transformer) -> None:
+    """torch.compile each decoder layer's blocks (norms, attention, MLP) in place, not the layer:
+    a layer checkpointed by `apply_ac` then runs them compiled, forward and recompute alike (a
+    compiled layer around the checkpoint was run eager whole). Attention over packed sequences
+    stays eager inside (`model.transformer._Context._packed`). Module names do not change."""
     for layer in model.model.layers:
-        layer.compile()
+        for block in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
+                      layer.mlp):
+            block.compile()
 
 
 class AllToAllReduceScatter:

@@ -372,21 +372,26 @@ def test_build_model_keeps_tied_embeddings_without_a_process_group(tmp_path):
         _close(model(_batch()), load_pretrained(tmp_path, dtype="float32")(_batch()))
 
 
-def test_compiled_layers_train_packed_batches_without_recompiling(tmp_path):
-    """parallel.compile: the trainer's compiled decoder layers on packed batches whose packings
-    all differ (as every RL step's do) give eager's logits and gradients, and compile only for
-    the first two token counts (then one graph with the count symbolic). Per-sequence lengths
-    inside the compiled code had recompiled every step, then fallen back to eager at dynamo's
-    recompile limit."""
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_compiled_layers_train_packed_batches_without_recompiling(tmp_path, checkpointed):
+    """parallel.compile (with and without activation checkpointing): the trainer's compiled
+    decoder layers on packed batches whose packings all differ (as every RL step's do) give
+    eager's logits and gradients, and compile only for the first two token counts (then one
+    graph with the count symbolic). Per-sequence lengths inside the compiled code had recompiled
+    every step, then fallen back to eager at dynamo's recompile limit; a compiled checkpointed
+    layer ran eager."""
     import copy
     from model import load_pretrained
-    from parallel.sharding import apply_compile
+    from parallel.sharding import apply_ac, apply_compile
     from torch._dynamo.utils import counters
     tiny.save_hf("llama3", tmp_path)
     eager = load_pretrained(tmp_path, dtype="float32")
     compiled = copy.deepcopy(eager)
+    if checkpointed:
+        apply_ac(compiled)  # the order of parallelize_trainer
     apply_compile(compiled)
     torch._dynamo.reset()
+    counters.clear()  # they add up across tests
     g = torch.Generator().manual_seed(0)
     graphs = []
     for lens in ([9, 5, 7], [6, 12, 4, 3], [8, 8, 2, 11], [3, 14, 6], [10, 4, 4, 9]):
