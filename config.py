@@ -49,7 +49,7 @@ class ModelConfig:
     dtype: Dtype = _f("float32", "Dtype of the trainer's parameters (the master copy).")
     gen_dtype: Dtype = _f("float32", "Dtype of the generator's weights copy, e.g. 'bfloat16'.")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Dtype the trainer computes in (its parameters stay model.dtype): 'auto' = bfloat16 on CUDA, model.dtype on CPU; 'bfloat16' on CPU pays off with AMX (a tiny Llama's train step 1.5x faster, BENCHMARKS.md). With FSDP it is FSDP's param dtype, on one rank an autocast.")
-    attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "'auto' = flash-attn if importable, else SDPA.")
+    attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "The trainer's attention over packed sequences: 'auto' = flash-attn (varlen) on CUDA in fp16/bf16 where importable, else SDPA per sequence; 'flash' fails at start-up where flash-attn or CUDA is missing. The generator's KV-cache attention does not use it.")
     ref_path: str = _f("", "Reference model folder for the KL penalty (used when algo.kl_coef > 0); '' = the starting policy, model.path.")
 
 

@@ -25,6 +25,7 @@ def preflight(cfg, dims):
     with torch.device("meta"):
         check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings)
+    _check_attention(cfg)
     tok = load_tokenizer(cfg.model.path)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"tokenizer of {cfg.model.path} has {tok.vocab_size} tokens but the model's "
@@ -40,6 +41,17 @@ def preflight(cfg, dims):
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     _check_writable(Path(cfg.run.dir))
     return tok
+
+
+def _check_attention(cfg) -> None:
+    """model.attn_backend against this machine and the trainer's compute dtype."""
+    from model.attention import check_backend
+    from model.hf_io import to_dtype
+    from parallel.mesh import pick_device
+    from parallel.sharding import compute_dtype
+    device_type = pick_device().type
+    dtype = compute_dtype(cfg.model.compute_dtype, device_type, to_dtype(cfg.model.dtype))
+    check_backend(cfg.model.attn_backend, device_type, dtype)
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -17,6 +17,21 @@ except Exception:  # ImportError, or a broken CUDA build
 BACKENDS = ("auto", "sdpa", "flash")
 
 
+def check_backend(backend: str, device_type: str, dtype: torch.dtype) -> None:
+    """At start-up, before the first packed forward: 'flash' needs flash-attn, CUDA and a
+    half-precision compute dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    missing = [what for what, ok in (
+        ("flash-attn is not installed", flash_attn_varlen_func is not None),
+        ("no CUDA device", device_type == "cuda"),
+        (f"compute dtype {str(dtype).removeprefix('torch.')}, not fp16/bf16",
+         dtype in (torch.float16, torch.bfloat16))) if not ok]
+    if backend == "flash" and missing:
+        raise ValueError(f"model.attn_backend='flash' cannot run here ({', '.join(missing)}); set "
+                         "--model.attn_backend=auto (flash-attn where it runs, else SDPA) or sdpa")
+
+
 def use_flash(x: torch.Tensor, backend: str) -> bool:
     """flash-attn runs only on CUDA in half precision; "auto" falls back to SDPA elsewhere."""
     if backend not in BACKENDS:

@@ -176,10 +176,12 @@ def load_sharded(model: Transformer, path) -> None:
 
 
 def build_model(args, device: torch.device, dtype: torch.dtype,
-                parallelize=None, path=None, seed: int = 0) -> Transformer:
-    """meta -> parallelize -> to_empty -> load (or init): the model never exists unsharded."""
+                parallelize=None, path=None, seed: int = 0, attn_backend: str = "auto") -> Transformer:
+    """meta -> parallelize -> to_empty -> load (or init): the model never exists unsharded.
+    `attn_backend` (model.attn_backend) picks the packed forward's attention."""
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
+    model.attn_backend = attn_backend
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.rl_model import make_rl_model
 
@@ -65,18 +66,24 @@ def _case(name, tmp_path, good_model):
         "all_prompts_too_long": ([m, "--data.max_prompt_len=2"], ["max_prompt_len"]),
         "bad_reward_path": ([m, "--reward.fn=nowhere_pkg.mod:score"], ["nowhere_pkg"]),
         "run_dir_not_writable": ([m, f"--run.dir={not_dir}/run"], ["not writable", "run.dir"]),
+        "flash_without_flash_attn": ([m, "--model.attn_backend=flash"],
+                                     ["model.attn_backend='flash'", "--model.attn_backend=auto"]),
     }[name]
 
 
 CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unknown_flag",
          "impossible_layout", "tp_vs_heads", "missing_model", "corrupt_model", "unsupported_arch",
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
-         "run_dir_not_writable"]
+         "run_dir_not_writable", "flash_without_flash_attn"]
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model):
     argv, words = _case(name, tmp_path, good_model)
+    if name == "flash_without_flash_attn":
+        from model.attention import flash_attn_varlen_func
+        if flash_attn_varlen_func is not None and torch.cuda.is_available():
+            pytest.skip("flash-attn runs on this machine")
     if "--config" not in argv:
         argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
     # As rank 0 of a job: every check here runs before any process group exists.

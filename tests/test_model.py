@@ -206,3 +206,18 @@ def test_missing_and_unexpected_tensors_listed(tmp_path):
     with pytest.raises(ValueError, match=r"missing tensors: \['model.norm.weight'\].*"
                                          r"unexpected tensors: \['model.extra.weight'\]"):
         load_pretrained(tmp_path)
+
+
+def test_attention_backend_check_names_what_is_missing():
+    """model.attn_backend at start-up: 'auto' and 'sdpa' run anywhere; 'flash' names each
+    missing part (flash-attn, CUDA, a half-precision compute dtype)."""
+    from model import attention as attn
+    for backend in ("auto", "sdpa"):
+        attn.check_backend(backend, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="no CUDA device, compute dtype float32, not fp16/bf16"):
+        attn.check_backend("flash", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
+        attn.check_backend("xformers", "cuda", torch.bfloat16)
+    if attn.flash_attn_varlen_func is None:
+        with pytest.raises(ValueError, match=r"\(flash-attn is not installed\)"):
+            attn.check_backend("flash", "cuda", torch.bfloat16)

@@ -366,8 +366,10 @@ def test_build_model_keeps_tied_embeddings_without_a_process_group(tmp_path):
     from model.hf_io import load_model_args
     from parallel.sharding import build_model
     tiny.save_hf("tied", tmp_path)
-    model = build_model(load_model_args(tmp_path), torch.device("cpu"), torch.float32, path=tmp_path)
+    model = build_model(load_model_args(tmp_path), torch.device("cpu"), torch.float32, path=tmp_path,
+                        attn_backend="sdpa")
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.attn_backend == "sdpa"  # model.attn_backend reaches the model
     with torch.no_grad():
         _close(model(_batch()), load_pretrained(tmp_path, dtype="float32")(_batch()))
 

@@ -22,7 +22,7 @@ def build_trainer_model(cfg, meshes, path: str):
                            m, meshes.trainer, activation_checkpointing=pcfg.activation_checkpointing,
                            compile=pcfg.compile, units=pcfg.fsdp_units,
                            compute=cfg.model.compute_dtype),
-                       path=path)
+                       path=path, attn_backend=cfg.model.attn_backend)
 
 
 def build_ref_model(cfg, meshes):
