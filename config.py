@@ -170,7 +170,7 @@ class LoggingConfig:
     """Console, progress and TensorBoard output (metrics.jsonl is always written)."""
     console_every: int = _f(1, "Print a metrics line every N trainer steps.", ge=1)
     tensorboard: bool = _f(True, "Write TensorBoard events under <run.dir>/tb/.")
-    progress: bool = _f(True, "Show a progress line.")
+    progress: bool = _f(True, "Progress on the console: each step line ends with step/max_steps and the time left at the recent pace, and a wait for a batch of more than 10 s prints a line every 10 s saying what it waits for (at start-up: the generators' weights, engine and compilation).")
     log_rank: str = _f("0", "Ranks that print: 'all' or a comma-separated list such as '0,3'.")
 
 

@@ -56,7 +56,9 @@ def test_metrics_have_every_contract_key_and_versions_advance(async_run):
     gen = [r["generator_version"] for r in rows]
     assert gen == sorted(gen) and gen[-1] >= 2
     assert all(g <= r["policy_version"] for g, r in zip(gen, rows))
-    assert "step    4" in proc.stdout  # one console line per step
+    assert "step    4" in proc.stdout  # one console line per step, with the run's progress
+    assert [ln.split(" | ")[-1].split(" eta ")[0] for ln in proc.stdout.splitlines()
+            if ln.startswith("step ") and " | v" in ln] == ["1/4", "2/4", "3/4", "4/4"]
     assert (run_dir / "config.toml").is_file()
 
 

@@ -163,8 +163,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
                            world=dims.gen_dp)
     rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
     opt = build_optimizer(t_model, cfg.trainer)
-    logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every) \
-        if rank == 0 else None
+    logger = MetricsLogger.from_config(cfg) if rank == 0 else None
     worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
                              sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger,
                              build_ref_model(cfg, meshes))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 # DESIGN.md's contract: every line of metrics.jsonl has at least these keys.
@@ -14,8 +16,12 @@ CONTRACT_KEYS = ("step", "policy_version", "reward_mean", "samples", "staleness_
 
 
 class MetricsLogger:
+    """`total_steps` (logging.progress): each console line also shows the step out of the run's
+    steps and the time left at the pace of the last 20 steps (`progress`), the first step (which
+    waits for the generators' start-up) left out once there is another."""
+
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console_every: int = 1,
-                 stream=None, purge_step: int | None = None):
+                 stream=None, purge_step: int | None = None, total_steps: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -25,6 +31,14 @@ class MetricsLogger:
             # purge_step: after a resume, TensorBoard drops the events of the steps being redone
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge_step)
         self.console_every, self.stream = console_every, stream or sys.stdout
+        self.total_steps, self._step_times = total_steps, deque(maxlen=20)
+        self._first_s: float | None = None  # the first step's time: it waits for the start-up
+
+    @classmethod
+    def from_config(cls, cfg, purge_step: int | None = None) -> "MetricsLogger":
+        lg = cfg.logging
+        return cls(cfg.run.dir, lg.tensorboard, lg.console_every, purge_step=purge_step,
+                   total_steps=cfg.trainer.max_steps if lg.progress else None)
 
     def log(self, metrics: dict) -> None:
         missing = [k for k in CONTRACT_KEYS if k not in metrics]
@@ -38,8 +52,15 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._first_s is None:
+            self._first_s = float(metrics["time_step_s"])
+        else:
+            self._step_times.append(float(metrics["time_step_s"]))
         if self.console_every and step % self.console_every == 0:
-            print(console_line(metrics), file=self.stream, flush=True)
+            line = console_line(metrics)
+            if self.total_steps:
+                line += " | " + progress(step, self.total_steps, self._step_times or [self._first_s])
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         self._file.close()
@@ -101,6 +122,44 @@ def console_line(m: dict) -> str:
             f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | IS {m['is_ratio_mean']:.3f} | "
             f"loss {m['loss']:+.4f} | {m['tokens_per_s']:.0f} tok/s | step {m['time_step_s']:.2f}s | "
             f"sync {m['time_weights_sync_s'] * 1000:.0f}ms")
+
+
+def progress(step: int, total: int, recent_s) -> str:
+    """"12/800 eta 2m31s": the steps left at the mean of the recent step times."""
+    times = list(recent_s)
+    left = max(total - step, 0) * sum(times) / max(len(times), 1)
+    return f"{step}/{total} eta {duration(left)}"
+
+
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Heartbeat:
+    """A console line every `every_s` seconds of a long wait (logging.progress): `beat()` prints
+    when one is due and returns the seconds until the next, for the caller's wait slice."""
+
+    def __init__(self, what, every_s: float = 10.0, enabled: bool = True, stream=None,
+                 clock=time.monotonic):
+        self.what, self.every_s, self.enabled = what, every_s, enabled
+        self.stream, self.clock = stream or sys.stdout, clock
+        self.start = self.clock()
+        self.next = self.start + every_s
+
+    def beat(self) -> float:
+        if not self.enabled:
+            return math.inf
+        now = self.clock()
+        if now >= self.next:
+            text = self.what() if callable(self.what) else self.what
+            print(f"{text}: {duration(now - self.start)} so far", file=self.stream, flush=True)
+            self.next = now + self.every_s
+        return max(self.next - now, 0.0)
 
 
 def _jsonable(v):

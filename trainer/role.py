@@ -50,8 +50,7 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     logger = None
     if owner:
         purge = read_extra(path)["step"] + 1 if path is not None else None
-        logger = MetricsLogger(cfg.run.dir, cfg.logging.tensorboard, cfg.logging.console_every,
-                               purge_step=purge)
+        logger = MetricsLogger.from_config(cfg, purge_step=purge)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
                            logger, ref, tokenizer=tokenizer)

@@ -19,7 +19,7 @@ from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
 from trainer.link import Link, Msg, PeerError
-from trainer.metrics import reduce_stats, step_metrics
+from trainer.metrics import Heartbeat, reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
 
 
@@ -151,6 +151,7 @@ class TrainerWorker:
         if self.step == 0:
             timeout = max(timeout, self.cfg.parallel.warmup_timeout_s)  # compile, first prefill
         deadline = time.monotonic() + timeout
+        beat = Heartbeat(lambda: self._waiting_line(B), enabled=self.cfg.logging.progress)
         while True:
             for m in self.link.poll():
                 self._on_message(m)
@@ -163,8 +164,17 @@ class TrainerWorker:
                     f"trainer rank 0 waited {timeout:.0f}s for {B} prompt groups at version "
                     f"{self.version} from generator ranks {self.leaders}; buffer holds "
                     f"{len(self.buffer)} groups, stats {self.buffer.stats()}")
-            self._on_message(self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK}, f"{B} prompt groups "
-                                                f"for step {self.step}", timeout_s=left))
+            try:  # in slices, for the heartbeat; the deadline above decides when to give up
+                m = self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK}, f"{B} prompt groups for step "
+                                       f"{self.step}", timeout_s=min(left, beat.beat()))
+            except TimeoutError:
+                continue
+            self._on_message(m)
+
+    def _waiting_line(self, B: int) -> str:
+        first = "; the first batch includes the generators' start-up" if self.step == 0 else ""
+        return (f"step {self.step + 1}: waiting for {B} prompt groups from generator ranks "
+                f"{self.leaders} ({len(self.buffer)} buffered{first})")
 
     def _on_message(self, m) -> None:
         if m.type == Msg.TRAJECTORIES:  # a list of whole groups

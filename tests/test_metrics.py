@@ -1,0 +1,52 @@
+"""The trainer's console output: the progress part of each step line and the heartbeat of a long
+wait (logging.progress), against hand-computed values with a fake clock."""
+import io
+import json
+
+from trainer.metrics import CONTRACT_KEYS, Heartbeat, MetricsLogger, duration, progress
+
+
+def test_progress_shows_the_step_of_the_total_and_the_time_left_at_the_recent_pace():
+    assert progress(12, 800, [0.5, 1.5]) == "12/800 eta 13m08s"  # 788 steps x 1.0 s
+    assert progress(800, 800, [2.0]) == "800/800 eta 0s"
+    assert [duration(s) for s in (0.4, 59.6, 61, 3599, 3600, 7322)] == \
+        ["0s", "1m00s", "1m01s", "59m59s", "1h00m", "2h02m"]
+
+
+def test_logger_appends_progress_only_when_asked(tmp_path):
+    rows = [dict.fromkeys(CONTRACT_KEYS, 0.0) | {"step": s, "policy_version": s, "staleness_max": 0,
+                                                 "time_step_s": t} for s, t in ((1, 9.0), (2, 1.0))]
+    # the first step's 9 s sets the pace until another step is in; then it is left out
+    rows.append(rows[1] | {"step": 3, "policy_version": 3, "time_step_s": 3.0})
+    for total, tail in ((None, None), (5, ["1/5 eta 36s", "2/5 eta 3s", "3/5 eta 4s"])):
+        out = io.StringIO()
+        logger = MetricsLogger(tmp_path / str(total), tensorboard=False, stream=out, total_steps=total)
+        for r in rows:
+            logger.log(r)
+        logger.close()
+        lines = out.getvalue().splitlines()
+        assert [ln.split(" | ")[0] for ln in lines] == ["step    1", "step    2", "step    3"]
+        if tail is None:
+            assert "eta" not in out.getvalue()
+        else:
+            assert [ln.split(" | ")[-1] for ln in lines] == tail
+        assert [json.loads(x)["step"] for x in (tmp_path / str(total) / "metrics.jsonl").open()] == [1, 2, 3]
+
+
+def test_heartbeat_prints_once_per_interval_and_returns_the_time_to_the_next():
+    now = [100.0]
+    out = io.StringIO()
+    calls = []
+    beat = Heartbeat(lambda: calls.append(1) or f"waiting ({len(calls)})", every_s=10.0,
+                     stream=out, clock=lambda: now[0])
+    assert beat.beat() == 10.0 and out.getvalue() == ""  # nothing before the first interval
+    now[0] = 107.5
+    assert beat.beat() == 2.5 and out.getvalue() == ""
+    now[0] = 112.0
+    assert beat.beat() == 10.0
+    now[0] = 125.0
+    assert beat.beat() == 10.0  # due again: prints, the next one 10 s from now
+    assert out.getvalue().splitlines() == ["waiting (1): 12s so far", "waiting (2): 25s so far"]
+    off = Heartbeat("x", stream=out, clock=lambda: now[0], enabled=False)
+    now[0] = 1e6
+    assert off.beat() == float("inf") and len(out.getvalue().splitlines()) == 2
