@@ -171,7 +171,7 @@ class LoggingConfig:
     console_every: int = _f(1, "Print a metrics line every N trainer steps.", ge=1)
     tensorboard: bool = _f(True, "Write TensorBoard events under <run.dir>/tb/.")
     progress: bool = _f(True, "Progress on the console: each step line ends with step/max_steps and the time left at the recent pace, and a wait for a batch of more than 10 s prints a line every 10 s saying what it waits for (at start-up: the generators' weights, engine and compilation).")
-    log_rank: str = _f("0", "Ranks that print: 'all' or a comma-separated list such as '0,3'.")
+    log_rank: str = _f("all", "Ranks whose stdout is shown: 'all' (each rank prints only its role's few lines: rank 0 the rank map, the trainer's first rank the step lines, the first generator rank its set-up) or a comma-separated list of global ranks such as '0,3'; the others' stdout is dropped, their stderr (errors, tracebacks) kept. launch/run_local.sh filters by local rank instead (LOG_RANK).")
 
 
 @dataclass
@@ -293,6 +293,12 @@ class Config:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(self.to_toml())
         os.replace(tmp, path)
+
+
+def prints(log_rank: str, rank: int) -> bool:
+    """Whether global `rank` keeps its stdout under logging.log_rank (validated: 'all' or digits)."""
+    ranks = log_rank.replace(" ", "")
+    return ranks == "all" or rank in {int(r) for r in ranks.split(",")}
 
 
 def load_config(toml_path: str | None, overrides: typing.Iterable[str] = ()) -> Config:

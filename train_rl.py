@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 
-from config import ConfigError, help_text, load_config, parse_cli
+from config import ConfigError, help_text, load_config, parse_cli, prints
 
 _STARTED = False  # process groups exist: every rank reports its own errors from here on
 
@@ -58,6 +58,8 @@ def run(cfg) -> None:
     from parallel.dims import ParallelDims
     from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
 
+    if not prints(cfg.logging.log_rank, int(os.environ.get("RANK", "0"))):
+        sys.stdout = open(os.devnull, "w")  # logging.log_rank; stderr (errors) stays
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = preflight(cfg, dims)  # bad input is reported before any process group exists
     if _already_complete(cfg):

@@ -399,3 +399,9 @@ def test_kl_reference_defaults_to_the_starting_policy():
     assert load_config(None, [*start, "--algo.kl_coef=0.1", "--model.ref_path=/m/ref"]
                        ).resolve(3).model.ref_path == "/m/ref"
     assert load_config(None, start).resolve(3).model.ref_path == ""
+
+
+def test_log_rank_selects_the_ranks_that_print():
+    from config import prints
+    assert prints("all", 7) and prints("0", 0) and not prints("0", 1)
+    assert prints("0, 4", 4) and not prints("0,4", 40) and not prints("10", 1)

@@ -138,7 +138,7 @@ def test_two_nodes_on_one_machine(tmp_path):
     model = make_rl_model(tmp_path / "model")
     port = free_port()
     args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={tmp_path / 'run'}",
-            "--trainer.max_steps=2", *QUICK]
+            "--trainer.max_steps=2", "--logging.log_rank=0", *QUICK]
     rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", "twonode"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "2", "train_rl.py", *args]
@@ -150,7 +150,9 @@ def test_two_nodes_on_one_machine(tmp_path):
         assert a.returncode == 0, err[-5000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
-    assert "trainer   mesh (fsdp=3, tp=1): [0..2]" in "".join(o for o, _ in outs)
+    stdout = "".join(o for o, _ in outs)
+    assert "trainer   mesh (fsdp=3, tp=1): [0..2]" in stdout and "step    2 |" in stdout
+    assert "generator:" not in stdout  # rank 3's set-up line: logging.log_rank=0 drops it
 
 
 def test_colocated_mode_trains_on_two_ranks(tmp_path):
