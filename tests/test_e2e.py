@@ -162,7 +162,8 @@ def test_colocated_mode_trains_on_two_ranks(tmp_path):
     run_dir = tmp_path / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
                      f"--run.dir={run_dir}", "--trainer.max_steps=3", "--parallel.mode=colocated",
-                     "--trainer.lr=1e-2", "--algo.kl_coef=0.3", "--model.ref_path=", *QUICK], nproc=2)
+                     "--trainer.lr=1e-2", "--algo.kl_coef=0.3", "--model.ref_path=", *QUICK,
+                     "--checkpoint.hf_export_every=2"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = read_metrics(run_dir)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
@@ -171,3 +172,9 @@ def test_colocated_mode_trains_on_two_ranks(tmp_path):
         assert abs(r["is_ratio_mean"] - 1.0) <= 1e-5, r  # the reshard is exact
     assert abs(rows[0]["kl"]) <= 1e-7 and rows[-1]["kl"] > 1e-4, [r["kl"] for r in rows]
     assert (run_dir / "hf_final" / "config.json").is_file()
+    # the periodic export, as in split mode: the policy after step 2 (not the final one)
+    from model import load_pretrained
+    step2 = load_pretrained(run_dir / "hf" / "step_000002", dtype="float32")
+    final = load_pretrained(run_dir / "hf_final", dtype="float32")
+    assert not torch.equal(step2.model.norm.weight, final.model.norm.weight)
+    assert not (run_dir / "hf" / "step_000003").exists()

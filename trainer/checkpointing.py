@@ -107,3 +107,12 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
         return
     keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
     f.write_text("".join(line + "\n" for line in keep))
+
+
+def maybe_export_hf(cfg, model, step: int, tokenizer, group) -> None:
+    """checkpoint.hf_export_every: `<run_dir>/hf/step_NNNNNN`, a Hugging Face folder of the policy
+    after `step` (collective over the trainer mesh `group`; pass the tokenizer on one rank)."""
+    every = cfg.checkpoint.hf_export_every
+    if every and step % every == 0:
+        from parallel.checkpoint import export_hf
+        export_hf(model, f"{cfg.run.dir}/hf/step_{step:06d}", tokenizer=tokenizer, group=group)

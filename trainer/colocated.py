@@ -23,6 +23,7 @@ from rollout.engine import Request, SamplingParams
 from rollout.role import build_engine
 from rollout.worker import replica_share
 from trainer.batch import Group, Trajectory
+from trainer.checkpointing import maybe_export_hf
 from trainer.metrics import reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
 
@@ -95,6 +96,8 @@ class ColocatedWorker:
             lr = self.sched.get_last_lr()[0]
             self.version += 1
             self.step += 1
+            maybe_export_hf(self.cfg, self.t_model, self.step,
+                            self.tok if self.meshes.rank == 0 else None, self.meshes.trainer_group)
             t1 = time.perf_counter()
             self._reshard()
             stats = reduce_stats(res.stats, self.dp_group)

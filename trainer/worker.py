@@ -118,11 +118,9 @@ class TrainerWorker:
         c = self.cfg.checkpoint
         if c.every_steps and self.step % c.every_steps == 0 and self.step < self.cfg.trainer.max_steps:
             checkpointing.save(self, self.step)
-        if c.hf_export_every and self.step % c.hf_export_every == 0:
-            from parallel.checkpoint import export_hf
-            export_hf(self.model, f"{self.cfg.run.dir}/hf/step_{self.step:06d}",
-                      tokenizer=self.tokenizer if self.is_owner else None,
-                      group=self.meshes.trainer_group)
+        checkpointing.maybe_export_hf(self.cfg, self.model, self.step,
+                                      self.tokenizer if self.is_owner else None,
+                                      self.meshes.trainer_group)
 
     def collect_generator_states(self, step: int) -> dict:
         """The generator half of a consistent cut (owner only; see trainer/checkpointing.py)."""
