@@ -32,6 +32,14 @@ from trainer.buffer import staleness_gate_allows
 from trainer.link import Link, Msg
 
 
+def sampling_params(cfg) -> SamplingParams:
+    """The sampling of every training request, from `cfg.generator` (split and colocated)."""
+    g = cfg.generator
+    return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                          top_k=g.top_k, greedy=g.greedy, n=g.n_samples,
+                          stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos)
+
+
 def replica_share(batch_groups: int, dp: int, replica: int) -> int:
     """Groups per trainer step that replica `replica` of `dp` produces (they sum to B)."""
     return batch_groups // dp + (1 if replica < batch_groups % dp else 0)
@@ -59,11 +67,7 @@ class GeneratorWorker:
         self.pending: dict[int, _Pending] = {}
         self.generated: list[int] = []  # pending groups whose n completions are all in, being scored
         self.stop = False
-        g = cfg.generator
-        self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                     top_p=g.top_p, top_k=g.top_k, greedy=g.greedy,
-                                     stop_token_ids=list(g.stop_token_ids), n=g.n_samples,
-                                     ignore_eos=g.ignore_eos)
+        self.params = sampling_params(cfg)
         self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
         self.replica = replica
         self.on_first_swap = None

@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from rollout.engine import Request, SamplingParams
+from rollout.engine import Request
 from rollout.role import build_engine
-from rollout.worker import replica_share
+from rollout.worker import replica_share, sampling_params
 from trainer.batch import Group, Trajectory
 from trainer.checkpointing import maybe_export_hf
 from trainer.metrics import reduce_stats, step_metrics
@@ -74,12 +74,9 @@ class ColocatedWorker:
         dims = meshes.dims
         self.replica, self.tp_rank = dims.generator_coord(meshes.rank)
         self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
-        g = cfg.generator
         self.engine = build_engine(g_model, cfg, self.replica, meshes.device,
                                    print_choice=meshes.rank == 0)
-        self.params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                     top_p=g.top_p, top_k=g.top_k, greedy=g.greedy, n=g.n_samples,
-                                     stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos)
+        self.params = sampling_params(cfg)
         self.dp_group = meshes.trainer["fsdp"].get_group()
         self.dp_rank = meshes.trainer.get_coordinate()[0]
         self.step = self.version = self.started = 0
