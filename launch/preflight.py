@@ -25,7 +25,7 @@ def preflight(cfg, dims):
     with torch.device("meta"):
         check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings)
-    _check_attention(cfg)
+    _check_device_choices(cfg)
     tok = load_tokenizer(cfg.model.path)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"tokenizer of {cfg.model.path} has {tok.vocab_size} tokens but the model's "
@@ -43,15 +43,18 @@ def preflight(cfg, dims):
     return tok
 
 
-def _check_attention(cfg) -> None:
-    """model.attn_backend against this machine and the trainer's compute dtype."""
+def _check_device_choices(cfg) -> None:
+    """Choices that this machine must support: model.attn_backend (against the trainer's compute
+    dtype too) and generator.decode."""
     from model.attention import check_backend
     from model.hf_io import to_dtype
     from parallel.mesh import pick_device
     from parallel.sharding import compute_dtype
-    device_type = pick_device().type
-    dtype = compute_dtype(cfg.model.compute_dtype, device_type, to_dtype(cfg.model.dtype))
-    check_backend(cfg.model.attn_backend, device_type, dtype)
+    from rollout.engine import decode_mode
+    device = pick_device()
+    dtype = compute_dtype(cfg.model.compute_dtype, device.type, to_dtype(cfg.model.dtype))
+    check_backend(cfg.model.attn_backend, device.type, dtype)
+    decode_mode(cfg.generator.decode, device)
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -68,13 +68,15 @@ def _case(name, tmp_path, good_model):
         "run_dir_not_writable": ([m, f"--run.dir={not_dir}/run"], ["not writable", "run.dir"]),
         "flash_without_flash_attn": ([m, "--model.attn_backend=flash"],
                                      ["model.attn_backend='flash'", "--model.attn_backend=auto"]),
+        "cudagraph_without_cuda": ([m, "--generator.decode=cudagraph"],
+                                   ["generator.decode='cudagraph' needs a CUDA device", "'auto'"]),
     }[name]
 
 
 CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unknown_flag",
          "impossible_layout", "tp_vs_heads", "missing_model", "corrupt_model", "unsupported_arch",
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
-         "run_dir_not_writable", "flash_without_flash_attn"]
+         "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -84,6 +86,8 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model):
         from model.attention import flash_attn_varlen_func
         if flash_attn_varlen_func is not None and torch.cuda.is_available():
             pytest.skip("flash-attn runs on this machine")
+    if name == "cudagraph_without_cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA graphs run on this machine")
     if "--config" not in argv:
         argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
     # As rank 0 of a job: every check here runs before any process group exists.
