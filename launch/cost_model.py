@@ -240,8 +240,10 @@ def trainer_act_bytes_per_token(args: ModelArgs, tp: int, cb: int, ac: bool) -> 
     return layers + args.vocab_size * (cb + 8)
 
 
-def generator_weight_bytes(args: ModelArgs, tp: int, gen_bytes: int) -> float:
-    return args.num_params() * gen_bytes / tp
+def weight_bytes(args: ModelArgs, shards: int, nbytes: int) -> float:
+    """One rank's share of the parameters, split evenly over `shards` ranks (a generator's TP
+    shard; a frozen KL reference's FSDP x TP shard)."""
+    return args.num_params() * nbytes / shards
 
 
 def packed_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -> float:
@@ -298,7 +300,7 @@ def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, ge
     capped at the replica's sequences per step; `reserved` is memory already taken (colocated)."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     gb = dtype_bytes(wl.gen_dtype)
-    weights = generator_weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
+    weights = weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
     per_slot = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp) * wl.seq_len
     seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
     free = cap - reserved - weights

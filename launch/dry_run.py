@@ -130,8 +130,8 @@ def _print_memory(cfg, args, dims) -> None:
                                      cfg.parallel.activation_checkpointing, 0.0, t.micro_batch_tokens)
         gen, _, _ = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
         # the KL reference: frozen parameters only, sharded like the trainer's
-        ref = cm.generator_weight_bytes(args, dims.trainer_fsdp * dims.trainer_tp,
-                                        cm.dtype_bytes(cfg.model.dtype)) if cfg.algo.kl_coef > 0 else 0.0
+        ref = cm.weight_bytes(args, dims.trainer_fsdp * dims.trainer_tp,
+                              cm.dtype_bytes(cfg.model.dtype)) if cfg.algo.kl_coef > 0 else 0.0
         tr += ref
         total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
