@@ -17,30 +17,33 @@ except Exception:  # ImportError, or a broken CUDA build
 BACKENDS = ("auto", "sdpa", "flash")
 
 
-def check_backend(backend: str, device_type: str, dtype: torch.dtype) -> None:
-    """At start-up, before the first packed forward: 'flash' needs flash-attn, CUDA and a
-    half-precision compute dtype."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    missing = [what for what, ok in (
+def flash_missing(device_type: str, dtype: torch.dtype) -> list[str]:
+    """What keeps flash-attn from running on this device at this compute dtype (empty: it runs)."""
+    return [what for what, ok in (
         ("flash-attn is not installed", flash_attn_varlen_func is not None),
         ("no CUDA device", device_type == "cuda"),
         (f"compute dtype {str(dtype).removeprefix('torch.')}, not fp16/bf16",
          dtype in (torch.float16, torch.bfloat16))) if not ok]
+
+
+def check_backend(backend: str, device_type: str, dtype: torch.dtype) -> None:
+    """At start-up (preflight) and in every packed forward: 'flash' must be able to run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    missing = flash_missing(device_type, dtype)
     if backend == "flash" and missing:
         raise ValueError(f"model.attn_backend='flash' cannot run here ({', '.join(missing)}); set "
                          "--model.attn_backend=auto (flash-attn where it runs, else SDPA) or sdpa")
 
 
 def use_flash(x: torch.Tensor, backend: str) -> bool:
-    """flash-attn runs only on CUDA in half precision; "auto" falls back to SDPA elsewhere."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    ok = flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-    if backend == "flash" and not ok:
-        raise ValueError("attn_backend='flash' needs flash-attn installed and CUDA fp16/bf16 tensors; "
-                         "use attn_backend='auto' to fall back to SDPA")
-    return ok and backend != "sdpa"
+    """flash-attn runs only on CUDA in half precision; "auto" falls back to SDPA elsewhere. The
+    compute dtype is autocast's where it is on (the projections then give q/k/v in it), as
+    preflight assumes, else the activations'."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    check_backend(backend, device, dtype)
+    return backend != "sdpa" and not flash_missing(device, dtype)
 
 
 def sdpa(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor | None, causal: bool) -> torch.Tensor:
