@@ -47,6 +47,6 @@ def test_heartbeat_prints_once_per_interval_and_returns_the_time_to_the_next():
     now[0] = 125.0
     assert beat.beat() == 10.0  # due again: prints, the next one 10 s from now
     assert out.getvalue().splitlines() == ["waiting (1): 12s so far", "waiting (2): 25s so far"]
-    off = Heartbeat("x", stream=out, clock=lambda: now[0], enabled=False)
+    off = Heartbeat(lambda: "x", stream=out, clock=lambda: now[0], enabled=False)
     now[0] = 1e6
     assert off.beat() == float("inf") and len(out.getvalue().splitlines()) == 2

@@ -7,6 +7,7 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 # DESIGN.md's contract: every line of metrics.jsonl has at least these keys.
@@ -144,8 +145,8 @@ class Heartbeat:
     """A console line every `every_s` seconds of a long wait (logging.progress): `beat()` prints
     when one is due and returns the seconds until the next, for the caller's wait slice."""
 
-    def __init__(self, what, every_s: float = 10.0, enabled: bool = True, stream=None,
-                 clock=time.monotonic):
+    def __init__(self, what: Callable[[], str], every_s: float = 10.0, enabled: bool = True,
+                 stream=None, clock=time.monotonic):
         self.what, self.every_s, self.enabled = what, every_s, enabled
         self.stream, self.clock = stream or sys.stdout, clock
         self.start = self.clock()
@@ -156,8 +157,7 @@ class Heartbeat:
             return math.inf
         now = self.clock()
         if now >= self.next:
-            text = self.what() if callable(self.what) else self.what
-            print(f"{text}: {duration(now - self.start)} so far", file=self.stream, flush=True)
+            print(f"{self.what()}: {duration(now - self.start)} so far", file=self.stream, flush=True)
             self.next = now + self.every_s
         return max(self.next - now, 0.0)
 
