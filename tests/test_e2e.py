@@ -75,6 +75,9 @@ def test_async_checkpoint_and_periodic_hf_export(async_run):
     assert gen["started"] == len(trained) + len(held)  # every started prompt is accounted for
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(run_dir / "hf" / "step_000002"))
     assert hf.config.vocab_size == 17
+    out = async_run[2].stdout  # each save and export is reported once, by the owner rank
+    assert out.count(f"checkpoint of step 2 saved to {run_dir / 'checkpoints' / 'step_000002'} (") == 1
+    assert out.count(f"exported the policy after step 2 to {run_dir / 'hf' / 'step_000002'} (") == 1
 
 
 def test_a_finished_run_relaunched_does_nothing(async_run):
@@ -178,3 +181,4 @@ def test_colocated_mode_trains_on_two_ranks(tmp_path):
     final = load_pretrained(run_dir / "hf_final", dtype="float32")
     assert not torch.equal(step2.model.norm.weight, final.model.norm.weight)
     assert not (run_dir / "hf" / "step_000003").exists()
+    assert proc.stdout.count("exported the policy after step 2 to") == 1

@@ -17,6 +17,7 @@ regenerated from the restored cursor. So every prompt is trained exactly once, n
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from parallel.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
@@ -71,6 +72,7 @@ def save(worker, step: int) -> Path:
     from parallel.checkpoint import save_sharded, rng_state
     from trainer.worker import broadcast_json
 
+    t0 = time.perf_counter()
     extra = None
     if worker.is_owner:
         extra = {"step": step, "version": worker.version, "scheduler": worker.sched.state_dict(),
@@ -82,6 +84,8 @@ def save(worker, step: int) -> Path:
                         group=worker.meshes.trainer_group)
     if worker.is_owner:
         prune_checkpoints(root, worker.cfg.checkpoint.keep_last)
+        print(f"checkpoint of step {step} saved to {path} ({time.perf_counter() - t0:.1f}s)",
+              flush=True)
     return path
 
 
@@ -111,8 +115,13 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
 
 def maybe_export_hf(cfg, model, step: int, tokenizer, group) -> None:
     """checkpoint.hf_export_every: `<run_dir>/hf/step_NNNNNN`, a Hugging Face folder of the policy
-    after `step` (collective over the trainer mesh `group`; pass the tokenizer on one rank)."""
+    after `step` (collective over the trainer mesh `group`; pass the tokenizer on one rank, the
+    one that reports it)."""
     every = cfg.checkpoint.hf_export_every
     if every and step % every == 0:
         from parallel.checkpoint import export_hf
-        export_hf(model, f"{cfg.run.dir}/hf/step_{step:06d}", tokenizer=tokenizer, group=group)
+        t0 = time.perf_counter()
+        out = export_hf(model, f"{cfg.run.dir}/hf/step_{step:06d}", tokenizer=tokenizer, group=group)
+        if tokenizer is not None:
+            print(f"exported the policy after step {step} to {out} "
+                  f"({time.perf_counter() - t0:.1f}s)", flush=True)
