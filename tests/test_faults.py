@@ -65,3 +65,22 @@ def test_kill_a_rank_resumes_without_loss(reference, tmp_path, victim_rank):
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
+
+
+def test_ctrl_c_ends_every_rank_with_one_line_naming_the_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to torchrun, which passes it to every rank): one line on how to resume, not
+    a KeyboardInterrupt traceback from each rank; the run then resumes from that checkpoint."""
+    model = make_rl_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    proc = launch(model, run_dir, max_restarts=0, kill="rank=0,step=4,signal=INT")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "fault injection: SIGINT" in out, out[-3000:] + err[-3000:]
+    assert err.count("interrupted: ") == 1, err[-5000:]
+    assert (f"interrupted: run the same command again to resume {run_dir} from its latest "
+            "checkpoint, step_000002") in err
+    assert "[rank" not in err and "KeyboardInterrupt" not in err, err[-5000:]
+    again = launch(model, run_dir, max_restarts=0)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-4000:]
+    assert "resumed from" in out and "step_000002" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
