@@ -107,7 +107,8 @@ def rl_args(model: str, run_dir: Path, *, steps: int, prompts: int, samples: int
             "--checkpoint.every_steps=0", "--checkpoint.hf_export_final=false",
             "--logging.tensorboard=false", "--logging.progress=false",
             "--logging.console_every=1000", "--trainer.micro_batch_tokens=100000",
-            "--algo.kl_coef=0"]  # no reference forward: the workloads recorded so far had none
+            "--algo.kl_coef=0",  # no reference forward: the workloads recorded so far had none
+            "--eval.every_steps=0"]  # nor held-out evaluations
 
 
 def run_train_rl(world: int, args: list[str], timeout: float,

@@ -26,17 +26,16 @@ CONFIG = "configs/tiny_cpu.toml"
 
 
 def held_out_accuracy(model_dir: Path, cfg) -> float:
+    """Greedy exact match on 400 held-out sums: the items the in-run evaluation (eval.jsonl) takes
+    its first 200 from."""
+    import dataclasses
     from model import load_pretrained
     from model.tokenizer import load_tokenizer
-    from rollout.data import PromptItem
+    from rollout.data import load_held_out
     from rollout.evaluate import accuracy
     from rollout.rewards import resolve_reward
-    from rollout.tasks import make_task
-    from tools.make_tiny_model import EVAL_START
 
-    task = make_task(cfg.data.source.split(":", 1)[1], digits=cfg.data.synthetic_digits, seed=cfg.data.seed)
-    items = [PromptItem(i, task[EVAL_START + i]["prompt"], None, task[EVAL_START + i]["answer"], {})
-             for i in range(400)]
+    items = load_held_out(cfg.data, dataclasses.replace(cfg.eval, source="", num_prompts=400))
     model = load_pretrained(model_dir, dtype="float32").eval()
     return accuracy(model, load_tokenizer(model_dir), items, resolve_reward(cfg.reward.fn),
                     cfg.generator.max_new_tokens)

@@ -16,7 +16,7 @@ def preflight(cfg, dims):
     from model.hf_io import CheckpointReader, check_tensors, expected_tensors, load_model_args
     from model.tokenizer import load_tokenizer
     from rollout.rewards import resolve_reward
-    from rollout.role import load_items
+    from rollout.role import load_eval_items, load_items
 
     if not cfg.model.path:
         raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
@@ -38,6 +38,8 @@ def preflight(cfg, dims):
         raise ConfigError("checkpoints are implemented for split mode only; with "
                           "parallel.mode='colocated' set checkpoint.every_steps=0")
     load_items(cfg, tok)  # raises on a missing/empty dataset or when every prompt is too long
+    if cfg.eval.every_steps:
+        load_eval_items(cfg, tok)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     _check_writable(Path(cfg.run.dir))
     return tok

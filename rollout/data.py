@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 logger = logging.getLogger("tandem.data")
 
 SYNTHETIC_DEFAULT_SIZE = 10_000   # items of a synthetic task when num_prompts = 0
+HELD_OUT_START = 500_000  # a synthetic task's held-out items start here; training draws from 0
 REASONING_GYM_DEFAULT_SIZE = 1_000
 SOURCE_FORMS = "'synthetic:<task>', 'reasoning_gym:<task>', a .jsonl file or a .parquet file"
 
@@ -51,12 +52,13 @@ class PromptItem:
 
 def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer", num_prompts: int = 0, seed: int = 0,
-                 **source_kwargs) -> list[PromptItem]:
+                 start: int = 0, **source_kwargs) -> list[PromptItem]:
     """Load prompts from `source` (see SOURCE_FORMS). Ids are 0..N-1 in source order.
 
     num_prompts: keep the first N (0 = all; synthetic sources are infinite, so 0 means
         SYNTHETIC_DEFAULT_SIZE, and reasoning_gym generates REASONING_GYM_DEFAULT_SIZE).
     seed: generation seed of synthetic and reasoning_gym sources (files are read in order).
+    start: a synthetic task's first item (`HELD_OUT_START` for held-out prompts); ids stay 0..N-1.
     source_kwargs: task parameters, e.g. digits=3 for synthetic:addition or a reasoning_gym
         dataset option; files take none.
     The *_field names choose the columns of .jsonl/.parquet records.
@@ -65,7 +67,7 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
         raise ValueError(f"num_prompts must be >= 0 (0 = all), got {num_prompts}")
     kind, _, name = source.partition(":")
     if kind == "synthetic" and name:
-        return _load_synthetic(name, num_prompts, seed, source_kwargs)
+        return _load_synthetic(name, num_prompts, seed, source_kwargs, start)
     if kind == "reasoning_gym" and name:
         return _load_reasoning_gym(name, num_prompts, seed, source_kwargs)
     path = Path(source)
@@ -91,7 +93,8 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
     return items
 
 
-def _load_synthetic(name: str, num_prompts: int, seed: int, kwargs: dict) -> list[PromptItem]:
+def _load_synthetic(name: str, num_prompts: int, seed: int, kwargs: dict,
+                    start: int = 0) -> list[PromptItem]:
     from rollout.tasks import make_task
 
     task = make_task(name, seed=seed, **kwargs)
@@ -99,10 +102,36 @@ def _load_synthetic(name: str, num_prompts: int, seed: int, kwargs: dict) -> lis
     meta = {"source": f"synthetic:{name}", "task": name, "reward": task.default_reward}
     items = []
     for i in range(n):
-        it = task[i]
+        it = task[start + i]
         items.append(PromptItem(id=i, prompt=it["prompt"], messages=None, answer=it["answer"],
                                 meta=dict(meta)))
     return items
+
+
+def load_held_out(data, ev) -> list[PromptItem]:
+    """The prompts of an evaluation (`config.EvalConfig` ev, `config.DataConfig` data): those of
+    `ev.source` in data's fields, else the held-out part of `data.source` (items training never
+    draws: a synthetic task's from HELD_OUT_START on, a reasoning_gym task under another seed)."""
+    digits = {"digits": data.synthetic_digits}
+    common = dict(prompt_field=data.prompt_field, messages_field=data.messages_field,
+                  answer_field=data.answer_field, num_prompts=ev.num_prompts)
+    if ev.source:
+        synthetic = ev.source.startswith("synthetic:")
+        return load_prompts(ev.source, seed=data.seed, start=HELD_OUT_START if synthetic else 0,
+                            **common, **({**digits, **data.task_options} if synthetic else {}))
+    kind = data.source.partition(":")[0]
+    if kind == "synthetic":
+        if data.num_prompts > HELD_OUT_START:
+            raise ValueError(f"data.num_prompts={data.num_prompts} reaches the held-out items of "
+                             f"{data.source} (from {HELD_OUT_START} on); use at most "
+                             f"{HELD_OUT_START} training prompts, or set eval.source")
+        return load_prompts(data.source, seed=data.seed, start=HELD_OUT_START, **common,
+                            **{**digits, **data.task_options})
+    if kind == "reasoning_gym":
+        return load_prompts(data.source, seed=data.seed + 1, **common, **data.task_options)
+    raise ValueError(f"eval.every_steps={ev.every_steps} needs held-out prompts: data.source "
+                     f"{data.source!r} is a file, so set eval.source to a .jsonl/.parquet file of "
+                     "prompts kept out of training")
 
 
 def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) -> list[PromptItem]:

@@ -1,9 +1,31 @@
-"""Greedy accuracy of a model on held-out prompts, through the same engine the generator uses."""
+"""Held-out evaluation: greedy completions through the same engine the generator uses, scored by
+the run's reward.
+
+`accuracy` scores a model once (the warm start's stopping rule, the demo's before/after).
+`PeriodicEval` is the in-run evaluation (config `eval`): generator replica 0 evaluates the policy
+of every `eval.every_steps`-th version, version 0 and the final one as it takes those weights,
+with an engine of its own over the same model (the rollout engine's slots stay as they are, its
+in-flight samples resume after it). The replica's leader writes `<run_dir>/eval.jsonl` (one
+object per evaluation: step, reward_mean, prompts, completion_tokens_mean, time_s), TensorBoard
+scalars under `<run_dir>/tb/eval` (step = policy version) and one console line.
+"""
 from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
 
 import torch
 
 from rollout.engine import Engine, Request, SamplingParams
+
+
+def greedy_rewards(engine: Engine, items, prompt_ids, score, max_new_tokens: int):
+    """The greedy completions of `items` (whose token ids are `prompt_ids`) and their rewards:
+    `score(items, completions)` returns one float per completion."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, n=1)
+    done = engine.generate([Request(i, ids, params) for i, ids in enumerate(prompt_ids)])
+    return done, score([items[c.request_id] for c in done], done)
 
 
 @torch.no_grad()
@@ -13,9 +35,77 @@ def accuracy(model, tokenizer, items, reward_fn, max_new_tokens: int, num_slots:
     if not items:
         raise ValueError("accuracy needs at least one held-out prompt")
     engine = Engine(model, num_slots=num_slots, max_len=max_len)
-    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, n=1)
-    reqs = [Request(i, tokenizer.encode(it.prompt, add_bos=True), params) for i, it in enumerate(items)]
-    done = engine.generate(reqs)
-    scores = [reward_fn(items[c.request_id], tokenizer.decode(c.completion_ids), c.completion_ids)
-              for c in done]
-    return sum(scores) / len(scores)
+
+    def score(its, done):
+        return [reward_fn(it, tokenizer.decode(c.completion_ids), c.completion_ids)
+                for it, c in zip(its, done)]
+    _, rewards = greedy_rewards(engine, items, [tokenizer.encode(it.prompt, add_bos=True)
+                                                for it in items], score, max_new_tokens)
+    return sum(rewards) / len(rewards)
+
+
+class PeriodicEval:
+    """`eval.every_steps` on one generator replica. Every rank of the replica calls `maybe_run`
+    at the same versions (TP ranks decode together); the one built with `writer=True` records.
+    `start_version`: the version the run (re)starts from; records of it and later are dropped,
+    since they are redone."""
+
+    def __init__(self, cfg, engine: Engine, items, encode, tokenizer, rewards, writer: bool,
+                 start_version: int = 0):
+        self.every, self.final = cfg.eval.every_steps, cfg.trainer.max_steps
+        self.max_new = cfg.eval.max_new_tokens or cfg.generator.max_new_tokens
+        self.engine, self.items, self.tok, self.rewards = engine, items, tokenizer, rewards
+        self.prompt_ids = [encode(it) for it in items]
+        self.writer, self.done = writer, set()
+        self.path = Path(cfg.run.dir) / "eval.jsonl"
+        self._tb = None
+        if writer:
+            _drop_records_from(self.path, start_version)
+            if cfg.logging.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(Path(cfg.run.dir) / "tb" / "eval"),
+                                         purge_step=start_version or None)
+
+    def due(self, version: int) -> bool:
+        return (version not in self.done
+                and (version % self.every == 0 or version == self.final))
+
+    def maybe_run(self, version: int) -> dict | None:
+        if not self.due(version):
+            return None
+        self.done.add(version)
+        t0 = time.perf_counter()
+
+        def score(its, done):
+            return self.rewards.score_batch(its, [self.tok.decode(c.completion_ids) for c in done],
+                                            [c.completion_ids for c in done])
+        done, rewards = greedy_rewards(self.engine, self.items, self.prompt_ids, score, self.max_new)
+        rec = {"step": version, "reward_mean": sum(rewards) / len(rewards), "prompts": len(rewards),
+               "completion_tokens_mean": sum(len(c.completion_ids) for c in done) / len(done),
+               "time_s": time.perf_counter() - t0}
+        if self.writer:
+            self._record(rec)
+        return rec
+
+    def _record(self, rec: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for key in ("reward_mean", "completion_tokens_mean"):
+                self._tb.add_scalar(f"eval/{key}", rec[key], rec["step"])
+            self._tb.flush()
+        print(f"eval v{rec['step']} | greedy reward {rec['reward_mean']:.3f} on {rec['prompts']} "
+              f"held-out prompts | {rec['completion_tokens_mean']:.1f} tokens each | "
+              f"{rec['time_s']:.1f}s", flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _drop_records_from(path: Path, version: int) -> None:
+    """Keep the records of versions before `version` (a resumed run redoes the rest)."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < version]
+    path.write_text("".join(ln + "\n" for ln in keep))

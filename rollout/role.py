@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from model.hf_io import load_model_args, to_dtype
 from parallel.sharding import build_model, parallelize_generator
-from rollout.data import PromptSource, filter_by_length, load_prompts, render_prompt
+from rollout.data import PromptSource, filter_by_length, load_held_out, load_prompts, render_prompt
 from rollout.engine import Engine, decode_mode
+from rollout.evaluate import PeriodicEval
 from rollout.packed_linear import describe as describe_packing
 from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
@@ -20,9 +21,33 @@ def load_items(cfg, tokenizer):
     items = load_prompts(d.source, prompt_field=d.prompt_field, messages_field=d.messages_field,
                          answer_field=d.answer_field, num_prompts=d.num_prompts, seed=d.seed,
                          **{**digits, **d.task_options})
-    encode = lambda it: render_prompt(it, tokenizer, d.chat_template)  # noqa: E731
-    kept, skipped = filter_by_length(items, encode, d.max_prompt_len)
+    return _fitting(items, cfg, tokenizer)
+
+
+def load_eval_items(cfg, tokenizer):
+    """The held-out prompts of `eval` (rollout.data.load_held_out) that fit, and their encoder."""
+    return _fitting(load_held_out(cfg.data, cfg.eval), cfg, tokenizer)
+
+
+def _fitting(items, cfg, tokenizer):
+    encode = lambda it: render_prompt(it, tokenizer, cfg.data.chat_template)  # noqa: E731
+    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len)
     return kept, skipped, encode
+
+
+def build_eval(cfg, model, tokenizer, rewards, device, writer: bool,
+               start_version: int = 0) -> PeriodicEval | None:
+    """`eval.every_steps`: an evaluator with an engine of its own over the generator's model
+    (greedy, at most generator.num_slots slots, no packed weights: they would be a third copy)."""
+    if not cfg.eval.every_steps:
+        return None
+    items, _, encode = load_eval_items(cfg, tokenizer)
+    g = cfg.generator
+    max_new = cfg.eval.max_new_tokens or g.max_new_tokens
+    engine = Engine(model, num_slots=min(len(items), g.num_slots),
+                    max_len=cfg.data.max_prompt_len + max_new, seed=g.seed,
+                    compile_decode=decode_mode(g.decode, device), pack_weights=False)
+    return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version)
 
 
 def build_generator_model(cfg, meshes):
@@ -67,18 +92,27 @@ def run_generator(cfg, meshes, tokenizer) -> None:
                              replica, tp_group, encode)
     worker.on_first_swap = lambda: meshes.shorten_timeouts(cfg.parallel.timeout_s)
     path = resume_path(cfg)  # the same checkpoint the trainer resumes from
+    start = 0
     if path is not None:
         extra = read_extra(path)
+        start = extra["version"]
         state = generator_state(extra, replica)
         if state is not None:
-            worker.resume(state, extra["version"])
+            worker.resume(state, start)
+    if replica == 0:
+        worker.evaluator = build_eval(cfg, model, tokenizer, rewards, meshes.device,
+                                      writer=tp_rank == 0, start_version=start)
     try:
+        if worker.evaluator is not None and path is None:
+            worker.evaluator.maybe_run(0)  # the starting policy (a resumed run: at its swap)
         worker.run()
     except BaseException as e:
         if link is not None:
             link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}")
         raise
     finally:
+        if worker.evaluator is not None:
+            worker.evaluator.close()
         rewards.close()
         if link is not None:
             link.close()

@@ -71,6 +71,7 @@ class GeneratorWorker:
         self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
         self.replica = replica
         self.on_first_swap = None
+        self.evaluator = None  # rollout.evaluate.PeriodicEval on replica 0 with eval.every_steps
         self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
         self.awaiting = 0  # generate nothing until weights of this version are applied
 
@@ -137,6 +138,8 @@ class GeneratorWorker:
         self.stats["sync_s"] += dt
         if self.link is not None:
             self.link.send(self.trainer0, Msg.ACK, version, {"seconds": dt})
+        if self.evaluator is not None:  # after the ack: the trainer's sync time excludes it
+            self.evaluator.maybe_run(version)
 
     def _pause(self) -> None:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""

@@ -43,6 +43,8 @@ def _case(name, tmp_path, good_model):
     bad_toml.write_text("[trainer]\nlr = 1e-4\nmax_steps = = 3\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     not_dir = tmp_path / "a_file"
     not_dir.write_text("x")
     m = f"--model.path={good_model}"
@@ -70,13 +72,17 @@ def _case(name, tmp_path, good_model):
                                      ["model.attn_backend='flash'", "--model.attn_backend=auto"]),
         "cudagraph_without_cuda": ([m, "--generator.decode=cudagraph"],
                                    ["generator.decode='cudagraph' needs a CUDA device", "'auto'"]),
+        # the preset evaluates every 100 steps: a file dataset has no held-out part of its own
+        "eval_without_held_out": ([m, f"--data.source={prompts}"],
+                                  ["eval.every_steps=100", "prompts.jsonl", "set eval.source"]),
     }[name]
 
 
 CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unknown_flag",
          "impossible_layout", "tp_vs_heads", "missing_model", "corrupt_model", "unsupported_arch",
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
-         "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda"]
+         "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda",
+         "eval_without_held_out"]
 
 
 @pytest.mark.parametrize("name", CASES)

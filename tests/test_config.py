@@ -34,7 +34,7 @@ def test_defaults_load_and_validate():
 def test_every_section_and_field_has_help():
     sections = dataclasses.fields(Config)
     assert [s.name for s in sections] == ["model", "parallel", "generator", "trainer", "algo", "data",
-                                          "reward", "checkpoint", "logging", "run"]
+                                          "reward", "eval", "checkpoint", "logging", "run"]
     n = 0
     for s in sections:
         cls = s.default_factory

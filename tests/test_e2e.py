@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--trainer.prompts_per_step=4", "--generator.n_samples=4", "--generator.num_slots=16",
          "--generator.max_new_tokens=6", "--checkpoint.every_steps=0", "--parallel.timeout_s=60",
          "--parallel.warmup_timeout_s=120", "--logging.console_every=1",
-         "--reward.fn=tests.rl_model:length_reward", "--trainer.warmup_steps=0"]
+         "--reward.fn=tests.rl_model:length_reward", "--trainer.warmup_steps=0",
+         "--eval.num_prompts=8"]
 
 
 def torchrun(args, nproc=3, timeout=240, extra_env=None, torchrun_args=("--standalone",)):
@@ -78,6 +79,27 @@ def test_async_checkpoint_and_periodic_hf_export(async_run):
     out = async_run[2].stdout  # each save and export is reported once, by the owner rank
     assert out.count(f"checkpoint of step 2 saved to {run_dir / 'checkpoints' / 'step_000002'} (") == 1
     assert out.count(f"exported the policy after step 2 to {run_dir / 'hf' / 'step_000002'} (") == 1
+
+
+def test_held_out_evaluations_of_the_first_and_final_policy(async_run):
+    """eval.every_steps (the preset's 100) past max_steps: version 0 and the final version, scored
+    on generator rank 2 as they arrive; each equals a single-process greedy run of that policy."""
+    from config import load_config
+    from model import load_pretrained
+    from model.tokenizer import load_tokenizer
+    from rollout.evaluate import accuracy
+    from rollout.role import load_eval_items
+    from tests.rl_model import length_reward
+    run_dir, model, proc = async_run
+    recs = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompts"]) for r in recs] == [(0, 8), (4, 8)]
+    cfg = load_config("configs/tiny_cpu.toml", QUICK)
+    for rec, folder in zip(recs, (model, run_dir / "hf_final")):
+        tok = load_tokenizer(folder)
+        items = load_eval_items(cfg, tok)[0]
+        policy = load_pretrained(folder, dtype="float32").eval()
+        assert rec["reward_mean"] == pytest.approx(accuracy(policy, tok, items, length_reward, 6))
+    assert "eval v0 | greedy reward" in proc.stdout and "eval v4 | greedy reward" in proc.stdout
 
 
 def test_a_finished_run_relaunched_does_nothing(async_run):
@@ -181,4 +203,6 @@ def test_colocated_mode_trains_on_two_ranks(tmp_path):
     final = load_pretrained(run_dir / "hf_final", dtype="float32")
     assert not torch.equal(step2.model.norm.weight, final.model.norm.weight)
     assert not (run_dir / "hf" / "step_000003").exists()
+    evals = [json.loads(ln)["step"] for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals == [0, 3]  # the starting and the final policy, on replica 0
     assert proc.stdout.count("exported the policy after step 2 to") == 1

@@ -1,6 +1,7 @@
 """Faults: SIGKILL a trainer rank, then a generator rank, mid-run. torchrun restarts the job, it
 resumes from the last checkpoint, metrics stay contiguous, every prompt is trained exactly once,
 and in synchronous mode the final parameters equal an uninterrupted run, bitwise."""
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,11 @@ def test_kill_a_rank_resumes_without_loss(reference, tmp_path, victim_rank):
     trained = [pid for r in rows for pid in r["prompt_ids"]]
     assert len(trained) == len(set(trained))  # no prompt trained twice
     assert trained == [pid for r in ref_rows for pid in r["prompt_ids"]]  # and none lost
+    # held-out evaluations: each version once, as in the uninterrupted run (the resumed run
+    # dropped and redid those from its checkpoint's version on)
+    evals = lambda d: [{k: r[k] for k in ("step", "reward_mean")}  # noqa: E731
+                       for r in map(json.loads, (d / "eval.jsonl").read_text().splitlines())]
+    assert evals(run_dir) == evals(ref_dir) and [e["step"] for e in evals(ref_dir)] == [0, STEPS]
     ref = final_params(ref_dir)
     got = final_params(run_dir)
     assert ref.keys() == got.keys()

@@ -23,13 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import int_at_least  # noqa: E402
 from model import ModelArgs, Transformer, save_pretrained  # noqa: E402
 from model.tokenizer import build_char_tokenizer  # noqa: E402
-from rollout.data import PromptItem  # noqa: E402
+from rollout.data import HELD_OUT_START, PromptItem  # noqa: E402
 from rollout.evaluate import accuracy  # noqa: E402
 from rollout.rewards import exact_match  # noqa: E402
 from rollout.tasks import TASKS, make_task  # noqa: E402
 
 SFT_START = 1_000_000  # warm-start items come from far beyond the RL/eval index range
-EVAL_START = 500_000
 
 
 def tiny_args(vocab: int, bos: int, eos: int, pad: int) -> ModelArgs:
@@ -104,8 +103,8 @@ def main(argv=None) -> int:
     model = Transformer(tiny_args(tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id))
     model.init_weights(seed=a.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
-    held_out = [PromptItem(i, task[EVAL_START + i]["prompt"], None, task[EVAL_START + i]["answer"], {})
-                for i in range(256)]
+    held_out = [PromptItem(i, task[HELD_OUT_START + i]["prompt"], None,
+                           task[HELD_OUT_START + i]["answer"], {}) for i in range(256)]
     max_new = a.digits + 2
     t0, acc, step = time.time(), 0.0, 0
     for step in range(1, a.max_steps + 1):

@@ -82,7 +82,11 @@ class ColocatedWorker:
         self.step = self.version = self.started = 0
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
 
-    def run(self) -> None:
+    def run(self, evaluator=None) -> None:
+        """`evaluator` (rollout.evaluate.PeriodicEval, on the ranks of generator replica 0): the
+        starting policy, then each version it asks for, after the reshard."""
+        if evaluator is not None:
+            evaluator.maybe_run(0)
         while self.step < self.cfg.trainer.max_steps:
             t0 = time.perf_counter()
             groups = gather_groups(self._generate())
@@ -102,6 +106,8 @@ class ColocatedWorker:
                 self.logger.log(step_metrics(self.step, self.version, groups, stats, res, lr,
                                              time.perf_counter() - t0, time.perf_counter() - t1,
                                              self.nonfinite.total))
+            if evaluator is not None:  # after the step's metrics: its time is in eval.jsonl
+                evaluator.maybe_run(self.version)
 
     def _generate(self) -> list[dict]:
         """This replica's share of the step's groups, all sampled with the current weights."""
@@ -142,7 +148,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     from parallel.layout import Layout
     from rollout.data import PromptSource
     from rollout.rewards import RewardRunner, resolve_reward
-    from rollout.role import build_generator_model, load_items
+    from rollout.role import build_eval, build_generator_model, load_items
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.role import build_ref_model, build_trainer_model, finish_run
@@ -167,9 +173,13 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
                              sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger,
                              build_ref_model(cfg, meshes))
+    evaluator = None if replica else build_eval(cfg, g_model, tokenizer, rewards, meshes.device,
+                                                 writer=worker.tp_rank == 0)
     try:
-        worker.run()
+        worker.run(evaluator)
     finally:
+        if evaluator is not None:
+            evaluator.close()
         rewards.close()
         sender.close()
         if logger is not None:

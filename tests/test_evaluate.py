@@ -1,0 +1,124 @@
+"""Held-out evaluation (config `eval`): which prompts, the greedy scores against a plain forward
+loop, the records a run keeps (eval.jsonl, TensorBoard), and what a resumed run redoes."""
+import json
+
+import pytest
+import torch
+
+from config import load_config
+from model import load_pretrained
+from model.tokenizer import load_tokenizer
+from rollout.data import HELD_OUT_START, load_held_out, load_prompts
+from rollout.evaluate import PeriodicEval, accuracy
+from rollout.rewards import RewardRunner
+from rollout.role import build_eval, load_eval_items
+from rollout.tasks import make_task
+from tools.make_tiny_model import make_random_model
+
+TINY = "configs/tiny_cpu.toml"
+
+
+def digit_sum_reward(item, text, ids) -> float:
+    """Differs between completions (a random policy's greedy ones included): a wrong weight or
+    a wrong prompt would change it."""
+    return (sum(ids) % 5) / 4
+
+
+def test_held_out_prompts_are_the_tasks_far_items_or_eval_source(tmp_path):
+    cfg = load_config(TINY, ["--eval.num_prompts=5"])
+    held = load_held_out(cfg.data, cfg.eval)
+    task = make_task("addition", digits=1, seed=cfg.data.seed)
+    assert [(it.id, it.prompt, it.answer) for it in held] == [
+        (i, task[HELD_OUT_START + i]["prompt"], task[HELD_OUT_START + i]["answer"]) for i in range(5)]
+    train = load_prompts(cfg.data.source, num_prompts=5, digits=1)  # training draws from index 0
+    assert [it.prompt for it in train] == [task[i]["prompt"] for i in range(5)]
+    f = tmp_path / "held.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(3)))
+    cfg = load_config(TINY, [f"--eval.source={f}"])
+    assert [it.prompt for it in load_held_out(cfg.data, cfg.eval)] == ["0+1=", "1+1=", "2+1="]
+    cfg = load_config(TINY, [f"--data.source={f}", "--eval.every_steps=5"])
+    with pytest.raises(ValueError, match="is a file, so set eval.source"):
+        load_held_out(cfg.data, cfg.eval)
+    cfg = load_config(TINY, [f"--data.num_prompts={HELD_OUT_START + 1}"])
+    with pytest.raises(ValueError, match="reaches the held-out items"):
+        load_held_out(cfg.data, cfg.eval)
+
+
+def _greedy_by_hand(model, prompt_ids, max_new, eos) -> list[int]:
+    """Greedy decoding by full forwards, no cache, no engine: the reference."""
+    ids = list(prompt_ids)
+    for _ in range(max_new):
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
+        ids.append(nxt)
+        if nxt in eos:
+            break
+    return ids[len(prompt_ids):]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    folder = make_random_model(tmp_path / "model", hidden=32, seed=3)
+    cfg = load_config(TINY, [f"--model.path={folder}", f"--run.dir={tmp_path / 'run'}",
+                             "--eval.every_steps=3", "--eval.num_prompts=12", "--trainer.max_steps=7",
+                             "--generator.num_slots=5", "--eval.max_new_tokens=4"])
+    model = load_pretrained(folder, dtype="float32").eval()
+    tok = load_tokenizer(folder)
+    rewards = RewardRunner(digit_sum_reward, timeout_s=5.0)
+    yield cfg, model, tok, rewards
+    rewards.close()
+
+
+def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup):
+    cfg, model, tok, rewards = setup
+    ev = build_eval(cfg, model, tok, rewards, torch.device("cpu"), writer=True)
+    assert ev.engine.num_slots == 5  # at most generator.num_slots: the 12 prompts in 3 rounds
+    recs = [ev.maybe_run(v) for v in range(9)]
+    assert [v for v, r in enumerate(recs) if r] == [0, 3, 6, 7]  # every 3rd, and the final one
+    items, _, encode = load_eval_items(cfg, tok)
+    done = [_greedy_by_hand(model, encode(it), 4, set(model.args.eos_ids)) for it in items]
+    scores = [digit_sum_reward(it, tok.decode(c), c) for it, c in zip(items, done)]
+    assert len(set(scores)) > 1  # a discriminating reward, or this test could not fail
+    assert recs[0]["reward_mean"] == pytest.approx(sum(scores) / len(scores))
+    assert recs[0]["completion_tokens_mean"] == pytest.approx(sum(map(len, done)) / len(done))
+    assert recs[0]["prompts"] == 12
+    # the same weights, the same scores (what changes between versions is the model)
+    assert recs[3]["reward_mean"] == recs[0]["reward_mean"]
+    lines = [json.loads(ln) for ln in open(f"{cfg.run.dir}/eval.jsonl")]
+    assert lines == [r for r in recs if r]
+    ev.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(f"{cfg.run.dir}/tb/eval")
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/reward_mean")] == [0, 3, 6, 7]
+
+
+def test_accuracy_is_the_same_score(setup):
+    cfg, model, tok, _ = setup
+    items = load_held_out(cfg.data, cfg.eval)
+    done = [_greedy_by_hand(model, tok.encode(it.prompt, add_bos=True), 4, set(model.args.eos_ids))
+            for it in items]
+    want = sum(digit_sum_reward(it, "", c) for it, c in zip(items, done)) / len(items)
+    assert accuracy(model, tok, items, digit_sum_reward, 4, num_slots=5) == pytest.approx(want)
+
+
+def test_a_resumed_run_redoes_the_records_from_its_version(setup):
+    cfg, model, tok, rewards = setup
+    ev = build_eval(cfg, model, tok, rewards, torch.device("cpu"), writer=True)
+    for v in range(8):
+        ev.maybe_run(v)
+    ev.close()
+    # resumed from the checkpoint of version 3: its evaluation and the later ones are redone
+    again = build_eval(cfg, model, tok, rewards, torch.device("cpu"), writer=True, start_version=3)
+    steps = lambda: [json.loads(ln)["step"] for ln in open(f"{cfg.run.dir}/eval.jsonl")]  # noqa: E731
+    assert steps() == [0]
+    for v in range(3, 8):
+        again.maybe_run(v)
+    again.close()
+    assert steps() == [0, 3, 6, 7]
+    # a follower rank (writer=False) evaluates alike and writes nothing
+    _, _, encode = load_eval_items(cfg, tok)
+    follower = PeriodicEval(cfg, again.engine, again.items, encode, tok, rewards, writer=False)
+    recorded = json.loads(open(f"{cfg.run.dir}/eval.jsonl").readlines()[2])
+    assert follower.maybe_run(6)["reward_mean"] == recorded["reward_mean"]
+    assert steps() == [0, 3, 6, 7]
