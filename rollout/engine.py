@@ -384,6 +384,7 @@ class Engine:
         256 x 256 weight (slower below), if decode forwards timed both ways here show it faster
         (`pack_trial`; it depends on the CPU); True = all of them; False = none. The two ways
         differ by rounding only (fp32: log-probs within 1e-5); pin it for bitwise-repeatable runs.
+        Another engine's `packed_weights` over the same model: share its packed copies.
     compact: keep the owned slots at the front, decode computes only them ("Rows" above); None =
         with eager decode on CPU; True needs eager decode; False = decode computes every slot.
     """
@@ -392,7 +393,7 @@ class Engine:
                  dtype: torch.dtype | None = None, *, seed: int = 0, kv_policy: str = "keep",
                  sync_every: int | None = None, compile_decode: bool | str = False,
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
-                 pack_weights: bool | None = None, compact: bool | None = None):
+                 pack_weights: bool | PackedLinears | None = None, compact: bool | None = None):
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
@@ -428,6 +429,11 @@ class Engine:
                                                         use_compile)
 
     # ----- public API ---------------------------------------------------------------------------
+    @property
+    def packed_weights(self) -> PackedLinears | None:
+        """The oneDNN-packed copies this engine computes with (None: plain linears)."""
+        return self._packed
+
     @property
     def version(self) -> int:
         return self._version
@@ -818,7 +824,9 @@ def _packed_linears(model: torch.nn.Module, device: torch.device, choice: bool |
     """`pack_weights`: None = on CPU where oneDNN has the kernels and the decode step is not
     compiled (inductor does its own packing, and cannot lower ours), the linears large enough to
     gain (`packed_linear.MIN_NUMEL`), subject to the engine's timed trial; True = every fp32 or
-    bf16 linear; False = none."""
+    bf16 linear; False = none; a PackedLinears (another engine's): that one."""
+    if isinstance(choice, PackedLinears):
+        return choice
     ok = device.type == "cpu" and packed_linear.available() and not compiled
     if choice is None:
         packed = PackedLinears(model) if ok else None

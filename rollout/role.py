@@ -35,18 +35,19 @@ def _fitting(items, cfg, tokenizer):
     return kept, skipped, encode
 
 
-def build_eval(cfg, model, tokenizer, rewards, device, writer: bool,
+def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
                start_version: int = 0) -> PeriodicEval | None:
-    """`eval.every_steps`: an evaluator with an engine of its own over the generator's model
-    (greedy, at most generator.num_slots slots, no packed weights: they would be a third copy)."""
+    """`eval.every_steps`: an evaluator with an engine of its own over the rollout engine's model
+    (greedy, at most generator.num_slots slots, the same decode mode and packed weights)."""
     if not cfg.eval.every_steps:
         return None
     items, _, encode = load_eval_items(cfg, tokenizer)
-    g = cfg.generator
+    g, main = cfg.generator, rollout_engine
     max_new = cfg.eval.max_new_tokens or g.max_new_tokens
-    engine = Engine(model, num_slots=min(len(items), g.num_slots),
+    engine = Engine(main.model, num_slots=min(len(items), g.num_slots),
                     max_len=cfg.data.max_prompt_len + max_new, seed=g.seed,
-                    compile_decode=decode_mode(g.decode, device), pack_weights=False)
+                    compile_decode=decode_mode(g.decode, main.device),
+                    pack_weights=main.packed_weights or False)
     return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version)
 
 
@@ -100,8 +101,8 @@ def run_generator(cfg, meshes, tokenizer) -> None:
         if state is not None:
             worker.resume(state, start)
     if replica == 0:
-        worker.evaluator = build_eval(cfg, model, tokenizer, rewards, meshes.device,
-                                      writer=tp_rank == 0, start_version=start)
+        worker.evaluator = build_eval(cfg, engine, tokenizer, rewards, writer=tp_rank == 0,
+                                      start_version=start)
     try:
         if worker.evaluator is not None and path is None:
             worker.evaluator.maybe_run(0)  # the starting policy (a resumed run: at its swap)

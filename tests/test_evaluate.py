@@ -8,7 +8,9 @@ import torch
 from config import load_config
 from model import load_pretrained
 from model.tokenizer import load_tokenizer
+from rollout import packed_linear
 from rollout.data import HELD_OUT_START, load_held_out, load_prompts
+from rollout.engine import Engine
 from rollout.evaluate import PeriodicEval, accuracy
 from rollout.rewards import RewardRunner
 from rollout.role import build_eval, load_eval_items
@@ -69,10 +71,20 @@ def setup(tmp_path):
     rewards.close()
 
 
-def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup):
+def _evaluator(cfg, model, tok, rewards, pack=False, **kw):
+    rollout_engine = Engine(model, num_slots=cfg.generator.num_slots, max_len=64, pack_weights=pack)
+    return build_eval(cfg, rollout_engine, tok, rewards, **kw)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup, pack):
     cfg, model, tok, rewards = setup
-    ev = build_eval(cfg, model, tok, rewards, torch.device("cpu"), writer=True)
+    if pack and not packed_linear.available():
+        pytest.skip("this torch build has no oneDNN packed linears")
+    ev = _evaluator(cfg, model, tok, rewards, pack, writer=True)
     assert ev.engine.num_slots == 5  # at most generator.num_slots: the 12 prompts in 3 rounds
+    # the rollout engine's packed weights, shared (no third copy of the weights)
+    assert (ev.engine.packed_weights is not None) == pack
     recs = [ev.maybe_run(v) for v in range(9)]
     assert [v for v, r in enumerate(recs) if r] == [0, 3, 6, 7]  # every 3rd, and the final one
     items, _, encode = load_eval_items(cfg, tok)
@@ -104,12 +116,12 @@ def test_accuracy_is_the_same_score(setup):
 
 def test_a_resumed_run_redoes_the_records_from_its_version(setup):
     cfg, model, tok, rewards = setup
-    ev = build_eval(cfg, model, tok, rewards, torch.device("cpu"), writer=True)
+    ev = _evaluator(cfg, model, tok, rewards, writer=True)
     for v in range(8):
         ev.maybe_run(v)
     ev.close()
     # resumed from the checkpoint of version 3: its evaluation and the later ones are redone
-    again = build_eval(cfg, model, tok, rewards, torch.device("cpu"), writer=True, start_version=3)
+    again = _evaluator(cfg, model, tok, rewards, writer=True, start_version=3)
     steps = lambda: [json.loads(ln)["step"] for ln in open(f"{cfg.run.dir}/eval.jsonl")]  # noqa: E731
     assert steps() == [0]
     for v in range(3, 8):

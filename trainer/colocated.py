@@ -173,7 +173,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
                              sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger,
                              build_ref_model(cfg, meshes))
-    evaluator = None if replica else build_eval(cfg, g_model, tokenizer, rewards, meshes.device,
+    evaluator = None if replica else build_eval(cfg, worker.engine, tokenizer, rewards,
                                                  writer=worker.tp_rank == 0)
     try:
         worker.run(evaluator)
