@@ -133,19 +133,34 @@ def _print_memory(cfg, args, dims) -> None:
         ref = cm.weight_bytes(args, dims.trainer_fsdp * dims.trainer_tp,
                               cm.dtype_bytes(cfg.model.dtype)) if cfg.algo.kl_coef > 0 else 0.0
         tr += ref
-        total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
                                        cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes, units)
         kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype), g.num_slots, max_len)
+        ev = _eval_kv_bytes(cfg, args, dims)  # replica 0's held-out evaluation engine
+        gen += ev
+        total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         if name == "h100":
             print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "
                   f"{t.micro_batch_tokens} tokens (activation checkpointing "
                   f"{'on' if cfg.parallel.activation_checkpointing else 'off'})"
                   + (f" + KL reference shard {_gb(ref)}" if ref else ""))
-            print(f"  generator rank: {_gb(gen)} = weights {_gb(gen - kv)} + KV cache {_gb(kv)} "
-                  f"({g.num_slots} slots x {max_len} positions)")
+            print(f"  generator rank: {_gb(gen)} = weights {_gb(gen - kv - ev)} + KV cache {_gb(kv)} "
+                  f"({g.num_slots} slots x {max_len} positions)"
+                  + (f" + held-out eval KV cache {_gb(ev)} (replica 0)" if ev else ""))
         verdict = "fits" if total <= cap else "DOES NOT FIT"
         print(f"  {name} ({cl.gpu_mem_gb:.0f} GB, {cap / GB:.0f} GB usable): {verdict}")
+
+
+def _eval_kv_bytes(cfg, args, dims) -> float:
+    """The KV cache of `eval.every_steps`' engine on generator replica 0 (rollout.role.build_eval:
+    at most generator.num_slots slots of max_prompt_len + its new tokens); 0 without it."""
+    from launch import cost_model as cm
+    e, g = cfg.eval, cfg.generator
+    if not e.every_steps:
+        return 0.0
+    return cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype),
+                                 min(e.num_prompts, g.num_slots),
+                                 cfg.data.max_prompt_len + (e.max_new_tokens or g.max_new_tokens))
 
 
 def main(argv=None) -> int:

@@ -117,8 +117,11 @@ def load_held_out(data, ev) -> list[PromptItem]:
                   answer_field=data.answer_field, num_prompts=ev.num_prompts)
     if ev.source:
         synthetic = ev.source.startswith("synthetic:")
-        return load_prompts(ev.source, seed=data.seed, start=HELD_OUT_START if synthetic else 0,
-                            **common, **({**digits, **data.task_options} if synthetic else {}))
+        try:
+            return load_prompts(ev.source, seed=data.seed, start=HELD_OUT_START if synthetic else 0,
+                                **common, **({**digits, **data.task_options} if synthetic else {}))
+        except ValueError as e:  # the loader's message speaks of data.source
+            raise ValueError(f"eval.source={ev.source!r}: {e}") from None
     kind = data.source.partition(":")[0]
     if kind == "synthetic":
         if data.num_prompts > HELD_OUT_START:

@@ -78,6 +78,18 @@ def test_dry_run_of_a_real_model_folder_runs_preflight(tmp_path, monkeypatch, ca
     shard = load_pretrained(model, dtype="float32").args.num_params() * 4 / 2   # fp32, fsdp 2
     assert "KL reference shard" not in out
     assert f"KL reference shard {_gb(shard)}" in kl_out
+    # the preset's held-out evaluation: a second KV cache on replica 0, of min(200, 256) slots
+    # x (32 + 8) positions, 2 layers x k/v x 1 of 2 kv heads (gen_tp 2) x head_dim 8 in fp32
+    from types import SimpleNamespace
+    from launch.dry_run import _eval_kv_bytes
+    kv_eval = 200 * 40 * 2 * 2 * 1 * 8 * 4
+    assert _eval_kv_bytes(cfg, load_pretrained(model).args, SimpleNamespace(gen_tp=2)) == kv_eval
+    assert f"+ held-out eval KV cache {_gb(kv_eval)} (replica 0)" in out
+    off = load_config("configs/tiny_cpu.toml", [f"--model.path={model}", f"--run.dir={tmp_path / 'run'}",
+                                                "--parallel.trainer_fsdp=2", "--parallel.gen_tp=2",
+                                                "--parallel.generator_ranks=2", "--eval.every_steps=0"])
+    assert dry_run(off) == 0
+    assert "held-out eval" not in capsys.readouterr().out
 
 
 def test_dry_run_rejects_heads_that_tp_cannot_split(monkeypatch):
