@@ -1,4 +1,5 @@
-"""Bad input: each case exits non-zero within 60 s with one clear message (no traceback)."""
+"""Bad input: each case ends train_rl.main non-zero within 60 s with one clear message (no
+traceback), before any process group exists."""
 import json
 import os
 import subprocess
@@ -85,8 +86,35 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "eval_without_held_out"]
 
 
+# Each case runs train_rl.main in this process (a fresh interpreter per case cost ~5-9 s of
+# imports on 2 cores); these two also run as a user runs them, in a process of their own.
+IN_A_PROCESS = ("malformed_toml", "empty_dataset")
+
+
+def _in_a_process(argv, world):
+    env = {**os.environ, "WORLD_SIZE": world, "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "train_rl.py", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stderr
+
+
+def _in_this_process(argv, world, monkeypatch, capsys):
+    import train_rl
+    from parallel import mesh
+
+    def no_groups(*args, **kwargs):  # a regression must fail here, not wait for peers
+        raise AssertionError("reached process-group set-up: preflight let the bad input through")
+    monkeypatch.setattr(mesh, "init_process_group", no_groups)
+    for k, v in {"WORLD_SIZE": world, "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    rc = train_rl.main(argv)
+    return rc, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model):
+def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model, monkeypatch, capsys):
     argv, words = _case(name, tmp_path, good_model)
     if name == "flash_without_flash_attn":
         from model.attention import flash_attn_varlen_func
@@ -98,13 +126,13 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model):
         argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
     # As rank 0 of a job: every check here runs before any process group exists.
     world = "5" if name == "tp_vs_heads" else "3"
-    env = {**os.environ, "WORLD_SIZE": world, "RANK": "0", "LOCAL_RANK": "0"}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "train_rl.py", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    if name in IN_A_PROCESS:
+        rc, err = _in_a_process(argv, world)
+    else:
+        rc, err = _in_this_process(argv, world, monkeypatch, capsys)
     assert time.monotonic() - t0 < 60
-    assert proc.returncode != 0
-    err = proc.stderr
+    assert rc != 0
     assert "Traceback" not in err, err
     assert err.count("error") >= 1 and len(err.strip().splitlines()) <= 3, err
     for w in words:
