@@ -10,8 +10,8 @@
 #   a   CUDA IPC weight sync, 2 processes on one GPU, 1.1B Llama shape in bf16: bitwise exact,
 #       push -> applied time (goal <= 10 ms) and fraction of a plain device copy's bandwidth
 #       (goal >= 50%), for the staged, direct, double-buffered and zero-copy variants
-#   a2  the CUDA tests of tests/test_ipc.py and tests/test_engine.py (skipped on CPU, so they
-#       only run here)
+#   a2  the CUDA tests of tests/test_ipc.py, tests/test_engine.py and tests/test_evaluate.py
+#       (skipped on CPU, so they only run here)
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
 #       for a minute, and REFERENCES.md has its number from this machine), with the top kernels
 #       of one CUDA-graph run (--profile): where the decode step's 3.7 ms go
@@ -84,7 +84,7 @@ run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 
 run b2 200 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --modes compile --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
-run a2 90  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_engine.py -k cuda
+run a2 90  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
 

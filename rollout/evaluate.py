@@ -75,6 +75,9 @@ class PeriodicEval:
             return None
         self.done.add(version)
         t0 = time.perf_counter()
+        # the weights are in place already (the rollout engine took them); this drops what this
+        # engine derived from the old ones: CUDA graphs over replaced parameters, packed copies
+        self.engine.load_weights(lambda: None, version)
 
         def score(its, done):
             return self.rewards.score_batch(its, [self.tok.decode(c.completion_ids) for c in done],

@@ -99,6 +99,7 @@ def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup
     assert recs[0]["prompts"] == 12
     # the same weights, the same scores (what changes between versions is the model)
     assert recs[3]["reward_mean"] == recs[0]["reward_mean"]
+    assert ev.engine.version == 7  # each evaluation takes the version's weights (load_weights)
     lines = [json.loads(ln) for ln in open(f"{cfg.run.dir}/eval.jsonl")]
     assert lines == [r for r in recs if r]
     ev.close()
@@ -137,3 +138,29 @@ def test_a_resumed_run_redoes_the_records_from_its_version(setup):
     recorded = json.loads(open(f"{cfg.run.dir}/eval.jsonl").readlines()[2])
     assert follower.maybe_run(6)["reward_mean"] == recorded["reward_mean"]
     assert steps() == [0, 3, 6, 7]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_eval_follows_replaced_parameters(tmp_path):
+    """Zero-copy weight sync replaces the generator's parameter tensors: the evaluation engine's
+    CUDA graphs, captured over the old ones, must not replay them (bench/gpu_check.sh runs this)."""
+    folder = make_random_model(tmp_path / "model", hidden=64, seed=1)
+    cfg = load_config(TINY, [f"--model.path={folder}", f"--run.dir={tmp_path / 'run'}",
+                             "--eval.every_steps=1", "--eval.num_prompts=8",
+                             "--generator.decode=cudagraph", "--eval.max_new_tokens=4"])
+    model = load_pretrained(folder, dtype="float32").cuda().eval()
+    tok = load_tokenizer(folder)
+    rewards = RewardRunner(digit_sum_reward, timeout_s=5.0)
+    rollout_engine = Engine(model, num_slots=8, max_len=64, compile_decode="cudagraph")
+    ev = build_eval(cfg, rollout_engine, tok, rewards, writer=False)
+    first = ev.maybe_run(0)
+    torch.manual_seed(5)
+    for p in model.parameters():  # new tensors, as a zero-copy swap leaves them
+        p.data = torch.randn_like(p) * p.detach().std()
+    got = ev.maybe_run(1)
+    fresh = build_eval(cfg, Engine(model, num_slots=8, max_len=64), tok, rewards, writer=False)
+    want = fresh.maybe_run(1)
+    rewards.close()
+    key = lambda r: (r["reward_mean"], r["completion_tokens_mean"])  # noqa: E731
+    assert key(first) != key(want), "the new weights must change the scores, or this cannot fail"
+    assert key(got) == key(want)
