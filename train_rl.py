@@ -136,25 +136,12 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback from each
         if rank == 0:
+            from trainer.checkpointing import interrupted_line
             print(interrupted_line(cfg), file=sys.stderr, flush=True)
         return 130
     except Exception:
         print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
-
-
-def interrupted_line(cfg) -> str:
-    """What an interrupted run left behind, and how to go on from it."""
-    if cfg is None or cfg.run.dry_run:
-        return "interrupted"
-    from trainer.checkpointing import checkpoint_root
-    from parallel.checkpoint import latest_checkpoint
-    latest = latest_checkpoint(checkpoint_root(cfg))
-    if latest is None:
-        return (f"interrupted: {cfg.run.dir} has no checkpoint to resume from (set "
-                "--checkpoint.every_steps=N to make a run resumable)")
-    return (f"interrupted: run the same command again to resume {cfg.run.dir} from its latest "
-            f"checkpoint, {latest.name}")
 
 
 if __name__ == "__main__":

@@ -152,15 +152,14 @@ def _print_memory(cfg, args, dims) -> None:
 
 
 def _eval_kv_bytes(cfg, args, dims) -> float:
-    """The KV cache of `eval.every_steps`' engine on generator replica 0 (rollout.role.build_eval:
-    at most generator.num_slots slots of max_prompt_len + its new tokens); 0 without it."""
+    """The KV cache of `eval.every_steps`' engine on generator replica 0 (its shape for
+    eval.num_prompts prompts, `rollout.evaluate.engine_shape`); 0 without it."""
     from launch import cost_model as cm
-    e, g = cfg.eval, cfg.generator
-    if not e.every_steps:
+    from rollout.evaluate import engine_shape
+    if not cfg.eval.every_steps:
         return 0.0
-    return cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype),
-                                 min(e.num_prompts, g.num_slots),
-                                 cfg.data.max_prompt_len + (e.max_new_tokens or g.max_new_tokens))
+    slots, max_len = engine_shape(cfg, cfg.eval.num_prompts)
+    return cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype), slots, max_len)
 
 
 def main(argv=None) -> int:

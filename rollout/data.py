@@ -112,29 +112,37 @@ def load_held_out(data, ev) -> list[PromptItem]:
     """The prompts of an evaluation (`config.EvalConfig` ev, `config.DataConfig` data): those of
     `ev.source` in data's fields, else the held-out part of `data.source` (items training never
     draws: a synthetic task's from HELD_OUT_START on, a reasoning_gym task under another seed)."""
-    digits = {"digits": data.synthetic_digits}
-    common = dict(prompt_field=data.prompt_field, messages_field=data.messages_field,
-                  answer_field=data.answer_field, num_prompts=ev.num_prompts)
-    if ev.source:
-        synthetic = ev.source.startswith("synthetic:")
-        try:
-            return load_prompts(ev.source, seed=data.seed, start=HELD_OUT_START if synthetic else 0,
-                                **common, **({**digits, **data.task_options} if synthetic else {}))
-        except ValueError as e:  # the loader's message speaks of data.source
+    source, seed = ev.source or data.source, data.seed
+    kind = source.partition(":")[0]
+    if not ev.source and kind == "reasoning_gym":
+        seed += 1
+    elif not ev.source and kind != "synthetic":
+        raise ValueError(f"eval.every_steps={ev.every_steps} needs held-out prompts: data.source "
+                         f"{data.source!r} is a file, so set eval.source to a .jsonl/.parquet file "
+                         "of prompts kept out of training")
+    elif not ev.source and data.num_prompts > HELD_OUT_START:
+        raise ValueError(f"data.num_prompts={data.num_prompts} reaches the held-out items of "
+                         f"{data.source} (from {HELD_OUT_START} on); use at most "
+                         f"{HELD_OUT_START} training prompts, or set eval.source")
+    # data's task options go with a task of data's kind (a file takes none)
+    same_kind_task = kind in ("synthetic", "reasoning_gym") and kind == data.source.partition(":")[0]
+    try:
+        return load_prompts(source, prompt_field=data.prompt_field,
+                            messages_field=data.messages_field, answer_field=data.answer_field,
+                            num_prompts=ev.num_prompts, seed=seed,
+                            start=HELD_OUT_START if kind == "synthetic" else 0,
+                            **(task_options(data) if same_kind_task else {}))
+    except ValueError as e:
+        if ev.source:  # the loader's message speaks of data.source
             raise ValueError(f"eval.source={ev.source!r}: {e}") from None
-    kind = data.source.partition(":")[0]
-    if kind == "synthetic":
-        if data.num_prompts > HELD_OUT_START:
-            raise ValueError(f"data.num_prompts={data.num_prompts} reaches the held-out items of "
-                             f"{data.source} (from {HELD_OUT_START} on); use at most "
-                             f"{HELD_OUT_START} training prompts, or set eval.source")
-        return load_prompts(data.source, seed=data.seed, start=HELD_OUT_START, **common,
-                            **{**digits, **data.task_options})
-    if kind == "reasoning_gym":
-        return load_prompts(data.source, seed=data.seed + 1, **common, **data.task_options)
-    raise ValueError(f"eval.every_steps={ev.every_steps} needs held-out prompts: data.source "
-                     f"{data.source!r} is a file, so set eval.source to a .jsonl/.parquet file of "
-                     "prompts kept out of training")
+        raise
+
+
+def task_options(data) -> dict:
+    """The task parameters of `config.DataConfig` data: a synthetic task's digits, then
+    data.task_options (which may override them)."""
+    digits = {"digits": data.synthetic_digits} if data.source.startswith("synthetic:") else {}
+    return {**digits, **data.task_options}
 
 
 def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) -> list[PromptItem]:

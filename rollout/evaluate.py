@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import Engine, Request, SamplingParams
+from trainer.checkpointing import truncate_steps
 
 
 def greedy_rewards(engine: Engine, items, prompt_ids, score, max_new_tokens: int):
@@ -44,6 +45,13 @@ def accuracy(model, tokenizer, items, reward_fn, max_new_tokens: int, num_slots:
     return sum(rewards) / len(rewards)
 
 
+def engine_shape(cfg, n_prompts: int) -> tuple[int, int]:
+    """(slots, max_len) of the evaluation engine for `n_prompts` prompts: at most
+    generator.num_slots slots, room for the longest prompt and eval's new tokens."""
+    max_new = cfg.eval.max_new_tokens or cfg.generator.max_new_tokens
+    return min(n_prompts, cfg.generator.num_slots), cfg.data.max_prompt_len + max_new
+
+
 class PeriodicEval:
     """`eval.every_steps` on one generator replica. Every rank of the replica calls `maybe_run`
     at the same versions (TP ranks decode together); the one built with `writer=True` records.
@@ -56,24 +64,22 @@ class PeriodicEval:
         self.max_new = cfg.eval.max_new_tokens or cfg.generator.max_new_tokens
         self.engine, self.items, self.tok, self.rewards = engine, items, tokenizer, rewards
         self.prompt_ids = [encode(it) for it in items]
-        self.writer, self.done = writer, set()
+        self.writer = writer
         self.path = Path(cfg.run.dir) / "eval.jsonl"
         self._tb = None
         if writer:
-            _drop_records_from(self.path, start_version)
+            truncate_steps(self.path, start_version - 1)
             if cfg.logging.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(Path(cfg.run.dir) / "tb" / "eval"),
                                          purge_step=start_version or None)
 
     def due(self, version: int) -> bool:
-        return (version not in self.done
-                and (version % self.every == 0 or version == self.final))
+        return version % self.every == 0 or version == self.final
 
     def maybe_run(self, version: int) -> dict | None:
         if not self.due(version):
             return None
-        self.done.add(version)
         t0 = time.perf_counter()
         # the weights are in place already (the rollout engine took them); this drops what this
         # engine derived from the old ones: CUDA graphs over replaced parameters, packed copies
@@ -105,10 +111,3 @@ class PeriodicEval:
         if self._tb is not None:
             self._tb.close()
 
-
-def _drop_records_from(path: Path, version: int) -> None:
-    """Keep the records of versions before `version` (a resumed run redoes the rest)."""
-    if not path.is_file():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < version]
-    path.write_text("".join(ln + "\n" for ln in keep))

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from model.hf_io import load_model_args, to_dtype
 from parallel.sharding import build_model, parallelize_generator
-from rollout.data import PromptSource, filter_by_length, load_held_out, load_prompts, render_prompt
+from rollout.data import (PromptSource, filter_by_length, load_held_out, load_prompts,
+                          render_prompt, task_options)
 from rollout.engine import Engine, decode_mode
-from rollout.evaluate import PeriodicEval
+from rollout.evaluate import PeriodicEval, engine_shape
 from rollout.packed_linear import describe as describe_packing
 from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker
@@ -17,10 +18,9 @@ from weights_sync.sync import describe_receiver, make_receiver, plan_between_mes
 def load_items(cfg, tokenizer):
     """Prompts that fit `data.max_prompt_len`, plus their token ids (tokens in, tokens out)."""
     d = cfg.data
-    digits = {"digits": d.synthetic_digits} if d.source.startswith("synthetic:") else {}
     items = load_prompts(d.source, prompt_field=d.prompt_field, messages_field=d.messages_field,
                          answer_field=d.answer_field, num_prompts=d.num_prompts, seed=d.seed,
-                         **{**digits, **d.task_options})
+                         **task_options(d))
     return _fitting(items, cfg, tokenizer)
 
 
@@ -43,9 +43,8 @@ def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
         return None
     items, _, encode = load_eval_items(cfg, tokenizer)
     g, main = cfg.generator, rollout_engine
-    max_new = cfg.eval.max_new_tokens or g.max_new_tokens
-    engine = Engine(main.model, num_slots=min(len(items), g.num_slots),
-                    max_len=cfg.data.max_prompt_len + max_new, seed=g.seed,
+    slots, max_len = engine_shape(cfg, len(items))
+    engine = Engine(main.model, num_slots=slots, max_len=max_len, seed=g.seed,
                     compile_decode=decode_mode(g.decode, main.device),
                     pack_weights=main.packed_weights or False)
     return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version)

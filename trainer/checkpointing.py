@@ -103,10 +103,21 @@ def load(worker, path: Path) -> dict:
     return extra
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop metric lines of steps after the checkpoint: they are redone, so the file's steps stay
-    contiguous."""
-    f = Path(run_dir) / "metrics.jsonl"
+def interrupted_line(cfg) -> str:
+    """What an interrupted run (Ctrl-C) left behind, and how to go on from it."""
+    if cfg is None or cfg.run.dry_run:
+        return "interrupted"
+    latest = latest_checkpoint(checkpoint_root(cfg))
+    if latest is None:
+        return (f"interrupted: {cfg.run.dir} has no checkpoint to resume from (set "
+                "--checkpoint.every_steps=N to make a run resumable)")
+    return (f"interrupted: run the same command again to resume {cfg.run.dir} from its latest "
+            f"checkpoint, {latest.name}")
+
+
+def truncate_steps(f: Path, last_step: int) -> None:
+    """Drop the lines of a jsonl log (metrics.jsonl, eval.jsonl) whose "step" is after the
+    checkpoint's `last_step`: they are redone, so the file's steps stay contiguous."""
     if not f.is_file():
         return
     keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]

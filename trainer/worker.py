@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ class TrainerWorker:
         the restored weights: they wait for this version before generating again."""
         checkpointing.load(self, path)
         if self.is_owner:
-            checkpointing.truncate_metrics(self.cfg.run.dir, self.step)
+            checkpointing.truncate_steps(Path(self.cfg.run.dir) / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
         self._push_weights()
 
