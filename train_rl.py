@@ -52,18 +52,37 @@ def resolve_config(argv):
     return cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def run(cfg) -> None:
-    import torch.distributed as dist
+def run(cfg) -> int:
+    """This rank's part of the job; its exit code: 0, or 143 for a run that a SIGTERM stopped
+    early (launch/preemption.py)."""
+    from launch import preemption
     from launch.preflight import preflight
     from parallel.dims import ParallelDims
-    from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
+    from trainer.checkpointing import completed_steps
 
     if not prints(cfg.logging.log_rank, int(os.environ.get("RANK", "0"))):
         sys.stdout = open(os.devnull, "w")  # logging.log_rank; stderr (errors) stays
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = preflight(cfg, dims)  # bad input is reported before any process group exists
     if _already_complete(cfg):
-        return
+        return 0
+    if dims.mode == "split":  # colocated mode has no checkpoints: SIGTERM ends it at once
+        preemption.install(grace_s=cfg.parallel.timeout_s)
+    try:
+        _run_role(cfg, dims, tokenizer)
+    except BaseException:
+        preemption.uninstall()  # SIGTERM kills again
+        raise
+    preemption.uninstall(ignore=True)  # done: exit with the code below, whatever comes now
+    done = completed_steps(cfg)  # written before the barrier that every rank passed
+    return 0 if done is not None and done >= cfg.trainer.max_steps else preemption.EXIT_CODE
+
+
+def _run_role(cfg, dims, tokenizer) -> None:
+    """Process groups, meshes, this rank's role loop, and the barrier where both meshes end."""
+    import torch.distributed as dist
+    from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
+
     device = pick_device()
     init_process_group(device, cfg.parallel.backend, cfg.parallel.warmup_timeout_s)
     global _STARTED
@@ -126,8 +145,7 @@ def main(argv=None) -> int:
         if cfg.run.dry_run:
             from launch.dry_run import dry_run
             return dry_run(cfg)
-        run(cfg)
-        return 0
+        return run(cfg)
     except (ConfigError, ValueError) as e:
         # Detected before process groups start, every rank sees the same error: rank 0 prints it
         # and the others exit quietly. Later, only the failing rank knows: it prints one line.

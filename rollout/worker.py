@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from rollout.engine import Completion, Engine, Request, SamplingParams
+from launch import preemption
 from launch.faults import maybe_kill
+from rollout.engine import Completion, Engine, Request, SamplingParams
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import staleness_gate_allows
@@ -74,6 +75,7 @@ class GeneratorWorker:
         self.evaluator = None  # rollout.evaluate.PeriodicEval on replica 0 with eval.every_steps
         self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
         self.awaiting = 0  # generate nothing until weights of this version are applied
+        self.stop_passed = False  # this rank's SIGTERM was passed on to the trainer
 
     def resume(self, state: dict, version: int) -> None:
         """Restore the cut of a checkpoint (trainer/checkpointing.py): the cursor, then regenerate
@@ -90,6 +92,7 @@ class GeneratorWorker:
             self._handle(self._poll())
             if self.stop:
                 break
+            self._pass_on_stop()
             self._admit()
             if self.engine.has_work():
                 self.engine.step()
@@ -116,8 +119,18 @@ class GeneratorWorker:
                 self._swap(version)
             elif mtype == Msg.SHUTDOWN:
                 self.stop = True
+                preemption.stopping()  # a SIGTERM here has done its part
             elif mtype == Msg.CHECKPOINT and self.link is not None:
                 self.link.send(self.trainer0, Msg.CHECKPOINT, version, self._cut())
+
+    def _pass_on_stop(self) -> None:
+        """A SIGTERM on this replica's leader stops the run: the trainer's first rank decides
+        (launch/preemption.py), and this rank goes on until it says SHUTDOWN."""
+        reason = preemption.requested()
+        if reason and not self.stop_passed and self.link is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.link.send(self.trainer0, Msg.STOP, self.version, {"reason": f"{reason} on generator rank {rank}"})
+            self.stop_passed = True
 
     def _cut(self) -> dict:
         """This replica's half of a consistent checkpoint: everything it shipped is already on its

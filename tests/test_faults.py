@@ -86,3 +86,51 @@ def test_ctrl_c_ends_every_rank_with_one_line_naming_the_checkpoint(tmp_path):
             "checkpoint, step_000002") in err
     assert "[rank" not in err and "KeyboardInterrupt" not in err, err[-5000:]
     assert (run_dir / "checkpoints" / "step_000002" / ".metadata").is_file()
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resumes(reference, tmp_path):
+    """SIGTERM (SLURM preemption or time limit, `kill` of the launcher): the ranks finish the step
+    under way, save a checkpoint of it and exit, with one line naming it; the same command run
+    again resumes from it and trains every prompt once, as the uninterrupted run did."""
+    model, ref_dir = reference
+    run_dir = tmp_path / "run"
+    # trainer rank 1 signals the launcher as step 4 starts; periodic checkpoints are at 2, 4, 6
+    proc = launch(model, run_dir, max_restarts=0, kill="rank=1,step=4,signal=TERM")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "fault injection: SIGTERM" in out, out[-3000:] + err[-3000:]
+    assert "[rank" not in err, err[-5000:]  # no rank's traceback (torchrun prints its own)
+    rows = read_metrics(run_dir)
+    last = rows[-1]["step"]
+    assert last in (3, 4) and [r["step"] for r in rows] == list(range(1, last + 1))
+    ckpt = run_dir / "checkpoints" / f"step_{last:06d}"
+    assert err.count("SIGTERM: stopped after step") == 1, err[-5000:]
+    assert (f"SIGTERM: stopped after step {last} of {STEPS}, checkpoint {ckpt}; run the same "
+            "command again to resume") in err
+    assert (ckpt / ".metadata").is_file()
+    assert not (run_dir / "hf_final").exists() and not (run_dir / "COMPLETE").exists()
+    proc = launch(model, run_dir, max_restarts=0)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert f"resumed from {ckpt} at step {last}" in out, out[-3000:]
+    rows, ref_rows = read_metrics(run_dir), read_metrics(ref_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["prompt_ids"] for r in rows] == [r["prompt_ids"] for r in ref_rows]
+    ref, got = final_params(ref_dir), final_params(run_dir)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+def test_sigterm_to_a_generator_rank_alone_stops_the_run_the_same_way(tmp_path):
+    """`kill <pid>` of a generator rank: it tells the trainer's first rank, which stops the run
+    at its next step boundary with a checkpoint (resuming from one is tested above)."""
+    model = make_rl_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    proc = launch(model, run_dir, max_restarts=0, kill="rank=2,step=3,signal=TERM,target=self")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "fault injection: SIGTERM to this rank" in out, out[-3000:] + err[-3000:]
+    last = read_metrics(run_dir)[-1]["step"]
+    ckpt = run_dir / "checkpoints" / f"step_{last:06d}"
+    assert (f"SIGTERM on generator rank 2: stopped after step {last} of {STEPS}, checkpoint "
+            f"{ckpt}; run the same command again to resume") in err, err[-5000:]
+    assert (ckpt / ".metadata").is_file() and not (run_dir / "hf_final").exists()
+    assert "[rank" not in err and err.count("exitcode  : 143") == 3, err[-5000:]

@@ -202,7 +202,8 @@ def slurm(tmp_path):
     record = tmp_path / "torchrun_args"
     _stub(bin_dir / "scontrol", 'test "$1 $2 $3" = "show hostnames node[07-08]" && printf "node07\\nnode08\\n"\n')
     _stub(bin_dir / "srun", 'test "$1" = --kill-on-bad-exit=1 && shift && exec "$@"\n')
-    _stub(bin_dir / "torchrun", f"printf '%s\\n' \"$@\" > {record}\n")
+    _stub(bin_dir / "torchrun", f"printf '%s\\n' \"$@\" > {record}\n"
+                                f"echo \"$TORCH_ELASTIC_SHUTDOWN_TIMEOUT\" > {record}.shutdown_timeout\n")
     for tool in ("bash", "sed", "grep", "basename"):  # a PATH with nothing else on it
         os.symlink(shutil.which(tool), bin_dir / tool)
     env = {"PATH": str(bin_dir), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "1234",
@@ -222,6 +223,9 @@ def test_sbatch_command_line(slurm):
     assert args == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", "node07:29500", "--rdzv-id", "1234", "--max-restarts", "3",
                     "train_rl.py", "--config", "configs/big.toml", "--run.name=big_1234", "--trainer.lr=1e-6"]
+    # SIGTERM 120 s before the time limit, and torchrun gives its ranks 100 s to checkpoint
+    assert "#SBATCH --signal=TERM@120\n" in open(SBATCH).read()
+    assert (slurm[1].parent / "torchrun_args.shutdown_timeout").read_text() == "100\n"
 
 
 def test_sbatch_array_task_reads_its_sweep_line(slurm, tmp_path):

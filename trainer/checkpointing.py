@@ -115,6 +115,19 @@ def interrupted_line(cfg) -> str:
             f"checkpoint, {latest.name}")
 
 
+def saved(cfg, step: int) -> bool:
+    """A finished checkpoint of `step` is on disk (the periodic one, or the one resumed from)."""
+    return (checkpoint_dir(checkpoint_root(cfg), step) / ".metadata").is_file()
+
+
+def stopped_line(cfg, reason: str, step: int, path: Path) -> str:
+    """What a run stopped early (SIGTERM, launch/preemption.py) left behind."""
+    if step == 0:
+        return f"{reason}: stopped before the first step of {cfg.run.dir}; nothing to save"
+    return (f"{reason}: stopped after step {step} of {cfg.trainer.max_steps}, checkpoint {path}; "
+            f"run the same command again to resume")
+
+
 def truncate_steps(f: Path, last_step: int) -> None:
     """Drop the lines of a jsonl log (metrics.jsonl, eval.jsonl) whose "step" is after the
     checkpoint's `last_step`: they are redone, so the file's steps stay contiguous."""

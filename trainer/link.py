@@ -65,6 +65,7 @@ class Msg(IntEnum):
     CHECKPOINT = 4  # trainer -> generators: report in-flight prompt ids
     SHUTDOWN = 5  # either way: stop; payload may carry an error
     STATS = 6  # generator -> trainer: counters for metrics
+    STOP = 7  # generator -> trainer: this rank got SIGTERM; stop at a step boundary (preemption)
 
 
 @dataclass

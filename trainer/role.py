@@ -63,7 +63,8 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
             logger.close()
         if link is not None:
             link.close()
-    finish_run(cfg, meshes, model, tokenizer, worker.version, owner)
+    if not worker.stopped:  # stopped early (SIGTERM): no final export, not complete
+        finish_run(cfg, meshes, model, tokenizer, worker.version, owner)
 
 
 def finish_run(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None:

@@ -9,12 +9,14 @@ one fsdp shard train on the same groups.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from launch import preemption
 from launch.faults import maybe_kill
 from trainer import checkpointing
 from trainer.batch import Group
@@ -58,6 +60,7 @@ class TrainerWorker:
         self.acks: dict[int, float] = {}
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.nonfinite_total = 0
+        self.stopped: str | None = None  # why the run stopped early (SIGTERM: launch/preemption.py)
 
     def resume(self, path) -> None:
         """Restore from a checkpoint (collective over the trainer mesh), then hand the generators
@@ -70,7 +73,7 @@ class TrainerWorker:
 
     def run(self) -> None:
         try:
-            while self.step < self.cfg.trainer.max_steps:
+            while self.step < self.cfg.trainer.max_steps and not self.stopped:
                 self._one_step()
         except PeerError:
             raise
@@ -84,6 +87,9 @@ class TrainerWorker:
         maybe_kill(self.meshes.rank, self.step + 1)
         t0 = time.perf_counter()
         groups = self._take_batch()
+        if groups is None:
+            self._stop()
+            return
         t_wait = time.perf_counter() - t0
         mine = groups[self.dp_rank::self.dp]
         res = train_step(self.model, self.opt, self.sched, mine, self.cfg, self.dp_group,
@@ -123,6 +129,18 @@ class TrainerWorker:
                                       self.tokenizer if self.is_owner else None,
                                       self.meshes.trainer_group)
 
+    def _stop(self) -> None:
+        """The stop that the owner announced (launch/preemption.py): a checkpoint of the last
+        finished step, unless it is step 0 or already saved (collective over the trainer mesh);
+        `run` then shuts the generators down."""
+        preemption.stopping()
+        path = checkpointing.checkpoint_dir(checkpointing.checkpoint_root(self.cfg), self.step)
+        if self.stopped["save"]:
+            path = checkpointing.save(self, self.step)
+        if self.is_owner:
+            print(checkpointing.stopped_line(self.cfg, self.stopped["reason"], self.step, path),
+                  file=sys.stderr, flush=True)
+
     def collect_generator_states(self, step: int) -> dict:
         """The generator half of a consistent cut (owner only; see trainer/checkpointing.py)."""
         for leader in self.leaders:
@@ -136,16 +154,24 @@ class TrainerWorker:
         return states
 
     # ----- the buffer (owner only) ----------------------------------------------------------
-    def _take_batch(self) -> list[Group]:
+    def _take_batch(self) -> list[Group] | None:
+        """The step's groups on every trainer rank, or None (and `stopped` set) when the owner
+        was asked to stop: its decision travels in this broadcast, which every step has."""
         groups = None
         if self.is_owner:
-            groups = [g.to_dict() for g in self._collect()]
-        tgroup = self.meshes.trainer_group
-        groups = [Group.from_dict(d) for d in broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], tgroup)]
+            got = self._collect()
+            groups = [g.to_dict() for g in got] if got is not None else {
+                "reason": preemption.requested(), "save": self.step > 0 and not checkpointing.saved(self.cfg, self.step)}
+        groups = broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], self.meshes.trainer_group)
+        if isinstance(groups, dict):
+            self.stopped = groups
+            return None
+        groups = [Group.from_dict(d) for d in groups]
         # Arrival order depends on reward threads and timing; training order must not.
         return sorted(groups, key=lambda g: (g.min_version, g.prompt_id))
 
-    def _collect(self) -> list[Group]:
+    def _collect(self) -> list[Group] | None:
+        """B groups from the buffer, waiting for the generators; None once a stop is asked for."""
         B, timeout = self.cfg.trainer.prompts_per_step, self.cfg.parallel.timeout_s
         if self.step == 0:
             timeout = max(timeout, self.cfg.parallel.warmup_timeout_s)  # compile, first prefill
@@ -154,6 +180,8 @@ class TrainerWorker:
         while True:
             for m in self.link.poll():
                 self._on_message(m)
+            if preemption.requested():
+                return None
             got = self.buffer.try_take(B, self.version)
             if got is not None:
                 return got
@@ -163,9 +191,9 @@ class TrainerWorker:
                     f"trainer rank 0 waited {timeout:.0f}s for {B} prompt groups at version "
                     f"{self.version} from generator ranks {self.leaders}; buffer holds "
                     f"{len(self.buffer)} groups, stats {self.buffer.stats()}")
-            try:  # in slices, for the heartbeat; the deadline above decides when to give up
-                m = self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK}, f"{B} prompt groups for step "
-                                       f"{self.step}", timeout_s=min(left, beat.beat()))
+            try:  # in slices, for the heartbeat and a SIGTERM; the deadline decides when to give up
+                m = self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK, Msg.STOP}, f"{B} prompt groups for "
+                                       f"step {self.step}", timeout_s=min(left, beat.beat(), 1.0))
             except TimeoutError:
                 continue
             self._on_message(m)
@@ -183,6 +211,8 @@ class TrainerWorker:
                     self.buffer.put(group, timeout=self.cfg.parallel.timeout_s)
         elif m.type == Msg.ACK:
             self.acks[m.version] = (m.payload or {}).get("seconds", 0.0)
+        elif m.type == Msg.STOP:  # a generator leader's SIGTERM
+            preemption.request(m.payload["reason"])
         elif m.type == Msg.SHUTDOWN:
             raise PeerError(f"generator rank {m.src} shut down: {(m.payload or {}).get('error')}")
 

@@ -1,0 +1,89 @@
+"""SIGTERM stops a split-mode run at the next trainer step boundary, with a checkpoint.
+
+SLURM sends SIGTERM to every process of a job at preemption, on `scancel`, and at its time limit
+(`launch/tandem.sbatch` asks for it 120 s early with `--signal=TERM@120`); torchrun passes its own
+SIGTERM on to every rank. Rather than dying mid-step, every rank notes it here, and:
+  - the trainer's first rank, as it starts waiting for the next batch, tells the other trainer
+    ranks in the batch broadcast that every step has (no extra collective), they save a checkpoint
+    of the last finished step (none before the first; the periodic one if it is that step's), the
+    generators are shut down, and every rank exits with 143 (128 + SIGTERM), with no final export;
+  - a generator replica's leader passes its SIGTERM on to the trainer's first rank, so a generator
+    rank killed alone stops the run the same way;
+  - a rank whose run has not stopped `grace_s` after its SIGTERM (one signalled alone, whose signal
+    reached no rank that decides) exits then, with 143.
+Running the same command again resumes from that checkpoint. torchrun sends SIGKILL 30 s after its
+SIGTERM unless `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (or `--shutdown-timeout`) says otherwise; the
+checkpoint has to be written within it. Ctrl-C (SIGINT) still stops every rank at once.
+The handler only sets flags (no locks, no printing), so it cannot deadlock the rank it interrupts.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class _State:
+    def __init__(self):
+        self.reason: str | None = None
+        self.signalled = threading.Event()  # set by the handler, once: starts the grace period
+        self.stopping = threading.Event()  # this rank's part of the stop is under way: no limit
+
+
+_state = _State()
+
+
+def install(grace_s: float) -> None:
+    """Handle SIGTERM on this rank from now on (call from the main thread)."""
+    global _state
+    _state = _State()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    threading.Thread(target=_grace, args=(_state, grace_s), name="sigterm-grace", daemon=True).start()
+
+
+def uninstall(ignore: bool = False) -> None:
+    """Back to the default SIGTERM (the process dies at once), or with `ignore` to none at all,
+    for a rank whose run is over and that only has to exit: torchrun sends SIGTERM to the other
+    ranks once the first has exited, and Python drops its handlers while it shuts down, so a
+    handled SIGTERM there would still end the process by signal. Ends the grace thread."""
+    global _state
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else signal.SIG_DFL)
+    _state.stopping.set()
+    _state.signalled.set()
+    _state = _State()
+
+
+def _on_sigterm(signum, frame) -> None:
+    s = _state
+    if s.reason is None:  # a second SIGTERM (SLURM and torchrun each send one) changes nothing
+        s.reason = "SIGTERM"
+        s.signalled.set()
+
+
+def request(reason: str) -> None:
+    """Ask for the stop without a signal (a generator's notice, fault injection)."""
+    if _state.reason is None:
+        _state.reason = reason
+
+
+def requested() -> str | None:
+    """Why this rank was asked to stop ('SIGTERM', ...), or None."""
+    return _state.reason
+
+
+def stopping() -> None:
+    """This rank has started its part of the stop (a checkpoint may take longer than grace_s)."""
+    _state.stopping.set()
+
+
+def _grace(state: _State, grace_s: float) -> None:
+    state.signalled.wait()
+    if state.stopping.wait(grace_s):
+        return
+    rank = os.environ.get("RANK", "0")
+    print(f"[rank {rank}] SIGTERM {grace_s:g}s ago and the run has not stopped (no trainer "
+          f"step boundary reached it): exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_CODE)
