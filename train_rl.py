@@ -67,7 +67,7 @@ def run(cfg) -> int:
     if _already_complete(cfg):
         return 0
     if dims.mode == "split":  # colocated mode has no checkpoints: SIGTERM ends it at once
-        preemption.install(grace_s=cfg.parallel.timeout_s)
+        preemption.install(grace_s=cfg.parallel.timeout_s, pid_dir=os.path.join(cfg.run.dir, "pids"))
     try:
         _run_role(cfg, dims, tokenizer)
     except BaseException:

@@ -14,7 +14,13 @@ SIGTERM on to every rank. Rather than dying mid-step, every rank notes it here, 
 Running the same command again resumes from that checkpoint. torchrun sends SIGKILL 30 s after its
 SIGTERM unless `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (or `--shutdown-timeout`) says otherwise; the
 checkpoint has to be written within it. Ctrl-C (SIGINT) still stops every rank at once.
-The handler only sets flags (no locks, no printing), so it cannot deadlock the rank it interrupts.
+
+torchrun also sends SIGTERM when it ends the ranks of a job in which one has failed (to restart
+it, or to give up). A stop then would wait for the dead rank until SIGKILL, so a rank that finds
+another rank of its host gone (their pid files, `<run_dir>/pids`) dies of the SIGTERM at once, as
+without this module. A failure on another host is not seen that way: there the ranks wait until
+torchrun's SIGKILL (30 s by default) before the restart.
+The handler takes no lock that the code it interrupts could hold, and prints nothing.
 """
 from __future__ import annotations
 
@@ -34,12 +40,14 @@ class _State:
 
 
 _state = _State()
+_pid_dir = None
 
 
-def install(grace_s: float) -> None:
-    """Handle SIGTERM on this rank from now on (call from the main thread)."""
-    global _state
-    _state = _State()
+def install(grace_s: float, pid_dir: str | os.PathLike | None = None) -> None:
+    """Handle SIGTERM on this rank from now on (call from the main thread). `pid_dir`: where the
+    ranks write `rank<N>.pid` (train_rl.py), for the check that this host's ranks are all alive."""
+    global _state, _pid_dir
+    _state, _pid_dir = _State(), pid_dir
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_grace, args=(_state, grace_s), name="sigterm-grace", daemon=True).start()
 
@@ -58,9 +66,33 @@ def uninstall(ignore: bool = False) -> None:
 
 def _on_sigterm(signum, frame) -> None:
     s = _state
+    if _pid_dir is not None and not local_ranks_alive(_pid_dir):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun ending a failed job: die now
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     if s.reason is None:  # a second SIGTERM (SLURM and torchrun each send one) changes nothing
         s.reason = "SIGTERM"
         s.signalled.set()
+
+
+def local_ranks_alive(pid_dir, env=os.environ) -> bool:
+    """False when a rank of this host (torchrun numbers them RANK - LOCAL_RANK onwards) has
+    exited; True where unknown (no pid file yet)."""
+    rank, local = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
+    first = rank - local
+    for r in range(first, first + int(env.get("LOCAL_WORLD_SIZE", "1"))):
+        try:
+            with open(os.path.join(pid_dir, f"rank{r}.pid")) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # alive, another user's (a reused pid)
+    return True
 
 
 def request(reason: str) -> None:

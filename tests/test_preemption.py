@@ -64,3 +64,30 @@ def test_a_finished_rank_ignores_sigterm_while_it_exits():
         raise SystemExit(preemption.EXIT_CODE)
     """)
     assert proc.returncode == 143, proc.stderr
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped, as torchrun reaps a failed rank before it ends the others
+    return proc.pid
+
+
+def test_local_ranks_alive_reads_this_hosts_pid_files(tmp_path):
+    for r, pid in {4: os.getpid(), 5: os.getpid(), 6: _dead_pid()}.items():
+        (tmp_path / f"rank{r}.pid").write_text(f"{pid}\n")
+    host = {"RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}  # this host: ranks 4, 5
+    assert preemption.local_ranks_alive(tmp_path, host)
+    assert not preemption.local_ranks_alive(tmp_path, {**host, "LOCAL_WORLD_SIZE": "3"})  # 4-6
+    assert preemption.local_ranks_alive(tmp_path / "none", host)  # no pid files yet: unknown
+
+
+def test_sigterm_after_a_rank_of_this_host_died_kills_at_once(tmp_path):
+    """torchrun ending the survivors of a failed job: no stop that would wait for the dead rank."""
+    (tmp_path / "rank0.pid").write_text(f"{_dead_pid()}\n")
+    proc = _child(f"""
+        os.environ.update(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+        preemption.install(grace_s=60, pid_dir={str(tmp_path)!r})
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    """)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
