@@ -60,7 +60,7 @@ class TrainerWorker:
         self.acks: dict[int, float] = {}
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.nonfinite_total = 0
-        self.stopped: str | None = None  # why the run stopped early (SIGTERM: launch/preemption.py)
+        self.stopped: dict | None = None  # the owner's stop decision (SIGTERM: launch/preemption.py)
 
     def resume(self, path) -> None:
         """Restore from a checkpoint (collective over the trainer mesh), then hand the generators
@@ -160,8 +160,7 @@ class TrainerWorker:
         groups = None
         if self.is_owner:
             got = self._collect()
-            groups = [g.to_dict() for g in got] if got is not None else {
-                "reason": preemption.requested(), "save": self.step > 0 and not checkpointing.saved(self.cfg, self.step)}
+            groups = self._stop_decision() if got is None else [g.to_dict() for g in got]
         groups = broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], self.meshes.trainer_group)
         if isinstance(groups, dict):
             self.stopped = groups
@@ -169,6 +168,11 @@ class TrainerWorker:
         groups = [Group.from_dict(d) for d in groups]
         # Arrival order depends on reward threads and timing; training order must not.
         return sorted(groups, key=lambda g: (g.min_version, g.prompt_id))
+
+    def _stop_decision(self) -> dict:
+        """Why the run stops, and whether the last finished step still needs its checkpoint."""
+        save = self.step > 0 and not checkpointing.saved(self.cfg, self.step)
+        return {"reason": preemption.requested(), "save": save}
 
     def _collect(self) -> list[Group] | None:
         """B groups from the buffer, waiting for the generators; None once a stop is asked for."""
