@@ -70,7 +70,9 @@ def test_async_checkpoint_and_periodic_hf_export(async_run):
     assert extra["step"] == 2 and extra["version"] == 2
     gen = extra["generators"]["0"]  # the generator's half of the cut
     assert {"cursor", "started", "inflight"} <= set(gen)
-    held = {g["prompt_id"] for g in extra["buffer"]["groups"]} | {pid for pid, _ in gen["inflight"]}
+    buffered, inflight = {g["prompt_id"] for g in extra["buffer"]["groups"]}, {pid for pid, _ in gen["inflight"]}
+    assert not buffered & inflight  # a group is in the buffer or in flight at the cut, not both
+    held = buffered | inflight
     trained = {pid for r in read_metrics(run_dir)[:2] for pid in r["prompt_ids"]}
     assert not held & trained  # buffered / in-flight prompts at the cut were not trained before it
     assert gen["started"] == len(trained) + len(held)  # every started prompt is accounted for

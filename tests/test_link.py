@@ -1,4 +1,6 @@
 """The cross-mesh link on real gloo ranks: typed messages, polling, queuing, timeouts, shutdown."""
+import time
+
 import pytest
 
 from tests.dist import run_ranks
@@ -125,3 +127,37 @@ def test_polls_read_the_store_only_after_the_bell():
     assert res["idle_reads"] == 0
     assert res["got"] == [(int(Msg.TRAJECTORIES), 4, [1, 2])]
     assert 1 <= res["reads"] <= 3 and not res["watcher_alive"]
+
+
+def _cut(rank, world):
+    from trainer.checkpointing import gather_cut
+    link = Link(rank, [0] if rank else [1, 2], timeout_s=30)
+    if rank == 0:  # the buffer owner
+        replies, before = gather_cut(link, [1, 2], step=5)
+        rest = [link.wait_for(Msg.TRAJECTORIES, "a group after the cut") for _ in range(2)]
+        rest = [(m.src, m.type.name, m.payload) for m in rest]
+        link.send(1, Msg.SHUTDOWN, 5)
+        link.send(2, Msg.SHUTDOWN, 5)
+        link.flush()
+        return {"replies": replies, "before": [(m.src, m.type.name, m.payload) for m in before],
+                "rest": rest}
+    # a generator leader: a group shipped before its reply, the reply, then one shipped after it
+    assert link.wait_for(Msg.CHECKPOINT, "the cut").version == 5
+    if rank == 2:
+        time.sleep(0.5)  # rank 1's group after its reply arrives while the owner waits for this one
+    link.send(0, Msg.TRAJECTORIES, 4, [f"g{rank}a"])
+    link.send(0, Msg.CHECKPOINT, 5, {"inflight": [f"g{rank}b"]})
+    link.send(0, Msg.TRAJECTORIES, 5, [f"g{rank}b"])
+    link.wait_for(Msg.SHUTDOWN, "the end")
+    link.flush()
+    return {}
+
+
+def test_the_cut_takes_what_each_generator_sent_before_its_reply_and_leaves_the_rest_queued():
+    """A group shipped after its generator's CHECKPOINT reply is in that reply's in-flight list:
+    in the checkpoint's buffer too, a resumed run would train it twice (seen with two generator
+    replicas, before gather_cut: the owner drained every message that had arrived)."""
+    out = run_ranks(_cut, 3, timeout=90)[0]
+    assert out["replies"] == {1: {"inflight": ["g1b"]}, 2: {"inflight": ["g2b"]}}
+    assert sorted(out["before"]) == [(1, "TRAJECTORIES", ["g1a"]), (2, "TRAJECTORIES", ["g2a"])]
+    assert sorted(out["rest"]) == [(1, "TRAJECTORIES", ["g1b"]), (2, "TRAJECTORIES", ["g2b"])]

@@ -4,8 +4,9 @@ The cut, at the end of trainer step k (weights of version k already pushed):
   1. trainer rank 0 sends CHECKPOINT(k) to every generator replica leader;
   2. each leader replies with its data cursor, its started-group count and the prompts it has in
      flight (started, not yet shipped). Groups it shipped before replying reach trainer rank 0
-     before the reply (one ordered ticket queue per receiver), so they are in the buffer;
-  3. trainer rank 0 drains them into the buffer, then every trainer rank writes its model and
+     before the reply (one ordered ticket queue per receiver);
+  3. trainer rank 0 takes those into the buffer (not the ones shipped after the reply: they are
+     in its in-flight list; `gather_cut`), then every trainer rank writes its model and
      optimizer shards with DCP; `extra.json` holds step, version, LR schedule, RNG, the buffer's
      groups and the generators' states. Written to a temporary folder, then renamed; last K kept.
 On resume (torchrun --max-restarts, or `checkpoint.resume`), every rank reads the same finished
@@ -65,6 +66,33 @@ def read_extra(path: Path) -> dict:
 def generator_state(extra: dict, replica: int) -> dict | None:
     """What generator replica `replica` reported at the cut (None for a checkpoint without it)."""
     return (extra.get("generators") or {}).get(str(replica))
+
+
+def gather_cut(link, leaders: list[int], step: int) -> tuple[dict[int, object], list]:
+    """Steps 1-2 of the cut (module docstring), on trainer rank 0: send CHECKPOINT(step) to every
+    generator leader, and return each one's reply payload and the messages they sent before
+    their replies, in order (the groups in them belong in the checkpoint's buffer). A leader
+    goes on generating after its reply; what it sends then belongs after the cut, is not
+    returned, and stays queued on the link for the next poll: a group shipped after the reply is
+    in that reply's in-flight list, so taking it into the buffer would train it twice after a
+    resume."""
+    from trainer.link import Msg
+
+    for leader in leaders:
+        link.send(leader, Msg.CHECKPOINT, step)
+    replies, before, after = {}, [], []
+    while len(replies) < len(leaders):
+        # every type a generator sends (a SHUTDOWN raises): the queue's order is the send order
+        m = link.wait_for({Msg.CHECKPOINT, Msg.TRAJECTORIES, Msg.ACK, Msg.STOP, Msg.STATS},
+                          f"generator states for checkpoint {step} (from {sorted(set(leaders) - set(replies))})")
+        if m.src in replies:
+            after.append(m)
+        elif m.type == Msg.CHECKPOINT:
+            replies[m.src] = m.payload
+        else:
+            before.append(m)
+    link.put_back(after)
+    return replies, before
 
 
 def save(worker, step: int) -> Path:

@@ -151,6 +151,11 @@ class Link:
         self._queue.clear()
         return out
 
+    def put_back(self, messages: list[Message]) -> None:
+        """Return consumed messages to the front of the queue, in order: the next `poll` or
+        `wait_for` sees them first."""
+        self._queue.extendleft(reversed(messages))
+
     def wait_for(self, types: set[Msg] | Msg, what: str, timeout_s: float | None = None,
                  peer: int | None = None, consume: bool = True) -> Message:
         """Block until a message of one of `types` arrives; others stay queued for `poll`.

@@ -143,15 +143,10 @@ class TrainerWorker:
 
     def collect_generator_states(self, step: int) -> dict:
         """The generator half of a consistent cut (owner only; see trainer/checkpointing.py)."""
-        for leader in self.leaders:
-            self.link.send(leader, Msg.CHECKPOINT, step)
-        states = {}
-        for i, leader in enumerate(self.leaders):
-            m = self.link.wait_for(Msg.CHECKPOINT, f"generator state for checkpoint {step}", peer=leader)
-            states[str(i)] = m.payload
-        for m in self.link.poll():  # groups shipped before each reply: into the buffer
+        replies, before = checkpointing.gather_cut(self.link, self.leaders, step)
+        for m in before:  # groups shipped before each reply: into the buffer
             self._on_message(m)
-        return states
+        return {str(i): replies[leader] for i, leader in enumerate(self.leaders)}
 
     # ----- the buffer (owner only) ----------------------------------------------------------
     def _take_batch(self) -> list[Group] | None:
