@@ -73,7 +73,6 @@ def run(cfg) -> int:
     except BaseException:
         preemption.uninstall()  # SIGTERM kills again
         raise
-    preemption.uninstall(ignore=True)  # done: exit with the code below, whatever comes now
     done = completed_steps(cfg)  # written before the barrier that every rank passed
     return 0 if done is not None and done >= cfg.trainer.max_steps else preemption.EXIT_CODE
 
@@ -81,6 +80,7 @@ def run(cfg) -> int:
 def _run_role(cfg, dims, tokenizer) -> None:
     """Process groups, meshes, this rank's role loop, and the barrier where both meshes end."""
     import torch.distributed as dist
+    from launch import preemption
     from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
 
     device = pick_device()
@@ -104,6 +104,10 @@ def _run_role(cfg, dims, tokenizer) -> None:
     # both meshes are done; the trainer exports the final policy before it arrives, which takes
     # as long as a model load: the start-up timeout, not the per-step one
     shutdown_barrier(max(cfg.parallel.timeout_s, cfg.parallel.warmup_timeout_s))
+    # every rank is done: the first to exit makes torchrun SIGTERM the others (and the pid-file
+    # check would then find a rank gone), so from here SIGTERM is ignored and each rank exits
+    # with its own code
+    preemption.uninstall(ignore=True)
     dist.destroy_process_group()
 
 
