@@ -104,7 +104,7 @@ def run_generator(cfg, meshes, tokenizer) -> None:
                                       start_version=start)
     try:
         if worker.evaluator is not None and path is None:
-            worker.evaluator.maybe_run(0)  # the starting policy (a resumed run: at its swap)
+            worker.evaluate(0)  # the starting policy (a resumed run: at its swap)
         worker.run()
     except BaseException as e:
         if link is not None:

@@ -151,8 +151,18 @@ class GeneratorWorker:
         self.stats["sync_s"] += dt
         if self.link is not None:
             self.link.send(self.trainer0, Msg.ACK, version, {"seconds": dt})
-        if self.evaluator is not None:  # after the ack: the trainer's sync time excludes it
-            self.evaluator.maybe_run(version)
+        # after the ack: the trainer's sync time excludes the evaluation
+        if self.evaluator is not None and self.evaluator.due(version):
+            self.evaluate(version)
+
+    def evaluate(self, version: int) -> None:
+        """The held-out evaluation of `version`, announced to the trainer, whose waiting line
+        then says why this replica ships nothing meanwhile."""
+        if self.link is not None:
+            self.link.send(self.trainer0, Msg.EVALUATING, version)
+        rec = self.evaluator.maybe_run(version)
+        if self.link is not None:
+            self.link.send(self.trainer0, Msg.EVALUATING, version, {"seconds": rec["time_s"]})
 
     def _pause(self) -> None:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""

@@ -50,3 +50,13 @@ def test_heartbeat_prints_once_per_interval_and_returns_the_time_to_the_next():
     off = Heartbeat(lambda: "x", stream=out, clock=lambda: now[0], enabled=False)
     now[0] = 1e6
     assert off.beat() == float("inf") and len(out.getvalue().splitlines()) == 2
+
+
+def test_the_trainers_waiting_line_says_when_a_generator_is_evaluating():
+    from trainer.worker import waiting_line
+    assert waiting_line(0, 8, [2], 3, None) == ("step 1: waiting for 8 prompt groups from generator "
+                                                "ranks [2] (3 buffered; the first batch includes the "
+                                                "generators' start-up)")
+    assert waiting_line(99, 8, [2, 3], 0, (2, 100, 50.0), now=125.0) == (
+        "step 100: waiting for 8 prompt groups from generator ranks [2, 3] (0 buffered; generator "
+        "rank 2 has been evaluating v100 for 1m15s (eval.every_steps))")

@@ -83,7 +83,7 @@ def gather_cut(link, leaders: list[int], step: int) -> tuple[dict[int, object], 
     replies, before, after = {}, [], []
     while len(replies) < len(leaders):
         # every type a generator sends (a SHUTDOWN raises): the queue's order is the send order
-        m = link.wait_for({Msg.CHECKPOINT, Msg.TRAJECTORIES, Msg.ACK, Msg.STOP, Msg.STATS},
+        m = link.wait_for({Msg.CHECKPOINT, Msg.TRAJECTORIES, Msg.ACK, Msg.STOP, Msg.STATS, Msg.EVALUATING},
                           f"generator states for checkpoint {step} (from {sorted(set(leaders) - set(replies))})")
         if m.src in replies:
             after.append(m)

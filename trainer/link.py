@@ -66,6 +66,7 @@ class Msg(IntEnum):
     SHUTDOWN = 5  # either way: stop; payload may carry an error
     STATS = 6  # generator -> trainer: counters for metrics
     STOP = 7  # generator -> trainer: this rank got SIGTERM; stop at a step boundary (preemption)
+    EVALUATING = 8  # generator -> trainer: a held-out evaluation of version v starts (or ends)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
 from trainer.link import Link, Msg, PeerError
-from trainer.metrics import Heartbeat, reduce_stats, step_metrics
+from trainer.metrics import Heartbeat, duration, reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
 
 
@@ -40,6 +40,19 @@ def broadcast_json(obj, src: int, group) -> object:
         data = torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(data, src=src, group=group)
     return json.loads(bytes(data.numpy()).decode())
+
+
+def waiting_line(step: int, B: int, leaders: list[int], buffered: int,
+                 evaluating: tuple[int, int, float] | None, now: float | None = None) -> str:
+    """The heartbeat of trainer rank 0 while it waits for a step's batch."""
+    why = "; the first batch includes the generators' start-up" if step == 0 else ""
+    if evaluating is not None:
+        rank, version, since = evaluating
+        now = time.monotonic() if now is None else now
+        why += (f"; generator rank {rank} has been evaluating v{version} for "
+                f"{duration(now - since)} (eval.every_steps)")
+    return (f"step {step + 1}: waiting for {B} prompt groups from generator ranks {leaders} "
+            f"({buffered} buffered{why})")
 
 
 class TrainerWorker:
@@ -60,6 +73,7 @@ class TrainerWorker:
         self.acks: dict[int, float] = {}
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.nonfinite_total = 0
+        self.evaluating: tuple[int, int, float] | None = None  # (rank, version, since) of an eval
         self.stopped: dict | None = None  # the owner's stop decision (SIGTERM: launch/preemption.py)
 
     def resume(self, path) -> None:
@@ -198,9 +212,7 @@ class TrainerWorker:
             self._on_message(m)
 
     def _waiting_line(self, B: int) -> str:
-        first = "; the first batch includes the generators' start-up" if self.step == 0 else ""
-        return (f"step {self.step + 1}: waiting for {B} prompt groups from generator ranks "
-                f"{self.leaders} ({len(self.buffer)} buffered{first})")
+        return waiting_line(self.step, B, self.leaders, len(self.buffer), self.evaluating)
 
     def _on_message(self, m) -> None:
         if m.type == Msg.TRAJECTORIES:  # a list of whole groups
@@ -210,6 +222,8 @@ class TrainerWorker:
                     self.buffer.put(group, timeout=self.cfg.parallel.timeout_s)
         elif m.type == Msg.ACK:
             self.acks[m.version] = (m.payload or {}).get("seconds", 0.0)
+        elif m.type == Msg.EVALUATING:  # starts (no payload) or ends
+            self.evaluating = None if m.payload else (m.src, m.version, time.monotonic())
         elif m.type == Msg.STOP:  # a generator leader's SIGTERM
             preemption.request(m.payload["reason"])
         elif m.type == Msg.SHUTDOWN:
