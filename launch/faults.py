@@ -1,11 +1,10 @@
 """Fault injection for resilience tests (and game days): with
-    TANDEM_FAULT_KILL="rank=R,step=S[,signal=INT|TERM[,target=self]]"
+    TANDEM_FAULT_KILL="rank=R,step=S[,signal=INT|TERM]"
 rank R SIGKILLs itself when it reaches trainer step S (a trainer rank, at the start of the step) or
 weights version S (a generator rank, when the version arrives), on the first attempt only, so the
 restarted job runs through. `signal=INT` sends SIGINT to its launcher (the torchrun agent) instead,
 which passes it to every rank as Ctrl-C in a terminal does; `signal=TERM` sends SIGTERM, as SLURM
-or `kill` of the launcher does (launch/preemption.py); `target=self` sends either to rank R alone.
-Unset, it costs one dict lookup per step."""
+or `kill` of the launcher does (launch/preemption.py). Unset, it costs one dict lookup per step."""
 from __future__ import annotations
 
 import os
@@ -20,10 +19,8 @@ def maybe_kill(rank: int, step: int) -> None:
     if int(fields["rank"]) == rank and int(fields["step"]) == step:
         name = fields.get("signal", "KILL")
         if name in ("INT", "TERM"):
-            alone = fields.get("target") == "self"
-            print(f"[rank {rank}] fault injection: SIG{name} to {'this rank' if alone else 'the launcher'} "
-                  f"at step {step}", flush=True)
-            os.kill(os.getpid() if alone else os.getppid(), getattr(signal, f"SIG{name}"))
+            print(f"[rank {rank}] fault injection: SIG{name} to the launcher at step {step}", flush=True)
+            os.kill(os.getppid(), getattr(signal, f"SIG{name}"))
             return
         print(f"[rank {rank}] fault injection: SIGKILL at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

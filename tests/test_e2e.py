@@ -40,8 +40,10 @@ def async_run(tmp_path_factory):
     run_dir = tmp / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
                      f"--run.dir={run_dir}", "--trainer.max_steps=4", "--algo.max_staleness=1", *QUICK,
-                     "--checkpoint.every_steps=2", "--checkpoint.hf_export_every=2"])
+                     "--checkpoint.every_steps=2", "--checkpoint.hf_export_every=2",
+                     "--parallel.cpu_shm=false"])  # weights over gloo (eta = 0 below: shared memory)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "generator: weight sync by gloo point-to-point from trainer ranks [0, 1]" in proc.stdout
     return run_dir, model, proc
 
 
@@ -104,16 +106,24 @@ def test_held_out_evaluations_of_the_first_and_final_policy(async_run):
     assert "eval v0 | greedy reward" in proc.stdout and "eval v4 | greedy reward" in proc.stdout
 
 
-def test_a_finished_run_relaunched_does_nothing(async_run):
+def test_a_finished_run_relaunched_does_nothing(async_run, monkeypatch, capsys):
     """Relaunching the same command (a requeued job) neither replays the last steps from the
-    latest checkpoint nor rewrites the metrics or the final export."""
+    latest checkpoint nor rewrites the metrics or the final export. Every rank decides that alone,
+    before any process group: rank 0 of the 3 runs here, in this process."""
+    import train_rl
+    from parallel import mesh
     run_dir, model, _ = async_run
     before = (run_dir / "metrics.jsonl").read_text(), (run_dir / "hf_final" / "config.json").stat().st_mtime_ns
-    proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
-                     f"--run.dir={run_dir}", "--trainer.max_steps=4", "--algo.max_staleness=1", *QUICK,
-                     "--checkpoint.every_steps=2", "--checkpoint.hf_export_every=2"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"run {run_dir} already completed 4 steps" in proc.stdout
+    monkeypatch.setattr(mesh, "init_process_group", lambda *a, **k: pytest.fail("it started again"))
+    for k, v in {"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(ROOT)
+    rc = train_rl.main(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
+                        f"--run.dir={run_dir}", "--trainer.max_steps=4", "--algo.max_staleness=1",
+                        *QUICK, "--checkpoint.every_steps=2", "--checkpoint.hf_export_every=2"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    assert f"run {run_dir} already completed 4 steps" in out.out
     after = (run_dir / "metrics.jsonl").read_text(), (run_dir / "hf_final" / "config.json").stat().st_mtime_ns
     assert after == before
 
@@ -141,19 +151,17 @@ def test_final_hf_export_loads_in_transformers(async_run):
     assert transformers.AutoTokenizer.from_pretrained(str(run_dir / "hf_final")) is not None
 
 
-@pytest.mark.parametrize("cpu_shm,transport", [
-    ("true", "shared memory (parallel.cpu_shm) from trainer ranks [0, 1]"),
-    ("false", "gloo point-to-point from trainer ranks [0, 1]")])
-def test_eta_zero_is_on_policy(tmp_path, cpu_shm, transport):
-    """On-policy to 1e-5 whichever way the weights travel between the ranks of this host: the
-    generator samples with exactly the weights the trainer then scores (both FSDP shards)."""
+def test_eta_zero_is_on_policy(tmp_path):
+    """On-policy to 1e-5: the generator samples with exactly the weights the trainer then scores
+    (both FSDP shards, through shared memory; the async run above sends them over gloo, and its
+    held-out evaluations equal single-process runs of the same weights)."""
     model = make_rl_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
                      f"--run.dir={run_dir}", "--trainer.max_steps=3", "--algo.max_staleness=0",
-                     "--trainer.lr=1e-2", f"--parallel.cpu_shm={cpu_shm}", *QUICK])
+                     "--trainer.lr=1e-2", *QUICK])
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert f"generator: weight sync by {transport}" in proc.stdout
+    assert "generator: weight sync by shared memory (parallel.cpu_shm) from trainer ranks [0, 1]" in proc.stdout
     for r in read_metrics(run_dir):
         assert r["staleness_max"] == 0
         assert abs(r["is_ratio_mean"] - 1.0) <= 1e-5, r

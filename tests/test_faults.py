@@ -119,18 +119,3 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
 
-
-def test_sigterm_to_a_generator_rank_alone_stops_the_run_the_same_way(tmp_path):
-    """`kill <pid>` of a generator rank: it tells the trainer's first rank, which stops the run
-    at its next step boundary with a checkpoint (resuming from one is tested above)."""
-    model = make_rl_model(tmp_path / "model")
-    run_dir = tmp_path / "run"
-    proc = launch(model, run_dir, max_restarts=0, kill="rank=2,step=3,signal=TERM,target=self")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0 and "fault injection: SIGTERM to this rank" in out, out[-3000:] + err[-3000:]
-    last = read_metrics(run_dir)[-1]["step"]
-    ckpt = run_dir / "checkpoints" / f"step_{last:06d}"
-    assert (f"SIGTERM on generator rank 2: stopped after step {last} of {STEPS}, checkpoint "
-            f"{ckpt}; run the same command again to resume") in err, err[-5000:]
-    assert (ckpt / ".metadata").is_file() and not (run_dir / "hf_final").exists()
-    assert "[rank" not in err and err.count("exitcode  : 143") == 3, err[-5000:]

@@ -161,3 +161,38 @@ def test_the_cut_takes_what_each_generator_sent_before_its_reply_and_leaves_the_
     assert out["replies"] == {1: {"inflight": ["g1b"]}, 2: {"inflight": ["g2b"]}}
     assert sorted(out["before"]) == [(1, "TRAJECTORIES", ["g1a"]), (2, "TRAJECTORIES", ["g2a"])]
     assert sorted(out["rest"]) == [(1, "TRAJECTORIES", ["g1b"]), (2, "TRAJECTORIES", ["g2b"])]
+
+
+def _stop_notice(rank, world):
+    """Rank 1: a generator replica's leader that got SIGTERM; rank 0: the trainer's first rank."""
+    import types
+    from config import Config
+    from launch import preemption
+    from rollout.worker import GeneratorWorker
+    from trainer.worker import TrainerWorker
+    link = Link(rank, [1 - rank], timeout_s=30)
+    if rank == 1:
+        preemption.request("SIGTERM")
+        worker = GeneratorWorker(Config().resolve(2), None, None, None, None, link, None,
+                                 trainer_rank0=0, replica=0)
+        worker._pass_on_stop()
+        worker._pass_on_stop()  # passed on once
+        link.send(0, Msg.ACK, 1)
+        link.wait_for(Msg.SHUTDOWN, "the end")
+        link.flush()
+        return {}
+    got = [link.wait_for({Msg.STOP, Msg.ACK}, "the notice") for _ in range(2)]
+    assert preemption.requested() is None
+    TrainerWorker._on_message(types.SimpleNamespace(), got[0])  # the owner's handling of it
+    link.send(1, Msg.SHUTDOWN, 1)
+    link.flush()
+    return {"got": [(m.type.name, m.payload) for m in got], "requested": preemption.requested()}
+
+
+def test_a_generator_leader_passes_its_sigterm_on_to_the_trainer_once():
+    """`kill -TERM` of a generator rank alone stops the run like a SIGTERM to every rank: its
+    notice makes the trainer's first rank decide the stop (launch/preemption.py; the stop itself
+    under torchrun: tests/test_faults.py)."""
+    out = run_ranks(_stop_notice, 2, timeout=60)[0]
+    assert out["got"] == [("STOP", {"reason": "SIGTERM on generator rank 1"}), ("ACK", None)]
+    assert out["requested"] == "SIGTERM on generator rank 1"
