@@ -1,6 +1,7 @@
 """Faults: SIGKILL a trainer rank, then a generator rank, mid-run. torchrun restarts the job, it
 resumes from the last checkpoint, metrics stay contiguous, every prompt is trained exactly once,
-and in synchronous mode the final parameters equal an uninterrupted run, bitwise."""
+and in synchronous mode the final parameters equal an uninterrupted run, bitwise. Ctrl-C ends
+every rank with one line; SIGTERM stops the run at a step boundary with a checkpoint."""
 import json
 import os
 import subprocess
@@ -118,4 +119,3 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
     ref, got = final_params(ref_dir), final_params(run_dir)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
-
