@@ -120,8 +120,11 @@ class GeneratorWorker:
             elif mtype == Msg.SHUTDOWN:
                 self.stop = True
                 preemption.stopping()  # a SIGTERM here has done its part
-            elif mtype == Msg.CHECKPOINT and self.link is not None:
-                self.link.send(self.trainer0, Msg.CHECKPOINT, version, self._cut())
+            elif mtype == Msg.CHECKPOINT:
+                if preemption.requested():  # the stop's checkpoint: the trainer leads from here,
+                    preemption.stopping()   # and the save may outlast the grace period
+                if self.link is not None:
+                    self.link.send(self.trainer0, Msg.CHECKPOINT, version, self._cut())
 
     def _pass_on_stop(self) -> None:
         """A SIGTERM on this replica's leader stops the run: the trainer's first rank decides
