@@ -58,23 +58,30 @@ def run(cfg) -> int:
     from launch import preemption
     from launch.preflight import preflight
     from parallel.dims import ParallelDims
-    from trainer.checkpointing import completed_steps
+    from trainer.checkpointing import already_complete_line, is_complete
 
     if not prints(cfg.logging.log_rank, int(os.environ.get("RANK", "0"))):
         sys.stdout = open(os.devnull, "w")  # logging.log_rank; stderr (errors) stays
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = preflight(cfg, dims)  # bad input is reported before any process group exists
-    if _already_complete(cfg):
+    done = already_complete_line(cfg)  # every rank reads it, before any process group
+    if done:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(done, flush=True)
         return 0
     if dims.mode == "split":  # colocated mode has no checkpoints: SIGTERM ends it at once
-        preemption.install(grace_s=cfg.parallel.timeout_s, pid_dir=os.path.join(cfg.run.dir, "pids"))
+        preemption.install(grace_s=cfg.parallel.timeout_s, pid_dir=_pid_dir(cfg))
     try:
         _run_role(cfg, dims, tokenizer)
     except BaseException:
         preemption.uninstall()  # SIGTERM kills again
         raise
-    done = completed_steps(cfg)  # written before the barrier that every rank passed
-    return 0 if done is not None and done >= cfg.trainer.max_steps else preemption.EXIT_CODE
+    # the marker was written before the barrier that every rank passed
+    return 0 if is_complete(cfg) else preemption.EXIT_CODE
+
+
+def _pid_dir(cfg) -> str:
+    return os.path.join(cfg.run.dir, "pids")
 
 
 def _run_role(cfg, dims, tokenizer) -> None:
@@ -88,7 +95,7 @@ def _run_role(cfg, dims, tokenizer) -> None:
     global _STARTED
     _STARTED = True
     meshes = build_meshes(dims, device)
-    _write_pid(cfg.run.dir, meshes.rank)
+    preemption.write_pid(_pid_dir(cfg), meshes.rank)
     if meshes.rank == 0:
         cfg.save(os.path.join(cfg.run.dir, "config.toml"))
         print(dims.rank_map(), flush=True)
@@ -109,29 +116,6 @@ def _run_role(cfg, dims, tokenizer) -> None:
     # with its own code
     preemption.uninstall(ignore=True)
     dist.destroy_process_group()
-
-
-def _already_complete(cfg) -> bool:
-    """A finished run relaunched as is (torchrun twice, a requeued SLURM job) does nothing rather
-    than replay its last steps from the latest checkpoint and overwrite hf_final. Every rank reads
-    the same marker, so all of them return before any process group starts."""
-    from trainer.checkpointing import completed_steps
-    done = completed_steps(cfg)
-    if done is None or done < cfg.trainer.max_steps or cfg.checkpoint.resume != "auto":
-        return False
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"run {cfg.run.dir} already completed {done} steps (trainer.max_steps="
-              f"{cfg.trainer.max_steps}): nothing to do. Raise --trainer.max_steps to train on from "
-              f"its latest checkpoint, or pass a new --run.dir", flush=True)
-    return True
-
-
-def _write_pid(run_dir: str, rank: int) -> None:
-    """<run_dir>/pids/rank<N>.pid: lets operators (and the fault tests) find a given rank."""
-    folder = os.path.join(run_dir, "pids")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
-        f.write(f"{os.getpid()}\n")
 
 
 def main(argv=None) -> int:

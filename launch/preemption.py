@@ -75,6 +75,17 @@ def _on_sigterm(signum, frame) -> None:
         s.signalled.set()
 
 
+def pid_file(pid_dir, rank: int) -> str:
+    return os.path.join(pid_dir, f"rank{rank}.pid")
+
+
+def write_pid(pid_dir, rank: int) -> None:
+    """`<pid_dir>/rank<N>.pid`: for the check below, operators, and the fault tests."""
+    os.makedirs(pid_dir, exist_ok=True)
+    with open(pid_file(pid_dir, rank), "w") as f:
+        f.write(f"{os.getpid()}\n")
+
+
 def local_ranks_alive(pid_dir, env=os.environ) -> bool:
     """False when a rank of this host (torchrun numbers them RANK - LOCAL_RANK onwards) has
     exited; True where unknown (no pid file yet)."""
@@ -82,7 +93,7 @@ def local_ranks_alive(pid_dir, env=os.environ) -> bool:
     first = rank - local
     for r in range(first, first + int(env.get("LOCAL_WORLD_SIZE", "1"))):
         try:
-            with open(os.path.join(pid_dir, f"rank{r}.pid")) as f:
+            with open(pid_file(pid_dir, r)) as f:
                 pid = int(f.read())
         except (OSError, ValueError):
             continue

@@ -53,6 +53,22 @@ def mark_complete(cfg, steps: int) -> None:
     Path(cfg.run.dir, COMPLETE_FILE).write_text(json.dumps({"steps": steps}) + "\n")
 
 
+def is_complete(cfg) -> bool:
+    """The run in cfg.run.dir has trained its trainer.max_steps steps and exported."""
+    done = completed_steps(cfg)
+    return done is not None and done >= cfg.trainer.max_steps
+
+
+def already_complete_line(cfg) -> str | None:
+    """A finished run relaunched as is (torchrun twice, a requeued SLURM job) does nothing rather
+    than replay its last steps from the latest checkpoint and overwrite hf_final: what it says."""
+    if not is_complete(cfg) or cfg.checkpoint.resume != "auto":
+        return None
+    return (f"run {cfg.run.dir} already completed {completed_steps(cfg)} steps (trainer.max_steps="
+            f"{cfg.trainer.max_steps}): nothing to do. Raise --trainer.max_steps to train on from "
+            f"its latest checkpoint, or pass a new --run.dir")
+
+
 def completed_steps(cfg) -> int | None:
     """Steps of a run in cfg.run.dir that finished, or None (never finished, or no run there)."""
     path = Path(cfg.run.dir, COMPLETE_FILE)
