@@ -101,11 +101,34 @@ def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
 
 
 def varlen_flash(q_NHD, k_NHD, v_NHD, cu_seqlens: torch.Tensor, max_len: int,
-                 window: int | None) -> torch.Tensor:
-    """Packed causal attention with flash-attn: no padding, no N x N mask."""
+                 window: int | None, keys: tuple | None = None) -> torch.Tensor:
+    """Packed causal attention with flash-attn: no padding, no N x N mask. `keys` (from
+    `prefix_keys`) gives sequences that continue a parent their own key sequences, the parent's
+    rows then their own; flash-attn aligns a causal mask to the end when keys outnumber queries."""
     win = (-1, -1) if window is None else (window - 1, 0)
-    return flash_attn_varlen_func(q_NHD, k_NHD, v_NHD, cu_seqlens, cu_seqlens, max_len, max_len,
+    cu_k, max_k = cu_seqlens, max_len
+    if keys is not None:
+        index_K, cu_k, max_k = keys
+        k_NHD, v_NHD = k_NHD[index_K], v_NHD[index_K]
+    return flash_attn_varlen_func(q_NHD, k_NHD, v_NHD, cu_seqlens, cu_k, max_len, max_k,
                                   causal=True, window_size=win)
+
+
+def prefix_keys(seq_lens: list[int], parents: list[int], device) -> tuple:
+    """Key layout of packed sequences with parents (`Transformer` mode (b)): for each sequence
+    its parent's token rows then its own, as one gather index [K]; their int32 cumulative
+    lengths [S + 1]; and the longest key sequence."""
+    starts = [0]
+    for n in seq_lens[:-1]:
+        starts.append(starts[-1] + n)
+    rows, lens = [], []
+    for i, (n, p) in enumerate(zip(seq_lens, parents)):
+        if p >= 0:
+            rows.append(torch.arange(starts[p], starts[p] + seq_lens[p]))
+        rows.append(torch.arange(starts[i], starts[i] + n))
+        lens.append(n + (seq_lens[p] if p >= 0 else 0))
+    cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(torch.int32)
+    return torch.cat(rows).to(device), cu.to(device), max(lens)
 
 
 def causal_mask(q_pos_BT: torch.Tensor, k_pos_BS: torch.Tensor, window: int | None,

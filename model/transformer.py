@@ -7,7 +7,10 @@ Three forward modes share every weight and every line of layer code; only the at
 (`_Context`) differs:
   (a) plain causal:  model(input_ids[B, T]) -> logits[B, T, V]
   (b) packed varlen: model(input_ids[N], seq_lens=[S]) -> logits[N, V]; sequences are concatenated
-      without padding and attend only within themselves (padding-free training)
+      without padding and attend only within themselves (padding-free training). With
+      `seq_parents=[S]` a sequence may continue another one packed before it (a shared prompt,
+      computed once for a GRPO group): it attends to its parent's tokens, then its own, and its
+      positions go on from the parent's length, exactly as if the parent were written before it
   (c) static KV cache: model(input_ids[B, T], positions=[B, T], kv_cache=cache, slots=[B]) writes
       the new keys/values of row b into cache slot slots[b] at positions[b] and attends to every
       cached key at a position <= the query's (generation; rows may be at different lengths)
@@ -58,6 +61,8 @@ class _Context:
     cu_seqlens: torch.Tensor | None = None  # set only for the flash-attn varlen path
     max_len: int = 0
     split: list[int] | None = None  # packed without flash-attn: attend sequence by sequence
+    parents: list[int] | None = None  # with `split`: the sequence each one continues, or -1
+    keys: tuple | None = None  # with `cu_seqlens` and parents: attn.prefix_keys's key layout
     window: int | None = None
     backend: str = "auto"
 
@@ -77,31 +82,40 @@ class _Context:
     @torch.compiler.disable
     def _packed(self, q, k, v) -> torch.Tensor:
         if self.cu_seqlens is not None:
-            out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window)
+            out = attn.varlen_flash(q[0], k[0], v[0], self.cu_seqlens, self.max_len, self.window,
+                                    self.keys)
             return out[None]
         return self._per_sequence(q, k, v)
 
     def _per_sequence(self, q, k, v) -> torch.Tensor:
         """Packed attention as causal SDPA per sequence: O(sum n_i^2) work instead of the O(N^2)
-        of a block-diagonal mask over all N packed tokens. Sequences of equal length share one
-        batched call: a GRPO group's fixed-length samples have equal lengths, so 16 sequences of
-        4 prompts take 4 calls (the same values; a tiny model's bf16 train step 10% faster)."""
+        of a block-diagonal mask over all N packed tokens. Sequences of equal length (and equal
+        parent length) share one batched call: a GRPO group's fixed-length samples have equal
+        lengths, so 16 sequences of 4 prompts take 4 calls (the same values; a tiny model's bf16
+        train step 10% faster). A sequence with a parent attends to the parent's keys, then its
+        own, under a causal mask aligned to the end."""
         parts = [x.split(self.split, 1) for x in (q, k, v)]
-        by_len: dict[int, list[int]] = {}
-        for i, n in enumerate(self.split):
-            by_len.setdefault(n, []).append(i)
+        parents = self.parents or [-1] * len(self.split)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, (n, p) in enumerate(zip(self.split, parents)):
+            by_shape.setdefault((n, self.split[p] if p >= 0 else 0), []).append(i)
         outs: list = [None] * len(self.split)
-        for n, idx in by_len.items():
-            mask = None
-            if self.window is not None and n > self.window:
-                pos = torch.arange(n, device=q.device)[None]
-                mask = attn.causal_mask(pos, pos, self.window)  # [1, n, n]: alike for all
-            q_, k_, v_ = (xs[idx[0]] if len(idx) == 1 else torch.cat([xs[i] for i in idx])
-                          for xs in parts)
-            out = attn.sdpa(q_, k_, v_, mask, causal=True)
+        for (n, m), idx in by_shape.items():
+            q_ = _batch([parts[0][i] for i in idx])
+            k_, v_ = (_batch([xs[i] if m == 0 else torch.cat([xs[parents[i]], xs[i]], 1) for i in idx])
+                      for xs in parts[1:])
+            out = attn.sdpa(q_, k_, v_, self._mask(n, m, q.device), causal=True)
             for j, i in enumerate(idx):
                 outs[i] = out[j : j + 1]
         return torch.cat(outs, dim=1)
+
+    def _mask(self, n: int, m: int, device) -> torch.Tensor | None:
+        """Keep-mask [1, n, m + n] of n queries after m parent keys; None where plain causal
+        attention (no parent, no sliding window reached) is the same."""
+        if m == 0 and (self.window is None or n <= self.window):
+            return None
+        keys = torch.arange(m + n, device=device)[None]
+        return attn.causal_mask(keys[:, m:], keys, self.window)  # alike for every row
 
     def _slots(self, q):
         if self.slots is not None:
@@ -199,30 +213,32 @@ class Transformer(nn.Module):
         self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
-                seq_lens: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                seq_lens: torch.Tensor | None = None, seq_parents: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every input token; see the module docstring for the three modes."""
         return self.lm_head(self.hidden_states(
-            input_ids, positions=positions, seq_lens=seq_lens, kv_cache=kv_cache, slots=slots))
+            input_ids, positions=positions, seq_lens=seq_lens, seq_parents=seq_parents,
+            kv_cache=kv_cache, slots=slots))
 
-    def hidden_states(self, input_ids, *, positions=None, seq_lens=None, kv_cache=None,
-                      slots=None) -> torch.Tensor:
+    def hidden_states(self, input_ids, *, positions=None, seq_lens=None, seq_parents=None,
+                      kv_cache=None, slots=None) -> torch.Tensor:
         """Final-norm hidden states, same shape convention as `forward` without the vocab dim."""
         packed = seq_lens is not None
         ids_BT = input_ids.reshape(1, -1) if packed else input_ids
         x = self.model.embed_tokens(ids_BT)
-        ctx = self._context(ids_BT, x, positions, seq_lens, kv_cache, slots)
+        ctx = self._context(ids_BT, x, positions, seq_lens, kv_cache, slots, seq_parents)
         for layer in self.model.layers:
             x = layer(x, ctx)
         x = self.model.norm(x)
         return x.reshape(*input_ids.shape, -1) if packed else x
 
-    def _context(self, ids_BT, x, positions, seq_lens, kv_cache, slots) -> _Context:
+    def _context(self, ids_BT, x, positions, seq_lens, kv_cache, slots, seq_parents) -> _Context:
         B, T = ids_BT.shape
         dev, window = ids_BT.device, self.args.sliding_window
-        seq_ids, default_positions = None, positions is None
+        seq_ids, default_positions, parents = None, positions is None, None
         if seq_lens is not None:
-            seq_ids, positions = _packed_positions(seq_lens.to(dev), T)
+            parents = _check_parents(seq_parents, len(seq_lens))
+            seq_ids, positions = _packed_positions(seq_lens.to(dev), T, parents)
         elif positions is None:
             if kv_cache is not None:
                 raise ValueError("a KV-cache forward needs explicit `positions` [B, T]")
@@ -240,19 +256,46 @@ class Transformer(nn.Module):
         elif seq_ids is not None and attn.use_flash(x, self.attn_backend):
             ctx.cu_seqlens = F.pad(seq_lens.to(dev).cumsum(0), (1, 0)).to(torch.int32)
             ctx.max_len = int(seq_lens.max())
+            if parents is not None:
+                ctx.keys = attn.prefix_keys(seq_lens.tolist(), parents, dev)
         elif seq_ids is not None:
-            ctx.split = seq_lens.tolist()
+            ctx.split, ctx.parents = seq_lens.tolist(), parents
         elif not default_positions or (window is not None and T > window):
             ctx.mask = attn.causal_mask(positions, positions, window)
         return ctx
 
 
-def _packed_positions(seq_lens_S: torch.Tensor, total: int):
-    """Sequence id and position-within-sequence of every packed token, both [1, N]."""
+def _batch(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
+
+
+def _check_parents(seq_parents, num_seqs: int) -> list[int] | None:
+    """`seq_parents` as a list, or None where no sequence has a parent. A parent comes earlier
+    in the pack and has no parent itself (one shared prefix deep)."""
+    if seq_parents is None:
+        return None
+    parents = [int(p) for p in seq_parents]
+    if len(parents) != num_seqs:
+        raise ValueError(f"seq_parents has {len(parents)} entries for {num_seqs} sequences; "
+                         "give one per sequence (-1: no parent)")
+    for i, p in enumerate(parents):
+        if not -1 <= p < i or (p >= 0 and parents[p] != -1):
+            raise ValueError(f"seq_parents[{i}] = {p}: a parent must be -1 or an earlier "
+                             "sequence that has no parent itself")
+    return parents if any(p >= 0 for p in parents) else None
+
+
+def _packed_positions(seq_lens_S: torch.Tensor, total: int, parents: list[int] | None = None):
+    """Sequence id and position-within-sequence of every packed token, both [1, N]; a sequence
+    with a parent goes on from the parent's length."""
     if int(seq_lens_S.sum()) != total:
         raise ValueError(f"seq_lens sum to {int(seq_lens_S.sum())} but {total} tokens were given")
     seq_N = torch.repeat_interleave(torch.arange(len(seq_lens_S), device=seq_lens_S.device), seq_lens_S)
     starts_S = seq_lens_S.cumsum(0) - seq_lens_S
     pos_N = torch.arange(total, device=seq_lens_S.device) - starts_S[seq_N]
+    if parents is not None:
+        lens = seq_lens_S.tolist()
+        offset_S = torch.tensor([lens[p] if p >= 0 else 0 for p in parents], device=pos_N.device)
+        pos_N = pos_N + offset_S[seq_N]
     return seq_N, pos_N[None]
 

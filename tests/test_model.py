@@ -86,6 +86,82 @@ def test_packed_equal_lengths_share_a_call_exactly(family, tmp_path):
     assert max(rel_err(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
 
 
+def _shared_prefix_case():
+    """Two prompts (lengths 6 and 10) packed once each, with children of lengths 4, 4, 7 and 4,
+    1, 3 continuing them, and a sequence of its own between: tokens, seq_lens, seq_parents, and
+    each packed sequence's full token list (its parent's tokens first)."""
+    lens, parents = [6, 4, 4, 7, 9, 10, 4, 1, 3], [-1, 0, 0, 0, -1, -1, 5, 5, 5]
+    seqs = [torch.randint(0, tiny.VOCAB, (n,)) for n in lens]
+    full = [seqs[i] if p < 0 else torch.cat([seqs[p], seqs[i]]) for i, p in enumerate(parents)]
+    return torch.cat(seqs), torch.tensor(lens), torch.tensor(parents), full
+
+
+def _packed_against_full(model, ids, lens, parents, full):
+    """Logits and gradients of a packed forward with parents, and the same rows taken from each
+    sequence run whole (a child's rows are the last ones of parent + child)."""
+    w = torch.randn(len(ids), tiny.VOCAB)
+    packed = model(ids, seq_lens=lens, seq_parents=parents)
+    grads = torch.autograd.grad((packed * w).sum(), list(model.parameters()))
+    ref = torch.cat([model(f[None])[0, -n:] for f, n in zip(full, lens.tolist())])
+    grads_ref = torch.autograd.grad((ref * w).sum(), list(model.parameters()))
+    return packed, ref, grads, grads_ref
+
+
+def test_packed_children_continue_their_parent(family, tmp_path):
+    """A packed sequence with a parent (a GRPO group's shared prompt) gives the logits and
+    gradients of parent + child run whole; sequences of the same (length, parent length)
+    share a call. Mistral's sliding window of 8 is crossed (10 + 4 tokens)."""
+    tiny.save_hf(family, tmp_path)
+    model = load_pretrained(tmp_path, dtype="float32")
+    packed, ref, grads, grads_ref = _packed_against_full(model, *_shared_prefix_case())
+    assert rel_err(packed, ref) <= 1e-5
+    assert max(rel_err(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
+
+
+def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
+    """flash-attn's varlen semantics on CPU, for the key layout's test: per sequence, a causal
+    mask aligned to the end (query j of n sees key positions <= m + j of m + n), and the window
+    (left, 0) counted back from there."""
+    from model import attention as attn
+    assert causal and window_size[1] in (-1, 0)
+    window = None if window_size[0] < 0 else window_size[0] + 1
+    outs = []
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_k[s]:cu_k[s + 1]], v[cu_k[s]:cu_k[s + 1]]
+        keys = torch.arange(len(ks))[None]
+        mask = attn.causal_mask(keys[:, len(ks) - len(qs):], keys, window)
+        outs.append(attn.sdpa(qs[None], ks[None], vs[None], mask, causal=False)[0])
+    return torch.cat(outs)
+
+
+def test_flash_key_layout_for_children(family, tmp_path, monkeypatch):
+    """The flash-attn path for packed sequences with parents (CUDA only) on CPU: flash-attn's
+    varlen call replaced by a reference of its semantics, the gathered keys (`prefix_keys`)
+    must give what parent + child run whole give."""
+    from model import attention as attn
+    monkeypatch.setattr(attn, "flash_attn_varlen_func", _flash_reference)
+    monkeypatch.setattr(attn, "use_flash", lambda x, backend: True)
+    tiny.save_hf(family, tmp_path)
+    model = load_pretrained(tmp_path, dtype="float32")
+    ids, lens, parents, full = _shared_prefix_case()
+    index, cu, longest = attn.prefix_keys(lens.tolist(), parents.tolist(), "cpu")
+    assert cu.tolist() == [0, 6, 16, 26, 39, 48, 58, 72, 83, 96] and longest == 14
+    assert index[6:16].tolist() == list(range(6)) + list(range(6, 10))
+    packed, ref, grads, grads_ref = _packed_against_full(model, ids, lens, parents, full)
+    assert rel_err(packed, ref) <= 1e-5
+    assert max(rel_err(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
+
+
+@pytest.mark.parametrize("parents, why", [([-1, 0], "2 entries for 3"), ([-1, 2, -1], "seq_parents\\[1\\] = 2"),
+                                          ([-1, 0, 1], "seq_parents\\[2\\] = 1")])
+def test_bad_seq_parents_name_the_entry(tmp_path, parents, why):
+    tiny.save_hf("llama3", tmp_path)
+    model = load_pretrained(tmp_path, dtype="float32")
+    with pytest.raises(ValueError, match=why):
+        model(torch.zeros(9, dtype=torch.long), seq_lens=torch.tensor([3, 3, 3]),
+              seq_parents=torch.tensor(parents))
+
+
 def test_kv_cache_decode_equals_full_forward(family, tmp_path):
     """Prefill rows of different prompt lengths in one batch, then decode one token at a time."""
     tiny.save_hf(family, tmp_path)
