@@ -100,6 +100,7 @@ class TrainerConfig:
     max_steps: int = _f(20, "Optimizer steps to run (= policy versions produced).", ge=0)
     prompts_per_step: int = _f(8, "Prompt groups per optimizer step (each has n_samples completions).", ge=1)
     micro_batch_tokens: int = _f(4096, "Packed tokens per micro-batch per trainer rank (gradient accumulation unit).", ge=1)
+    share_prompts: bool = _f(True, "Run each prompt's forward once for all its samples in a micro-batch (they attend to it), not once per sample; the same loss, fewer tokens.")
     lr: float = _f(1e-5, "Peak AdamW learning rate.", gt=0)
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", ge=0)
     beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1)

@@ -204,7 +204,7 @@ def train_step_fn(model, wl: Workload, device, micro_batch_tokens: int, dp_group
     opt = build_optimizer(model, cfg.trainer)
     sched = build_scheduler(opt, cfg.trainer)
     groups = synthetic_groups(wl, model.args.vocab_size, seed)
-    mbs = micro_batches(groups, cfg.algo.advantage, micro_batch_tokens)
+    mbs = micro_batches(groups, cfg.algo.advantage, micro_batch_tokens, cfg.trainer.share_prompts)
     return (lambda: train_step(model, opt, sched, groups, cfg, dp_group, device, 0), len(mbs),
             max(b.num_tokens for b in mbs))
 

@@ -289,6 +289,31 @@ def test_pack_alignment_by_hand():
     assert a.version == 3 and Group(0, [a]).min_version == 3
 
 
+def test_pack_shared_prompts_by_hand():
+    """share_prompts: [5, 6] once (its first token alone), then each of its samples as a child:
+    the prompt's last token and the completion but its last. A 1-token prompt and a prompt seen
+    once are packed whole, in order of first appearance."""
+    a = Trajectory(0, 0, [5, 6], [7, 8], [-0.1, -0.2], [3, 4], 1.0, "stop")
+    b = Trajectory(0, 1, [5, 6], [9, 4, 2], [-1.0, -2.0, -3.0], [4, 4, 5], 0.0, "length")
+    alone = Trajectory(1, 0, [9], [4, 2], [-0.5, -0.6], [5, 5], 0.0, "stop")
+    once = Trajectory(2, 0, [3, 3], [1], [-0.7], [6], 0.0, "stop")
+    pb = pack([a, alone, b, once], [0.5, 1.5, -2.0, 3.0], share_prompts=True)
+    assert pb.input_ids_N.tolist() == [5, 6, 7, 6, 9, 4, 9, 4, 2, 3, 3, 1]
+    assert pb.seq_lens_S.tolist() == [1, 2, 3, 3, 3]
+    assert pb.seq_parents_S.tolist() == [-1, 0, 0, -1, -1]
+    assert pb.position_ids_N.tolist() == [0, 1, 2, 1, 2, 3, 0, 1, 2, 0, 1, 2]
+    assert pb.targets_N.tolist() == [6, 7, 8, 9, 4, 2, 4, 2, 0, 3, 1, 0]
+    T, F = True, False
+    assert pb.loss_mask_N.tolist() == [F, T, T, T, T, T, T, T, F, F, T, F]
+    assert pb.logp_mu_N.tolist() == pytest.approx([0, -.1, -.2, -1, -2, -3, -.5, -.6, 0, 0, -.7, 0])
+    assert pb.adv_N.tolist() == [0, .5, .5, -2, -2, -2, 1.5, 1.5, 0, 0, 3, 0]
+    assert pb.versions_N.tolist() == [-1, 3, 4, 4, 4, 5, 5, 5, -1, -1, 6, -1]
+    # every completion token is a loss target once, as without sharing
+    whole = pack([a, alone, b, once], [0.5, 1.5, -2.0, 3.0])
+    assert count_loss_tokens([pb]) == count_loss_tokens([whole]) == 8
+    assert pb.num_tokens == whole.num_tokens - 3
+
+
 def test_trajectory_and_group_validation():
     with pytest.raises(ValueError, match="one entry per completion token"):
         Trajectory(0, 0, [1], [2, 3], [-0.1], [0, 0], 0.0, "stop")
@@ -395,7 +420,7 @@ def test_train_step_skips_a_nonfinite_update():
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(5, 7))
 
-    def forward(input_ids_N, seq_lens=None):
+    def forward(input_ids_N, seq_lens=None, seq_parents=None):
         return model.w[input_ids_N] * float("nan")  # [N, 7] logits, all NaN
     model.forward = forward
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -404,7 +429,7 @@ def test_train_step_skips_a_nonfinite_update():
         algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
                                    entropy_coef=0.0),
         generator=types.SimpleNamespace(temperature=1.0),
-        trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1.0))
+        trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1.0, share_prompts=True))
     trajs = [Trajectory(0, i, [1, 2], [3, 4], [-1.0, -1.0], [0, 0], float(i), "stop") for i in range(2)]
     res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
     assert res.skipped and torch.equal(model.w, torch.zeros(5, 7))
@@ -423,14 +448,14 @@ def test_train_step_entropy_bonus_adds_coef_times_entropy_gradient():
         torch.manual_seed(0)
         model = torch.nn.Module()
         model.w = torch.nn.Parameter(torch.randn(5, 7, dtype=torch.float64))
-        model.forward = lambda input_ids_N, seq_lens=None: model.w[input_ids_N]
+        model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         cfg = types.SimpleNamespace(
             algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
                                        entropy_coef=coef),
             generator=types.SimpleNamespace(temperature=1.0),
-            trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9))
+            trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9, share_prompts=True))
         grads = []
         opt.register_step_pre_hook(lambda *_: grads.append(model.w.grad.clone()))  # at the update
         res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
@@ -448,3 +473,45 @@ def test_train_step_entropy_bonus_adds_coef_times_entropy_gradient():
     torch.testing.assert_close(g1 - g0, -0.3 * expect / 6, atol=1e-7, rtol=1e-5)  # fp32 log-softmax
     assert res0.stats["entropy_sum"] == pytest.approx(res1.stats["entropy_sum"])
     assert res0.stats["loss_sum"] == pytest.approx(res1.stats["loss_sum"])
+
+
+def test_train_step_same_with_shared_prompts(family, tmp_path):
+    """trainer.share_prompts changes how much is computed, not what: a real tiny model's step
+    stats and updated parameters match the step with every sample packed whole (groups of 3
+    samples of different lengths; Mistral's window of 8 crossed)."""
+    from config import load_config
+    from model import load_pretrained
+    from tests import tiny
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.step import micro_batches, train_step
+    tiny.save_hf(family, tmp_path)
+    rng = random.Random(1)
+    groups = []
+    for pid in range(3):
+        prompt = [rng.randrange(tiny.VOCAB) for _ in range(4 + 3 * pid)]
+        trajs = [Trajectory(pid, j, prompt, [rng.randrange(tiny.VOCAB) for _ in range(c)],
+                            [-rng.uniform(0.5, 3.0) for _ in range(c)], [0] * c, float(j), "stop")
+                 for j, c in enumerate((3, 7, 7))]
+        groups.append(Group(pid, trajs))
+
+    def step(share):
+        cfg = load_config(None, [f"--trainer.share_prompts={str(share).lower()}",
+                                 "--trainer.lr=1e-2", "--trainer.eps=1e-2", "--algo.rho=1.5"])
+        torch.manual_seed(0)
+        model = load_pretrained(tmp_path, dtype="float32")
+        opt = build_optimizer(model, cfg.trainer)
+        res = train_step(model, opt, build_scheduler(opt, cfg.trainer), groups, cfg, None, "cpu", 0)
+        tokens = sum(b.num_tokens for b in micro_batches(groups, "group_mean", 4096, share))
+        return res, dict(model.named_parameters()), tokens
+
+    (shared, p_shared, n_shared), (whole, p_whole, n_whole) = step(True), step(False)
+    # per group: the prompt once, not 3 times, less its last token (in each sample instead of
+    # each sample's last, which predicts nothing): 2 * (4 + 7 + 10) + 3 tokens fewer
+    assert n_shared == n_whole - 45
+    for key, value in whole.stats.items():
+        assert shared.stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert shared.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
+    for name, p in p_whole.items():
+        torch.testing.assert_close(p_shared[name], p, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(p, q) for p, q in
+               zip(p_whole.values(), load_pretrained(tmp_path, dtype="float32").parameters()))

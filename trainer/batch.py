@@ -18,6 +18,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from model.transformer import check_parents, packed_positions
+
 
 @dataclass
 class Trajectory:
@@ -136,6 +138,15 @@ class PackedBatch:
         loss_mask_N   F     T     T     F
         logp_mu_N     0   -.1   -.2     0
         versions_N   -1     3     4    -1
+
+    Shared prompts (`pack(..., share_prompts=True)`): the samples of one prompt need its forward
+    only once. The prompt but its last token is packed once, as a sequence of its own, and each
+    sample as a child of it (`seq_parents_S`, the model's mode (b)): the prompt's last token and
+    the completion but its last, every target a completion token. Prompt [5, 6], completions
+    [7, 8] and [9, 4]:
+        input_ids_N    5  |  6   7  |  6   9        seq_lens_S [1, 2, 2], seq_parents_S [-1, 0, 0]
+        targets_N      6  |  7   8  |  9   4
+        loss_mask_N    F  |  T   T  |  T   T
     """
 
     input_ids_N: Tensor    # int64 [N]
@@ -145,6 +156,7 @@ class PackedBatch:
     logp_mu_N: Tensor      # float32 [N]
     adv_N: Tensor          # float32 [N]
     versions_N: Tensor     # int64 [N]
+    seq_parents_S: Tensor  # int64 [S]: the sequence each one continues, -1 for none
 
     @property
     def num_tokens(self) -> int:
@@ -152,10 +164,10 @@ class PackedBatch:
 
     @property
     def position_ids_N(self) -> Tensor:
-        """Position of each token inside its own sequence (restarts at 0 per sequence)."""
-        starts_S = torch.cumsum(self.seq_lens_S, 0) - self.seq_lens_S
-        return torch.arange(self.num_tokens, device=self.input_ids_N.device) - \
-            torch.repeat_interleave(starts_S, self.seq_lens_S)
+        """Position of each token as the model sees it: from 0 in each sequence, going on from
+        the parent's length in a child."""
+        parents = check_parents(self.seq_parents_S, len(self.seq_lens_S))
+        return packed_positions(self.seq_lens_S, self.num_tokens, parents)[1][0]
 
     @property
     def cu_seqlens_S1(self) -> Tensor:
@@ -166,33 +178,79 @@ class PackedBatch:
         return PackedBatch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
 
 
-def pack(trajs: Sequence[Trajectory], advantages: Sequence[float] | Tensor) -> PackedBatch:
-    """Pack `trajs` into one `PackedBatch`; `advantages[s]` is broadcast over sequence s."""
+def pack(trajs: Sequence[Trajectory], advantages: Sequence[float] | Tensor,
+         share_prompts: bool = False) -> PackedBatch:
+    """Pack `trajs` into one `PackedBatch`; `advantages[s]` is broadcast over sequence s. With
+    `share_prompts`, trajectories with the same prompt (of 2 tokens or more) share its forward
+    (see `PackedBatch`); the rest, and every one without it, are packed whole."""
     adv_S = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if adv_S.numel() != len(trajs):
         raise ValueError(f"pack got {len(trajs)} trajectories but {adv_S.numel()} advantages")
     if not trajs:
         raise ValueError("pack needs at least one trajectory")
-    ids, tgt, mask, lmu, ver, adv = [], [], [], [], [], []
-    for s, t in enumerate(trajs):
-        p, c = len(t.prompt_ids), len(t.completion_ids)
-        seq = list(t.prompt_ids) + list(t.completion_ids)
-        ids += seq
-        tgt += seq[1:] + [0]
-        # Position i predicts seq[i+1], i.e. completion token i + 1 - p for i in [p-1, p+c-2].
-        mask += [False] * (p - 1) + [True] * c + [False]
-        lmu += [0.0] * (p - 1) + list(t.logp_mu) + [0.0]
-        ver += [-1] * (p - 1) + list(t.token_versions) + [-1]
-        adv += [0.0] * (p - 1) + [float(adv_S[s])] * c + [0.0]
-    return PackedBatch(
-        input_ids_N=torch.tensor(ids, dtype=torch.long),
-        seq_lens_S=torch.tensor([t.num_tokens for t in trajs], dtype=torch.long),
-        targets_N=torch.tensor(tgt, dtype=torch.long),
-        loss_mask_N=torch.tensor(mask, dtype=torch.bool),
-        logp_mu_N=torch.tensor(lmu, dtype=torch.float32),
-        adv_N=torch.tensor(adv, dtype=torch.float32),
-        versions_N=torch.tensor(ver, dtype=torch.long),
-    )
+    cols: dict[str, list] = {k: [] for k in _COLUMNS}
+    for members in _prompt_sets(trajs, share_prompts):
+        if len(members) == 1:
+            _add_whole(cols, trajs[members[0]], float(adv_S[members[0]]))
+            continue
+        parent = len(cols["lens"])
+        _add_prefix(cols, trajs[members[0]].prompt_ids)
+        for i in members:
+            _add_child(cols, trajs[i], float(adv_S[i]), parent)
+    dtypes = {"mask": torch.bool, "lmu": torch.float32, "adv": torch.float32}
+    t = {k: torch.tensor(v, dtype=dtypes.get(k, torch.long)) for k, v in cols.items()}
+    return PackedBatch(input_ids_N=t["ids"], seq_lens_S=t["lens"], targets_N=t["tgt"],
+                       loss_mask_N=t["mask"], logp_mu_N=t["lmu"], adv_N=t["adv"],
+                       versions_N=t["ver"], seq_parents_S=t["parents"])
+
+
+_COLUMNS = ("ids", "tgt", "mask", "lmu", "ver", "adv", "lens", "parents")
+
+
+def _prompt_sets(trajs: Sequence[Trajectory], share: bool) -> list[list[int]]:
+    """Indices of trajectories packed together: one set per distinct prompt of 2+ tokens when
+    sharing (in order of first appearance), else one set per trajectory."""
+    if not share:
+        return [[i] for i in range(len(trajs))]
+    sets: dict[Any, list[int]] = {}
+    for i, t in enumerate(trajs):
+        key = tuple(t.prompt_ids) if len(t.prompt_ids) > 1 else ("alone", i)
+        sets.setdefault(key, []).append(i)
+    return list(sets.values())
+
+
+def _add(cols: dict[str, list], parent: int, **rows) -> None:
+    cols["lens"].append(len(rows["ids"]))
+    cols["parents"].append(parent)
+    for k, v in rows.items():
+        cols[k] += v
+
+
+def _add_whole(cols, t: Trajectory, adv: float) -> None:
+    """Prompt + completion; position i predicts seq[i+1], i.e. completion token i + 1 - p for i
+    in [p-1, p+c-2]."""
+    p, c = len(t.prompt_ids), len(t.completion_ids)
+    seq = list(t.prompt_ids) + list(t.completion_ids)
+    _add(cols, -1, ids=seq, tgt=seq[1:] + [0], mask=[False] * (p - 1) + [True] * c + [False],
+         lmu=[0.0] * (p - 1) + list(t.logp_mu) + [0.0],
+         ver=[-1] * (p - 1) + list(t.token_versions) + [-1],
+         adv=[0.0] * (p - 1) + [adv] * c + [0.0])
+
+
+def _add_prefix(cols, prompt: list[int]) -> None:
+    """A shared prompt but its last token: no loss targets."""
+    n = len(prompt) - 1
+    _add(cols, -1, ids=list(prompt[:-1]), tgt=list(prompt[1:]), mask=[False] * n, lmu=[0.0] * n,
+         ver=[-1] * n, adv=[0.0] * n)
+
+
+def _add_child(cols, t: Trajectory, adv: float, parent: int) -> None:
+    """The prompt's last token and the completion but its last: each position predicts the
+    next completion token."""
+    c = len(t.completion_ids)
+    _add(cols, parent, ids=[t.prompt_ids[-1]] + list(t.completion_ids[:-1]),
+         tgt=list(t.completion_ids), mask=[True] * c, lmu=list(t.logp_mu),
+         ver=list(t.token_versions), adv=[adv] * c)
 
 
 def token_budget_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

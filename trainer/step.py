@@ -46,7 +46,8 @@ class NonFiniteGuard:
                 f"trainer.max_nonfinite_steps")
 
 
-def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[PackedBatch]:
+def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int,
+                  share_prompts: bool = False) -> list[PackedBatch]:
     """Advantages per group (group integrity), then packed micro-batches by token budget."""
     if not groups:
         return []
@@ -54,12 +55,12 @@ def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int) -> list[P
     trajs = flatten_groups(groups)
     adv = adv_GN.flatten().tolist()
     bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens)
-    return [pack([trajs[i] for i in b], [adv[i] for i in b]) for b in bins]
+    return [pack([trajs[i] for i in b], [adv[i] for i in b], share_prompts) for b in bins]
 
 
 def _logits(model, batch: PackedBatch) -> torch.Tensor:
     with _autocast(model):
-        return model(batch.input_ids_N, seq_lens=batch.seq_lens_S)
+        return model(batch.input_ids_N, seq_lens=batch.seq_lens_S, seq_parents=batch.seq_parents_S)
 
 
 def _policy_logp(model, batch: PackedBatch, temperature: float):
@@ -98,7 +99,9 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     if acfg.kl_coef > 0 and ref_model is None:
         raise ValueError(f"algo.kl_coef={acfg.kl_coef} but no reference model was given to the "
                          "trainer step (trainer.role.build_ref_model builds it)")
-    batches = [b.to(device) for b in micro_batches(groups, acfg.advantage, cfg.trainer.micro_batch_tokens)]
+    tcfg = cfg.trainer
+    batches = [b.to(device) for b in micro_batches(groups, acfg.advantage, tcfg.micro_batch_tokens,
+                                                   tcfg.share_prompts)]
     counts = torch.tensor([len(batches), sum(int(b.loss_mask_N.sum()) for b in batches)])
     rows = gather_rows(counts, dp_group)  # every rank runs the most micro-batches of any
     n_micro, global_tokens = int(rows[:, 0].max()), int(rows[:, 1].sum())
