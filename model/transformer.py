@@ -89,33 +89,33 @@ class _Context:
 
     def _per_sequence(self, q, k, v) -> torch.Tensor:
         """Packed attention as causal SDPA per sequence: O(sum n_i^2) work instead of the O(N^2)
-        of a block-diagonal mask over all N packed tokens. Sequences of equal length (and equal
-        parent length) share one batched call: a GRPO group's fixed-length samples have equal
-        lengths, so 16 sequences of 4 prompts take 4 calls (the same values; a tiny model's bf16
-        train step 10% faster). A sequence with a parent attends to the parent's keys, then its
-        own, under a causal mask aligned to the end."""
+        of a block-diagonal mask over all N packed tokens. A sequence with a parent is attended
+        as parent + itself, and its parent's rows are taken from its parent's first child's call
+        (a prompt shared by samples costs no call of its own). Sequences of equal length share
+        one batched call: a GRPO group's fixed-length samples have equal lengths, so 16 samples
+        of 4 prompts take 4 calls (the same values; a tiny model's bf16 train step 10% faster)."""
         parts = [x.split(self.split, 1) for x in (q, k, v)]
         parents = self.parents or [-1] * len(self.split)
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        has_child = set(parents)
+        by_len: dict[int, list[int]] = {}  # roots without children, and children
         for i, (n, p) in enumerate(zip(self.split, parents)):
-            by_shape.setdefault((n, self.split[p] if p >= 0 else 0), []).append(i)
+            if i not in has_child:
+                by_len.setdefault(n + (self.split[p] if p >= 0 else 0), []).append(i)
         outs: list = [None] * len(self.split)
-        for (n, m), idx in by_shape.items():
-            q_ = _batch([parts[0][i] for i in idx])
-            k_, v_ = (_batch([xs[i] if m == 0 else torch.cat([xs[parents[i]], xs[i]], 1) for i in idx])
-                      for xs in parts[1:])
-            out = attn.sdpa(q_, k_, v_, self._mask(n, m, q.device), causal=True)
+        for n, idx in by_len.items():
+            q_, k_, v_ = (_batch([xs[i] if parents[i] < 0 else torch.cat([xs[parents[i]], xs[i]], 1)
+                                  for i in idx]) for xs in parts)
+            mask = None
+            if self.window is not None and n > self.window:
+                pos = torch.arange(n, device=q.device)[None]
+                mask = attn.causal_mask(pos, pos, self.window)  # [1, n, n]: alike for all
+            out = attn.sdpa(q_, k_, v_, mask, causal=True)
             for j, i in enumerate(idx):
-                outs[i] = out[j : j + 1]
+                m, p = n - self.split[i], parents[i]
+                outs[i] = out[j : j + 1, m:]
+                if p >= 0 and outs[p] is None:
+                    outs[p] = out[j : j + 1, :m]
         return torch.cat(outs, dim=1)
-
-    def _mask(self, n: int, m: int, device) -> torch.Tensor | None:
-        """Keep-mask [1, n, m + n] of n queries after m parent keys; None where plain causal
-        attention (no parent, no sliding window reached) is the same."""
-        if m == 0 and (self.window is None or n <= self.window):
-            return None
-        keys = torch.arange(m + n, device=device)[None]
-        return attn.causal_mask(keys[:, m:], keys, self.window)  # alike for every row
 
     def _slots(self, q):
         if self.slots is not None:
@@ -237,8 +237,8 @@ class Transformer(nn.Module):
         dev, window = ids_BT.device, self.args.sliding_window
         seq_ids, default_positions, parents = None, positions is None, None
         if seq_lens is not None:
-            parents = _check_parents(seq_parents, len(seq_lens))
-            seq_ids, positions = _packed_positions(seq_lens.to(dev), T, parents)
+            parents = check_parents(seq_parents, len(seq_lens))
+            seq_ids, positions = packed_positions(seq_lens.to(dev), T, parents)
         elif positions is None:
             if kv_cache is not None:
                 raise ValueError("a KV-cache forward needs explicit `positions` [B, T]")
@@ -269,12 +269,12 @@ def _batch(xs: list[torch.Tensor]) -> torch.Tensor:
     return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
-def _check_parents(seq_parents, num_seqs: int) -> list[int] | None:
+def check_parents(seq_parents, num_seqs: int) -> list[int] | None:
     """`seq_parents` as a list, or None where no sequence has a parent. A parent comes earlier
     in the pack and has no parent itself (one shared prefix deep)."""
     if seq_parents is None:
         return None
-    parents = [int(p) for p in seq_parents]
+    parents = seq_parents.tolist() if torch.is_tensor(seq_parents) else list(seq_parents)
     if len(parents) != num_seqs:
         raise ValueError(f"seq_parents has {len(parents)} entries for {num_seqs} sequences; "
                          "give one per sequence (-1: no parent)")
@@ -285,7 +285,7 @@ def _check_parents(seq_parents, num_seqs: int) -> list[int] | None:
     return parents if any(p >= 0 for p in parents) else None
 
 
-def _packed_positions(seq_lens_S: torch.Tensor, total: int, parents: list[int] | None = None):
+def packed_positions(seq_lens_S: torch.Tensor, total: int, parents: list[int] | None = None):
     """Sequence id and position-within-sequence of every packed token, both [1, N]; a sequence
     with a parent goes on from the parent's length."""
     if int(seq_lens_S.sum()) != total:

@@ -109,8 +109,8 @@ def _packed_against_full(model, ids, lens, parents, full):
 
 def test_packed_children_continue_their_parent(family, tmp_path):
     """A packed sequence with a parent (a GRPO group's shared prompt) gives the logits and
-    gradients of parent + child run whole; sequences of the same (length, parent length)
-    share a call. Mistral's sliding window of 8 is crossed (10 + 4 tokens)."""
+    gradients of parent + child run whole (the parent's rows taken from its first child's call,
+    children of equal total length in one call). Mistral's sliding window of 8 is crossed."""
     tiny.save_hf(family, tmp_path)
     model = load_pretrained(tmp_path, dtype="float32")
     packed, ref, grads, grads_ref = _packed_against_full(model, *_shared_prefix_case())
