@@ -133,7 +133,8 @@ def cpu_cluster(ranks: int, cores: int, mem_gb: float = 16.0) -> Cluster:
 
 @dataclass(frozen=True)
 class Workload:
-    """One RL step: B prompt groups of n samples, fixed prompt and response lengths."""
+    """One RL step: B prompt groups of n samples, fixed prompt and response lengths.
+    `share_prompts`: the trainer packs each group's prompt once (`trainer.share_prompts`)."""
     prompts_per_step: int
     group_size: int
     prompt_len: int
@@ -141,6 +142,7 @@ class Workload:
     eta: int = 1
     master_dtype: str = "float32"
     gen_dtype: str = "bfloat16"
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         _at_least(1, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
@@ -154,6 +156,15 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def group_train_tokens(self) -> int:
+        """Tokens the trainer packs for one group (`trainer.batch.pack`): with shared prompts
+        the prompt but its last token once, then each sample's last prompt token and its
+        response but the last."""
+        if self.share_prompts and self.group_size > 1 and self.prompt_len > 1:
+            return self.prompt_len - 1 + self.group_size * self.response_len
+        return self.group_size * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -504,13 +515,16 @@ def _measured_train_comm(prof, n_coll: dict, fsdp: int, tp: int, fsdp_bytes: flo
 def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, ac: bool,
                micro_batch_tokens: int, prof=None) -> dict:
     """Seconds for one optimizer step on the trainer mesh. Worked example: Llama-3-8B on 64 H100s
-    (8 nodes), fsdp 64, tp 1, no AC, 512 prompts x 16 samples of 512 + 2048 tokens: a rank trains
-    8 prompts = 327680 tokens; compute = (6*7.505e9*327680 + 3*2*32*4096*2560^2*128)
+    (8 nodes), fsdp 64, tp 1, no AC, 512 prompts x 16 samples of 512 + 2048 tokens, prompts not
+    shared (share_prompts=False): a rank trains 8 prompts = 327680 tokens; compute = (6*7.505e9*327680 + 3*2*32*4096*2560^2*128)
     / (989e12*0.4) = (1.476e16 + 6.6e14)/3.956e14 = 39.0 s; FSDP per micro-batch (16384 tokens,
     20 of them): (2*2 + 4) * 63/64 * 8.03e9 B / 40 GB/s = 1.58 s -> 31.6 s (+ latencies) < 39.0 s,
-    hidden under compute (overlap 1); optimizer 8.03e9/64 * 32 B / 2345 GB/s = 1.7 ms."""
-    seqs_per_rank = -(-wl.prompts_per_step // fsdp) * wl.group_size
-    tokens = seqs_per_rank * wl.seq_len
+    hidden under compute (overlap 1); optimizer 8.03e9/64 * 32 B / 2345 GB/s = 1.7 ms. Shared, a rank packs 8 x (511 + 16 * 2048) = 266232
+    tokens: compute 32.0 s, 17 micro-batches. The attention term stays that of whole sequences
+    (an upper bound)."""
+    groups_per_rank = -(-wl.prompts_per_step // fsdp)
+    seqs_per_rank = groups_per_rank * wl.group_size
+    tokens = groups_per_rank * wl.group_train_tokens
     mbt = max(micro_batch_tokens, wl.seq_len)
     micro = -(-tokens // mbt)
     mb_tokens = min(tokens, mbt)

@@ -135,11 +135,19 @@ def test_generation_time_hand_computed():
 
 def test_train_time_and_collectives_hand_computed():
     cl = cm.gpu_cluster("h100", 8)  # 64 GPUs: the fsdp group spans nodes -> 50 GB/s * 0.8
-    wl = cm.Workload(512, 16, 512, 2048)
+    wl = cm.Workload(512, 16, 512, 2048, share_prompts=False)
     t = cm.train_time(L8B, cl, wl, fsdp=64, tp=1, ac=False, micro_batch_tokens=16384)
     tokens = 8 * 16 * 2560  # ceil(512/64) prompts x 16 samples x 2560 tokens
-    flops = 6 * cm.matmul_params(L8B) * tokens + 3 * 2 * 32 * 4096 * 2560 ** 2 * 128
+    attention = 3 * 2 * 32 * 4096 * 2560 ** 2 * 128
+    flops = 6 * cm.matmul_params(L8B) * tokens + attention
     assert t["compute"] == pytest.approx(flops / (989e12 * 0.4))
+    # shared prompts (the trainer's default): each prompt packed once, less its last token,
+    # which each sample carries instead of its own last
+    shared = cm.train_time(L8B, cl, cm.Workload(512, 16, 512, 2048), 64, 1, False, 16384)
+    shared_tokens = 8 * (511 + 16 * 2048)
+    assert shared["compute"] == pytest.approx(
+        (6 * cm.matmul_params(L8B) * shared_tokens + attention) / (989e12 * 0.4))
+    assert shared["micro_batches"] == -(-shared_tokens // 16384) == 17
     micro = -(-tokens // 16384)
     collectives = 3 * 33 * micro + 1 + 4  # 33 FSDP units; grad norm (1 mesh dim) + bookkeeping
     comm = micro * (2 * 2 + 4) * 63 / 64 * L8B.num_params() / 40e9 + collectives * 63 * 10e-6
@@ -276,7 +284,7 @@ def test_search_finds_the_obviously_best_split():
     max(0.0192, 0.0154) = 0.0192, every other split is slower, TP only adds collectives (exposed:
     overlap 0)."""
     cl = cm.gpu_cluster("h100", 1, gpus_per_node=4, overlap=0.0)
-    wl = cm.Workload(8, 4, 4, 12, eta=1, gen_dtype="float32")
+    wl = cm.Workload(8, 4, 4, 12, eta=1, gen_dtype="float32", share_prompts=False)  # 512 tokens
     res = best_plan(TINY, cl, wl, _toy_profile(), modes=("split",))
     b = res.best.placement
     assert (b.generator_ranks, b.gen_tp, b.trainer_tp, b.activation_checkpointing) == (2, 1, 1, False)
