@@ -6,6 +6,8 @@ flash-attn's native GQA), never by materialising repeated k/v heads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +114,53 @@ def varlen_flash(q_NHD, k_NHD, v_NHD, cu_seqlens: torch.Tensor, max_len: int,
         k_NHD, v_NHD = k_NHD[index_K], v_NHD[index_K]
     return flash_attn_varlen_func(q_NHD, k_NHD, v_NHD, cu_seqlens, cu_k, max_len, max_k,
                                   causal=True, window_size=win)
+
+
+@dataclass
+class PackedGroup:
+    """Packed sequences attended in one batched SDPA call (`packed_groups`)."""
+
+    rows: torch.Tensor  # [B, n]: the packed index of each row's n tokens (a parent's, then its own)
+    keep: torch.Tensor | None  # indices into the B * n output rows that are kept (None: all)
+    mask: torch.Tensor | None  # keep-mask [1, n, n] where a sliding window cuts in, else None
+
+
+def packed_groups(seq_lens: list[int], parents: list[int] | None, window: int | None,
+                  device) -> tuple[list[PackedGroup], torch.Tensor]:
+    """How packed attention runs without flash-attn: causal SDPA per sequence, O(sum n_i^2)
+    work instead of the O(N^2) of a block-diagonal mask over all N tokens. A sequence with a
+    parent is attended as parent + itself, and the parent's rows are kept from its first child's
+    (a shared prompt costs no call of its own). Sequences of equal total length share a call,
+    gathered by one index per tensor: a GRPO group's fixed-length samples have equal lengths, so
+    16 samples of 4 prompts take 4 calls. Returns the groups and `order`, the permutation that
+    puts their kept rows, concatenated, back in packed order. Made once per forward."""
+    parents = parents or [-1] * len(seq_lens)
+    starts = [0]
+    for n in seq_lens[:-1]:
+        starts.append(starts[-1] + n)
+    has_child, first_child = set(parents), {}
+    by_len: dict[int, list[int]] = {}  # sequences without children, by total length
+    for i, (n, p) in enumerate(zip(seq_lens, parents)):
+        if i not in has_child:
+            first_child.setdefault(p, i)
+            by_len.setdefault(n + (seq_lens[p] if p >= 0 else 0), []).append(i)
+    groups, dest = [], []
+    for n, idx in by_len.items():
+        own_m = torch.tensor([seq_lens[parents[i]] if parents[i] >= 0 else 0 for i in idx])[:, None]
+        own = torch.tensor([starts[i] for i in idx])[:, None]
+        par = torch.tensor([starts[parents[i]] for i in idx])[:, None]
+        c = torch.arange(n)[None]
+        rows = torch.where(c < own_m, par + c, own + c - own_m)
+        first = torch.tensor([parents[i] >= 0 and first_child[parents[i]] == i for i in idx])
+        kept = ((c >= own_m) | first[:, None]).flatten()
+        keep = None if bool(kept.all()) else kept.nonzero().flatten()
+        dest.append(rows.flatten() if keep is None else rows.flatten()[keep])
+        mask = None
+        if window is not None and n > window:
+            pos = torch.arange(n)[None]
+            mask = causal_mask(pos, pos, window).to(device)  # [1, n, n]: alike for all rows
+        groups.append(PackedGroup(rows.to(device), None if keep is None else keep.to(device), mask))
+    return groups, torch.argsort(torch.cat(dest)).to(device)
 
 
 def prefix_keys(seq_lens: list[int], parents: list[int], device) -> tuple:

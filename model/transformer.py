@@ -60,8 +60,8 @@ class _Context:
     positions: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None  # set only for the flash-attn varlen path
     max_len: int = 0
-    split: list[int] | None = None  # packed without flash-attn: attend sequence by sequence
-    parents: list[int] | None = None  # with `split`: the sequence each one continues, or -1
+    groups: list | None = None  # packed without flash-attn: attn.packed_groups's calls
+    order: torch.Tensor | None = None  # and the permutation back to packed order
     keys: tuple | None = None  # with `cu_seqlens` and parents: attn.prefix_keys's key layout
     window: int | None = None
     backend: str = "auto"
@@ -71,7 +71,7 @@ class _Context:
             self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
             k, v = self.kv_cache.read(layer, self.slots)
             return attn.sdpa_grouped(q, k, v, self.mask, self.bias)
-        if self.cu_seqlens is not None or self.split is not None:
+        if self.cu_seqlens is not None or self.groups is not None:
             return self._packed(q, k, v)
         return attn.sdpa(q, k, v, self.mask, causal=True)
 
@@ -88,34 +88,13 @@ class _Context:
         return self._per_sequence(q, k, v)
 
     def _per_sequence(self, q, k, v) -> torch.Tensor:
-        """Packed attention as causal SDPA per sequence: O(sum n_i^2) work instead of the O(N^2)
-        of a block-diagonal mask over all N packed tokens. A sequence with a parent is attended
-        as parent + itself, and its parent's rows are taken from its parent's first child's call
-        (a prompt shared by samples costs no call of its own). Sequences of equal length share
-        one batched call: a GRPO group's fixed-length samples have equal lengths, so 16 samples
-        of 4 prompts take 4 calls (the same values; a tiny model's bf16 train step 10% faster)."""
-        parts = [x.split(self.split, 1) for x in (q, k, v)]
-        parents = self.parents or [-1] * len(self.split)
-        has_child = set(parents)
-        by_len: dict[int, list[int]] = {}  # roots without children, and children
-        for i, (n, p) in enumerate(zip(self.split, parents)):
-            if i not in has_child:
-                by_len.setdefault(n + (self.split[p] if p >= 0 else 0), []).append(i)
-        outs: list = [None] * len(self.split)
-        for n, idx in by_len.items():
-            q_, k_, v_ = (_batch([xs[i] if parents[i] < 0 else torch.cat([xs[parents[i]], xs[i]], 1)
-                                  for i in idx]) for xs in parts)
-            mask = None
-            if self.window is not None and n > self.window:
-                pos = torch.arange(n, device=q.device)[None]
-                mask = attn.causal_mask(pos, pos, self.window)  # [1, n, n]: alike for all
-            out = attn.sdpa(q_, k_, v_, mask, causal=True)
-            for j, i in enumerate(idx):
-                m, p = n - self.split[i], parents[i]
-                outs[i] = out[j : j + 1, m:]
-                if p >= 0 and outs[p] is None:
-                    outs[p] = out[j : j + 1, :m]
-        return torch.cat(outs, dim=1)
+        """Packed attention without flash-attn, as `attn.packed_groups` laid it out."""
+        outs = []
+        for g in self.groups:
+            q_, k_, v_ = (x[0][g.rows] for x in (q, k, v))  # [B, n, H, D]
+            out = attn.sdpa(q_, k_, v_, g.mask, causal=True).flatten(0, 1)
+            outs.append(out if g.keep is None else out[g.keep])
+        return _batch(outs)[self.order][None]
 
     def _slots(self, q):
         if self.slots is not None:
@@ -259,7 +238,7 @@ class Transformer(nn.Module):
             if parents is not None:
                 ctx.keys = attn.prefix_keys(seq_lens.tolist(), parents, dev)
         elif seq_ids is not None:
-            ctx.split, ctx.parents = seq_lens.tolist(), parents
+            ctx.groups, ctx.order = attn.packed_groups(seq_lens.tolist(), parents, window, dev)
         elif not default_positions or (window is not None and T > window):
             ctx.mask = attn.causal_mask(positions, positions, window)
         return ctx

@@ -118,6 +118,22 @@ def test_packed_children_continue_their_parent(family, tmp_path):
     assert max(rel_err(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
 
 
+def test_packed_groups_layout_by_hand():
+    """A prompt [0, 1] with children [2] and [3], then a sequence [4, 5, 6] alone: the children
+    are attended as [0, 1, 2] and [0, 1, 3] with the alone one (all of length 3) in one call;
+    the prompt's rows are kept from the first child only."""
+    from model import attention as attn
+    groups, order = attn.packed_groups([2, 1, 1, 3], [-1, 0, 0, -1], None, "cpu")
+    assert len(groups) == 1 and groups[0].mask is None
+    assert groups[0].rows.tolist() == [[0, 1, 2], [0, 1, 3], [4, 5, 6]]
+    assert groups[0].keep.tolist() == [0, 1, 2, 5, 6, 7, 8]
+    assert order.tolist() == list(range(7))
+    groups, order = attn.packed_groups([3, 1, 2], [-1, -1, -1], 2, "cpu")  # by length, windowed
+    assert [g.rows.tolist() for g in groups] == [[[0, 1, 2]], [[3]], [[4, 5]]]
+    assert groups[0].mask.tolist() == [[[True, False, False], [True, True, False], [False, True, True]]]
+    assert groups[1].mask is None and all(g.keep is None for g in groups)
+
+
 def _flash_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size):
     """flash-attn's varlen semantics on CPU, for the key layout's test: per sequence, a causal
     mask aligned to the end (query j of n sees key positions <= m + j of m + n), and the window
