@@ -516,12 +516,13 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
                micro_batch_tokens: int, prof=None) -> dict:
     """Seconds for one optimizer step on the trainer mesh. Worked example: Llama-3-8B on 64 H100s
     (8 nodes), fsdp 64, tp 1, no AC, 512 prompts x 16 samples of 512 + 2048 tokens, prompts not
-    shared (share_prompts=False): a rank trains 8 prompts = 327680 tokens; compute = (6*7.505e9*327680 + 3*2*32*4096*2560^2*128)
-    / (989e12*0.4) = (1.476e16 + 6.6e14)/3.956e14 = 39.0 s; FSDP per micro-batch (16384 tokens,
-    20 of them): (2*2 + 4) * 63/64 * 8.03e9 B / 40 GB/s = 1.58 s -> 31.6 s (+ latencies) < 39.0 s,
-    hidden under compute (overlap 1); optimizer 8.03e9/64 * 32 B / 2345 GB/s = 1.7 ms. Shared, a rank packs 8 x (511 + 16 * 2048) = 266232
-    tokens: compute 32.0 s, 17 micro-batches. The attention term stays that of whole sequences
-    (an upper bound)."""
+    shared (share_prompts=False): a rank trains 8 prompts = 327680 tokens;
+    compute = (6*7.505e9*327680 + 3*2*32*4096*2560^2*128) / (989e12*0.4)
+    = (1.476e16 + 6.6e14)/3.956e14 = 39.0 s; FSDP per micro-batch (16384 tokens, 20 of them):
+    (2*2 + 4) * 63/64 * 8.03e9 B / 40 GB/s = 1.58 s -> 31.6 s (+ latencies) < 39.0 s, hidden
+    under compute (overlap 1); optimizer 8.03e9/64 * 32 B / 2345 GB/s = 1.7 ms. Shared, a rank
+    packs 8 x (511 + 16 * 2048) = 266232 tokens: compute 32.0 s, 17 micro-batches. The attention
+    term stays that of whole sequences (an upper bound)."""
     groups_per_rank = -(-wl.prompts_per_step // fsdp)
     seqs_per_rank = groups_per_rank * wl.group_size
     tokens = groups_per_rank * wl.group_train_tokens

@@ -6,6 +6,7 @@ flash-attn's native GQA), never by materialising repeated k/v heads.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -134,10 +135,7 @@ def packed_groups(seq_lens: list[int], parents: list[int] | None, window: int | 
     gathered by one index per tensor: a GRPO group's fixed-length samples have equal lengths, so
     16 samples of 4 prompts take 4 calls. Returns the groups and `order`, the permutation that
     puts their kept rows, concatenated, back in packed order. Made once per forward."""
-    parents = parents or [-1] * len(seq_lens)
-    starts = [0]
-    for n in seq_lens[:-1]:
-        starts.append(starts[-1] + n)
+    parents, starts = parents or [-1] * len(seq_lens), _starts(seq_lens)
     has_child, first_child = set(parents), {}
     by_len: dict[int, list[int]] = {}  # sequences without children, by total length
     for i, (n, p) in enumerate(zip(seq_lens, parents)):
@@ -146,13 +144,13 @@ def packed_groups(seq_lens: list[int], parents: list[int] | None, window: int | 
             by_len.setdefault(n + (seq_lens[p] if p >= 0 else 0), []).append(i)
     groups, dest = [], []
     for n, idx in by_len.items():
-        own_m = torch.tensor([seq_lens[parents[i]] if parents[i] >= 0 else 0 for i in idx])[:, None]
+        m = torch.tensor([seq_lens[parents[i]] if parents[i] >= 0 else 0 for i in idx])[:, None]
         own = torch.tensor([starts[i] for i in idx])[:, None]
         par = torch.tensor([starts[parents[i]] for i in idx])[:, None]
         c = torch.arange(n)[None]
-        rows = torch.where(c < own_m, par + c, own + c - own_m)
+        rows = torch.where(c < m, par + c, own + c - m)  # [parent's m tokens, own n - m]
         first = torch.tensor([parents[i] >= 0 and first_child[parents[i]] == i for i in idx])
-        kept = ((c >= own_m) | first[:, None]).flatten()
+        kept = ((c >= m) | first[:, None]).flatten()
         keep = None if bool(kept.all()) else kept.nonzero().flatten()
         dest.append(rows.flatten() if keep is None else rows.flatten()[keep])
         mask = None
@@ -167,10 +165,7 @@ def prefix_keys(seq_lens: list[int], parents: list[int], device) -> tuple:
     """Key layout of packed sequences with parents (`Transformer` mode (b)): for each sequence
     its parent's token rows then its own, as one gather index [K]; their int32 cumulative
     lengths [S + 1]; and the longest key sequence."""
-    starts = [0]
-    for n in seq_lens[:-1]:
-        starts.append(starts[-1] + n)
-    rows, lens = [], []
+    starts, rows, lens = _starts(seq_lens), [], []
     for i, (n, p) in enumerate(zip(seq_lens, parents)):
         if p >= 0:
             rows.append(torch.arange(starts[p], starts[p] + seq_lens[p]))
@@ -178,6 +173,11 @@ def prefix_keys(seq_lens: list[int], parents: list[int], device) -> tuple:
         lens.append(n + (seq_lens[p] if p >= 0 else 0))
     cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(torch.int32)
     return torch.cat(rows).to(device), cu.to(device), max(lens)
+
+
+def _starts(seq_lens: list[int]) -> list[int]:
+    """Where each packed sequence begins."""
+    return list(itertools.accumulate(seq_lens[:-1], initial=0))
 
 
 def causal_mask(q_pos_BT: torch.Tensor, k_pos_BS: torch.Tensor, window: int | None,
