@@ -340,6 +340,33 @@ def test_split_by_token_budget():
         token_budget_bins([1], 0)
 
 
+def test_prompt_units_keep_a_prompts_samples_together_within_the_budget():
+    """Shared prompts: a prompt's samples form one unit while they pack to <= max_tokens (the
+    prompt but its last token, then each completion and one token), else runs of them; a
+    1-token prompt's samples stay alone."""
+    from trainer.batch import packed_tokens, prompt_units
+    from trainer.step import micro_batches
+    a = [Trajectory(0, j, [1, 2, 3], [4] * n, [-1.0] * n, [0] * n, 0.0, "stop")
+         for j, n in enumerate((4, 5, 6))]
+    b = [Trajectory(1, j, [7], [4, 4], [-1.0] * 2, [0] * 2, 0.0, "stop") for j in range(2)]
+    c = [Trajectory(2, 0, [5, 5, 5, 5], [4] * 3, [-1.0] * 3, [0] * 3, 0.0, "stop")]
+    trajs = a + b + c
+    units = prompt_units(trajs, True, max_tokens=12)
+    assert units == [[0, 1], [2], [3], [4], [5]]
+    assert [packed_tokens(trajs, u) for u in units] == [2 + 4 + 5, 9, 3, 3, 7]
+    assert prompt_units(trajs, False, 12) == [[i] for i in range(6)]
+    # two groups of 3 samples of 3 + 4 tokens: with sharing each group is one micro-batch of 14
+    rng = random.Random(0)
+    groups = [Group(g, [Trajectory(g, j, [g + 1] * 3, [rng.randrange(9) for _ in range(4)], [-1.0] * 4,
+                                   [0] * 4, float(j), "stop") for j in range(3)]) for g in range(2)]
+    shared = micro_batches(groups, "group_mean", 16, share_prompts=True)
+    assert [b.num_tokens for b in shared] == [14, 14]
+    assert [b.seq_parents_S.tolist() for b in shared] == [[-1, 0, 0, 0]] * 2
+    whole = micro_batches(groups, "group_mean", 16)
+    assert [b.num_tokens for b in whole] == [14, 14, 14]
+    assert count_loss_tokens(shared) == count_loss_tokens(whole) == 24
+
+
 # -- micro-batch invariance ------------------------------------------------------------------------
 def _groups(seed, n_groups=4, n=3, vocab=13):
     rng = random.Random(seed)

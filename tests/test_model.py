@@ -168,7 +168,8 @@ def test_flash_key_layout_for_children(family, tmp_path, monkeypatch):
     assert max(rel_err(a, b) for a, b in zip(grads, grads_ref)) <= 1e-4
 
 
-@pytest.mark.parametrize("parents, why", [([-1, 0], "2 entries for 3"), ([-1, 2, -1], "seq_parents\\[1\\] = 2"),
+@pytest.mark.parametrize("parents, why", [([-1, 0], "2 entries for 3"),
+                                          ([-1, 2, -1], "seq_parents\\[1\\] = 2"),
                                           ([-1, 0, 1], "seq_parents\\[2\\] = 1")])
 def test_bad_seq_parents_name_the_entry(tmp_path, parents, why):
     tiny.save_hf("llama3", tmp_path)

@@ -189,7 +189,8 @@ def _step_setup(folder, units, parallelize=None):
     from model.hf_io import load_model_args
     from parallel.sharding import build_model
     from trainer.optim import build_optimizer, build_scheduler
-    cfg = load_config(None, ["--trainer.micro_batch_tokens=40", "--trainer.grad_clip=0.05",
+    # 20 tokens: one group (2 samples of 6 + 7 tokens, sharing the prompt: 19) per micro-batch
+    cfg = load_config(None, ["--trainer.micro_batch_tokens=20", "--trainer.grad_clip=0.05",
                              "--trainer.lr=1e-2", "--algo.loss=aipo", "--algo.rho=1.5",
                              # a large AdamW eps keeps the first update linear in the gradient:
                              # with 1e-8 it is lr * sign(grad), which float noise can flip
@@ -230,7 +231,8 @@ def test_fsdp_train_step_with_micro_batches_matches_single_process(tmp_path, uni
     tiny.save_hf("llama3", tmp_path)
     cfg, model, opt, sched, groups = _step_setup(tmp_path, units)
     ref = train_step(model, opt, sched, groups, cfg, None, "cpu", 0)
-    n_micro = len(micro_batches(groups[0::2], cfg.algo.advantage, cfg.trainer.micro_batch_tokens))
+    n_micro = len(micro_batches(groups[0::2], cfg.algo.advantage, cfg.trainer.micro_batch_tokens,
+                                cfg.trainer.share_prompts))
     assert n_micro == 2
     for res in run_ranks(_fsdp_step_worker, 2, str(tmp_path), units):
         _close(torch.tensor(res["norm"]), torch.tensor(ref.grad_norm))

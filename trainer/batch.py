@@ -6,8 +6,9 @@ step into micro-batches never changes the baseline):
 
     trajs = flatten_groups(groups)                                   # S trajectories
     adv_S = group_advantages(rewards_GN(groups), "group_mean").flatten()
-    bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens)
-    micro = [pack([trajs[i] for i in b], adv_S[b]) for b in bins]
+    units = prompt_units(trajs, share, max_tokens)                   # a prompt's samples together
+    bins = token_budget_bins([packed_tokens(trajs, u) for u in units], max_tokens)
+    micro = [pack([trajs[i] for u in b for i in units[u]], ..., share) for b in bins]
     global_tokens = count_loss_tokens(micro)                         # then all-reduce over DP
 """
 from __future__ import annotations
@@ -217,6 +218,29 @@ def _prompt_sets(trajs: Sequence[Trajectory], share: bool) -> list[list[int]]:
         key = tuple(t.prompt_ids) if len(t.prompt_ids) > 1 else ("alone", i)
         sets.setdefault(key, []).append(i)
     return list(sets.values())
+
+
+def prompt_units(trajs: Sequence[Trajectory], share: bool, max_tokens: int) -> list[list[int]]:
+    """What micro-batching places whole: with `share`, the trajectories of one prompt (split,
+    where they would pack to more than `max_tokens`, into runs that fit, each sharing the prompt
+    again), else each trajectory alone. `packed_tokens` is what each unit costs."""
+    units = []
+    for members in _prompt_sets(trajs, share):
+        run: list[int] = []
+        for i in members:
+            if run and packed_tokens(trajs, run + [i]) > max_tokens:
+                units.append(run)
+                run = []
+            run.append(i)
+        units.append(run)
+    return units
+
+
+def packed_tokens(trajs: Sequence[Trajectory], members: Sequence[int]) -> int:
+    """Tokens `pack` makes of these trajectories when they share one prompt (alone: whole)."""
+    if len(members) == 1:
+        return trajs[members[0]].num_tokens
+    return len(trajs[members[0]].prompt_ids) - 1 + sum(len(trajs[i].completion_ids) for i in members)
 
 
 def _add(cols: dict[str, list], parent: int, **rows) -> None:

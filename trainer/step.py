@@ -15,7 +15,8 @@ import torch
 
 from trainer import losses
 from trainer.advantages import group_advantages
-from trainer.batch import Group, PackedBatch, flatten_groups, pack, rewards_GN, token_budget_bins
+from trainer.batch import (Group, PackedBatch, flatten_groups, pack, packed_tokens, prompt_units,
+                           rewards_GN, token_budget_bins)
 from trainer.metrics import gather_rows
 from trainer.optim import clip_grad_norm
 
@@ -48,13 +49,16 @@ class NonFiniteGuard:
 
 def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int,
                   share_prompts: bool = False) -> list[PackedBatch]:
-    """Advantages per group (group integrity), then packed micro-batches by token budget."""
+    """Advantages per group (group integrity), then packed micro-batches by token budget: the
+    samples of a prompt stay together where they fit (`prompt_units`), so that they share it."""
     if not groups:
         return []
     adv_GN = group_advantages(rewards_GN(groups), adv_kind)  # [G, n]
     trajs = flatten_groups(groups)
     adv = adv_GN.flatten().tolist()
-    bins = token_budget_bins([t.num_tokens for t in trajs], max_tokens)
+    units = prompt_units(trajs, share_prompts, max_tokens)
+    bins = [[i for u in b for i in units[u]] for b in
+            token_budget_bins([packed_tokens(trajs, u) for u in units], max_tokens)]
     return [pack([trajs[i] for i in b], [adv[i] for i in b], share_prompts) for b in bins]
 
 
