@@ -13,14 +13,13 @@
 #   a2  the CUDA tests of tests/test_ipc.py, tests/test_engine.py and tests/test_evaluate.py
 #       (skipped on CPU, so they only run here)
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
-#       for a minute, and REFERENCES.md has its number from this machine), with the top kernels
-#       of one CUDA-graph run (--profile): where the decode step's 3.7 ms go
-#   b2  the same with our decode step under torch.compile (+ CUDA graph): compiles ~1-2 min.
-#       New since the last GPU run (2026-11-30, 8.8k tok/s, half the plain graph's speed): the
-#       KV-cache writes are in place (`tandem::kv_write`; inductor had copied the whole cache
-#       before each layer's write) and the cache length read is a dynamic size (it read all of
-#       it); on CPU that took the compiled step from 1.2-1.9x slower than eager to 1.15-1.45x
-#       faster. The candidate for the >= 40k tok/s goal: it fuses the step's small kernels.
+#       for a minute, and REFERENCES.md has its number from this machine): our decode step as a
+#       CUDA graph and under torch.compile (+ CUDA graph; compiles ~1-2 min), side by side with
+#       HF's dynamic cache, each with its top kernels and its kernels per decode step (--profile):
+#       the rollout issue's >= 40k tok/s. Since the last GPU run (2026-11-30: 17.6k graph, 8.8k
+#       compiled) the compiled step's KV-cache writes are in place (`tandem::kv_write`) and its
+#       cache length read is a dynamic size (on CPU: from 1.2-1.9x slower than eager to
+#       1.15-1.45x faster).
 #   c   bench/train_step.py --no-cpu --gpu --compile
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC)
 #       on SmolLM2-135M's architecture with random weights (hidden 576, 30 layers, GQA 9/3, vocab
@@ -28,7 +27,7 @@
 #       with zero-copy weight sync (--parallel.ipc_buffers=0)
 #   e   the planner's calibration on this GPU (1.1B shape: per-layer forward/backward, decode
 #       steps, the train step; no links on one GPU); e2 a plan for 2 x 8 H200 with that profile
-# The default order puts the open issues' acceptance points first (b, b2: decode tokens/s, the
+# The default order puts the open issues' acceptance points first (b: decode tokens/s, the
 # rollout issue's >= 40k; d: the one-GPU RL run of the RL-loop issue), then the CUDA tests, so
 # that a short budget cuts the others (a: IPC bandwidth, whose issue is closed).
 # With $OUT set, everything is also written to $OUT/gpu_check.log. The last line is a JSON
@@ -43,7 +42,7 @@ fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
 BUDGET_S=${BUDGET_S:-540}
-SECTIONS=" ${SECTIONS:-b b2 d a2 a c e e2} "
+SECTIONS=" ${SECTIONS:-b d a2 a c e e2} "
 START=$(date +%s)
 SUMMARY=""
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -80,8 +79,8 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     exit 0
 fi
 
-run b  100 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --profile
-run b2 200 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 --modes compile --profile
+run b  300 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 \
+    --modes "${DECODE_MODES:-cudagraph,compile}" --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
 run a2 90  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda

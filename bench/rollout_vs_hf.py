@@ -107,11 +107,14 @@ def measure(fns: dict, device: str, repeats: int, results: dict) -> None:
               f"({med:.3f} s median of {repeats})")
 
 
-def profile_run(fn, device: str, label: str, top: int = 15) -> list[dict]:
+def profile_run(fn, device: str, label: str, top: int = 25, steps=None) -> dict:
     """One warm run of `fn` under torch.profiler: the `top` kernels (CUDA) or ops (CPU) by total
-    device time, with their call counts, so that a decode step's time can be attributed."""
+    device time, with their call counts, so that a decode step's time can be attributed; with
+    `steps` (a callable: the decode steps taken so far) also the kernels and kernel time per
+    decode step of that run."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    steps_before = steps() if steps else 0
     with profile(activities=acts) as prof:
         fn()
     key = "device_time_total" if device == "cuda" else "cpu_time_total"
@@ -120,11 +123,18 @@ def profile_run(fn, device: str, label: str, top: int = 15) -> list[dict]:
         rows = [e for e in rows if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
     out = [{"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
            for e in rows[:top]]
-    total = sum(getattr(e, key) for e in prof.key_averages()) / 1e3
+    total = sum(getattr(e, key) for e in rows) / 1e3
     print(f"  profile of one {label} run, top {top} by {key} (of {total:.1f} ms summed):")
     for r in out:
         print(f"    {r['ms']:9.3f} ms {r['calls']:7d} x  {r['name']}")
-    return out
+    res = {"top": out, "ms": round(total, 3)}
+    if steps:
+        steps = steps() - steps_before
+        calls = sum(e.count for e in rows)
+        res.update(kernels_per_step=round(calls / steps, 1), ms_per_step=round(total / steps, 4))
+        print(f"  {label}: {steps} decode steps, {calls / steps:.1f} kernels and "
+              f"{total / steps:.3f} ms of kernel time a step (prefill included)")
+    return res
 
 
 def cpu_section(repeats: int, modes: tuple = ("eager", "compile")) -> dict:
@@ -194,12 +204,14 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     res["speedup_vs_best_hf"] = round(ours_best / best_hf, 2)
     print(f"  speedup best ours / best HF: {res['speedup_vs_best_hf']:.2f}x")
     if profile:  # a diagnostic: a failure here must not lose the measurements above
-        last = [k for k in fns if k.startswith("ours_")][-1]
-        try:
-            res["profile"] = profile_run(fns[last], device, last)
-        except Exception as e:  # noqa: BLE001
-            print(f"  profile failed: {type(e).__name__}: {e}")
-            res["profile"] = f"failed: {type(e).__name__}: {e}"
+        res["profile"] = {}
+        for k, e in engines.items():
+            try:
+                res["profile"][k] = profile_run(fns[k], device, k,
+                                                steps=lambda e=e: e.stats.decode_steps)
+            except Exception as err:  # noqa: BLE001
+                print(f"  profile failed: {type(err).__name__}: {err}")
+                res["profile"][k] = f"failed: {type(err).__name__}: {err}"
     return res
 
 
@@ -211,7 +223,7 @@ def main() -> None:
     ap.add_argument("--no-hf-static", action="store_true",
                     help="GPU: leave out HF's static-cache generate (it compiles, ~1 min)")
     ap.add_argument("--profile", action="store_true",
-                    help="GPU: also profile one run of the last of --modes (top kernels)")
+                    help="GPU: also profile one run of each of --modes (top kernels, kernels a step)")
     ap.add_argument("--modes", default="eager,cudagraph",
                     help="GPU: our decode variants, of eager, cudagraph, compile (torch.compile "
                          "+ CUDA graph)")
