@@ -15,7 +15,9 @@
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
 #       for a minute, and REFERENCES.md has its number from this machine): our decode step as a
 #       CUDA graph and under torch.compile (+ CUDA graph; compiles ~1-2 min), side by side with
-#       HF's dynamic cache, each with its top kernels and its kernels per decode step (--profile):
+#       HF's dynamic cache, each with its top kernels and its kernels per decode step (--profile);
+#       the compiled step three ways: three q/k/v matmuls and SDPA (as on 2026-12-04's first
+#       run), the q|k|v weights stacked (the CUDA default), and stacked with FlexAttention:
 #       the rollout issue's >= 40k tok/s. Since the last GPU run (2026-11-30: 17.6k graph, 8.8k
 #       compiled) the compiled step's KV-cache writes are in place (`tandem::kv_write`) and its
 #       cache length read is a dynamic size (on CPU: from 1.2-1.9x slower than eager to
@@ -79,11 +81,11 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     exit 0
 fi
 
-run b  300 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 \
-    --modes "${DECODE_MODES:-cudagraph,compile}" --profile
+run b  330 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 \
+    --modes "${DECODE_MODES:-cudagraph,compile:sdpa:nostack,compile,compile:flex}" --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
-run a2 90  "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
+run a2 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
 

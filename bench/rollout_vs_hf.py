@@ -71,10 +71,17 @@ def run_ours(engine: Engine, prompts, new_tokens: int) -> int:
 
 
 def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> dict:
-    """One engine per decode mode (eager, cudagraph, compile), keyed `ours_<mode>`."""
-    return {f"ours_{m}": Engine(model, num_slots=num_slots, max_len=max_len,
-                                compile_decode=decode_mode(m, torch.device(device)))
-            for m in modes}
+    """One engine per decode mode, keyed `ours_<mode>`. A mode is `decode[:attention[:nostack]]`:
+    decode of eager, cudagraph, compile; the attention kernel over the cache (Engine's
+    `decode_attention`, default auto); `nostack`: three q/k/v matmuls (Engine's stack_qkv=False)."""
+    engines = {}
+    for m in modes:
+        decode, attention, *rest = m.split(":") + [""]
+        engines["ours_" + m.replace(":", "_").rstrip("_")] = Engine(
+            model, num_slots=num_slots, max_len=max_len,
+            compile_decode=decode_mode(decode, torch.device(device)),
+            decode_attention=attention or "auto", stack_qkv=False if "nostack" in rest else None)
+    return engines
 
 
 def run_hf(model, ids, mask, new_tokens: int, **kw) -> int:
@@ -88,8 +95,10 @@ def run_hf(model, ids, mask, new_tokens: int, **kw) -> int:
 def measure(fns: dict, device: str, repeats: int, results: dict) -> None:
     """Warm each up once, then time them alternately `repeats` times, so that a busy machine
     hits all alike. Reports the median and the best (least disturbed) run."""
-    for f in fns.values():
+    for k, f in fns.items():
+        t = time.perf_counter()
         f()  # warm-up (and compile / capture)
+        print(f"  {k}: warmed up in {time.perf_counter() - t:.1f} s", flush=True)
     times: dict = {k: [] for k in fns}
     tokens: dict = {}
     for _ in range(repeats):
@@ -225,8 +234,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="GPU: also profile one run of each of --modes (top kernels, kernels a step)")
     ap.add_argument("--modes", default="eager,cudagraph",
-                    help="GPU: our decode variants, of eager, cudagraph, compile (torch.compile "
-                         "+ CUDA graph)")
+                    help="GPU: our decode variants, each decode[:attention[:nostack]]: decode of "
+                         "eager, cudagraph, compile (torch.compile + CUDA graph); attention of "
+                         "auto, sdpa, matmul, flex (compile only); nostack: three q/k/v matmuls")
     ap.add_argument("--cpu-modes", default="eager,compile",
                     help="CPU: our decode variants, of eager and compile (torch.compile of the "
                          "decode step; ~30-40 s of compilation in the warm-up)")

@@ -72,13 +72,33 @@ def additive_mask(mask_BTS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~mask_BTS, float("-inf"))
 
 
+# How a KV-cache forward (decode) attends over the cache (`KVCache.kernel`): "sdpa" (one SDPA
+# call over grouped heads with a folded keep-mask), "matmul" (two batched matmuls and a softmax
+# with an additive mask), "flex" (FlexAttention with a block mask that skips the cache blocks past
+# each row's last query; fast only under torch.compile, which generates its decoding kernel).
+# "auto": "sdpa" on CUDA, "matmul" on CPU (BENCHMARKS.md, "Generation" and "GPU").
+DECODE_KERNELS = ("auto", "sdpa", "matmul", "flex")
+FLEX_BLOCK = 128  # keys per block of the flex block mask (FlexAttention's default block size)
+
+
+def decode_kernel(kernel: str, device_type: str) -> str:
+    """`kernel` with "auto" resolved for this device; an unknown name is refused."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"unknown decode attention kernel {kernel!r}; choose one of "
+                         f"{DECODE_KERNELS}")
+    if kernel == "auto":
+        return "sdpa" if device_type == "cuda" else "matmul"
+    return kernel
+
+
 def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
-                 bias_BTS: torch.Tensor | None = None) -> torch.Tensor:
+                 bias_BTS: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """Masked attention for grouped-query heads without repeating k/v: the G query heads that
     share a kv head are folded into the query axis ([B, Hkv, T*G, D]), so every backend sees
     plain multi-head attention with Hkv heads. For decode (T = 1) the fold is a free view; SDPA's
     `enable_gqa` would instead fall back to kernels that copy k/v G times or ignore the mask.
-    `bias_BTS` (`additive_mask` of the mask) spares the CPU path making it in every layer.
+    `kernel` is "sdpa" or "matmul" (`DECODE_KERNELS`; "auto" by device). `bias_BTS`
+    (`additive_mask` of the mask) spares the matmul path making it in every layer.
     A cache kept in another dtype than q (fp32 for a bf16 model on CPU, `kv_cache.cache_dtype`)
     sets the dtype of the computation; the output comes back in q's."""
     B, T, Hq, D = q_BTHD.shape
@@ -88,7 +108,7 @@ def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
     # decode: [B, 1, Hkv*G, D] is already [B, Hkv, G, D] in memory (two ops fewer per layer)
     q = q.view(B, Hkv, G, D) if T == 1 else q.view(B, T, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, T * G, D)
     k, v = k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)
-    if q.is_cuda:  # [B, T, S] -> [B, 1, T*G, S], every query head of a group alike
+    if decode_kernel(kernel, q.device.type) == "sdpa":  # [B, T, S] -> [B, 1, T*G, S]
         fold = mask_BTS[:, None, :, None, :].expand(B, 1, T, G, S).reshape(B, 1, T * G, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=fold)
     else:  # CPU: two batched matmuls beat SDPA's CPU kernel ~2x at decode sizes (BENCHMARKS.md)
@@ -101,6 +121,36 @@ def sdpa_grouped(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor,
     if T == 1:
         return out.view(B, 1, Hq, D)
     return out.view(B, Hkv, T, G, D).transpose(1, 2).reshape(B, T, Hq, D)
+
+
+def flex_block_mask(positions_BT: torch.Tensor, S: int, window: int | None):
+    """FlexAttention's block mask for queries at `positions_BT` over cache keys [0, S): a key at
+    or before the query's position (and inside the sliding window). Per row and block of
+    FLEX_BLOCK queries, only the key blocks up to its last query's position are listed, so the
+    kernel reads no block past a row's length. Pure tensor code (compiled and graph-captured)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B, T = positions_BT.shape
+    nq, nk = -(-T // FLEX_BLOCK), -(-S // FLEX_BLOCK)
+    last_BQ = F.pad(positions_BT, (0, nq * FLEX_BLOCK - T), value=0).view(B, nq, FLEX_BLOCK).amax(-1)
+    num_B1Q = (last_BQ // FLEX_BLOCK + 1).clamp(max=nk).to(torch.int32)[:, None]
+    idx = torch.arange(nk, dtype=torch.int32, device=positions_BT.device).expand(B, 1, nq, nk)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_pos = positions_BT[b, q_idx]
+        keep = kv_idx <= q_pos
+        return keep if window is None else keep & (kv_idx > q_pos - window)
+
+    return BlockMask.from_kv_blocks(num_B1Q, idx.contiguous(), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(T, S))
+
+
+def flex_grouped(q_BTHD, k_BSHD, v_BSHD, block_mask) -> torch.Tensor:
+    """Attention of q [B, T, Hq, D] over the cache's k/v [B, S, Hkv, D] with FlexAttention
+    (native grouped-query heads; `flex_block_mask`). Computes in the cache's dtype, returns q's."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k, v = (x.transpose(1, 2) for x in (q_BTHD.to(k_BSHD.dtype), k_BSHD, v_BSHD))
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).to(q_BTHD.dtype)
 
 
 def varlen_flash(q_NHD, k_NHD, v_NHD, cu_seqlens: torch.Tensor, max_len: int,

@@ -57,7 +57,14 @@ kv_write = torch.ops.tandem.kv_write.default
 
 
 class KVCache:
-    """k, v: [layers, slots, kv_heads, max_len, head_dim]."""
+    """k, v: [layers, slots, kv_heads, max_len, head_dim]. How a forward through the cache
+    computes (set on the instance, or on a view of it, by its owner; read once per forward):
+    `kernel`, the attention over it (`model.attention.DECODE_KERNELS`), and `qkv`, None or per
+    layer (q|k|v weights stacked, their biases stacked or None, the three row counts) for one
+    projection matmul instead of three; the owner keeps them equal to the parameters."""
+
+    kernel: str = "auto"
+    qkv: list | None = None
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):

@@ -54,7 +54,10 @@ class _Context:
     cos: torch.Tensor  # rope_tables: [B, T, 1, head_dim]
     sin: torch.Tensor  # the same, first half negated
     mask: torch.Tensor | None = None  # keep-mask [B, T, S] or None for plain causal
-    bias: torch.Tensor | None = None  # the KV-cache mask as 0 / -inf, for CPU attention
+    bias: torch.Tensor | None = None  # the KV-cache mask as 0 / -inf, for the matmul kernel
+    kernel: str = "auto"  # KV-cache attention: attn.DECODE_KERNELS, resolved for the device
+    block_mask: object = None  # the flex kernel's attn.flex_block_mask
+    qkv: list | None = None  # KVCache.qkv: per layer (stacked q|k|v weight, bias, sizes)
     kv_cache: KVCache | None = None
     slots: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -70,7 +73,9 @@ class _Context:
         if self.kv_cache is not None:
             self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
             k, v = self.kv_cache.read(layer, self.slots)
-            return attn.sdpa_grouped(q, k, v, self.mask, self.bias)
+            if self.block_mask is not None:
+                return attn.flex_grouped(q, k, v, self.block_mask)
+            return attn.sdpa_grouped(q, k, v, self.mask, self.bias, self.kernel)
         if self.cu_seqlens is not None or self.groups is not None:
             return self._packed(q, k, v)
         return attn.sdpa(q, k, v, self.mask, causal=True)
@@ -118,9 +123,12 @@ class Attention(nn.Module):
     def forward(self, x_BTC: torch.Tensor, ctx: _Context) -> torch.Tensor:
         B, T, _ = x_BTC.shape
         # -1: the number of *local* heads, so a TP-sharded projection just works.
-        q = self.q_proj(x_BTC).view(B, T, -1, self.head_dim)
-        k = self.k_proj(x_BTC).view(B, T, -1, self.head_dim)
-        v = self.v_proj(x_BTC).view(B, T, -1, self.head_dim)
+        if ctx.qkv is None:
+            q, k, v = (p(x_BTC).view(B, T, -1, self.head_dim)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+        else:  # one matmul over the three weights stacked (KVCache.qkv), split as views
+            w, b, sizes = ctx.qkv[self.layer]
+            q, k, v = (y.view(B, T, -1, self.head_dim) for y in F.linear(x_BTC, w, b).split(sizes, -1))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
@@ -229,9 +237,14 @@ class Transformer(nn.Module):
         ctx = _Context(cos, sin, window=window, backend=self.attn_backend)
         if kv_cache is not None:
             ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions
-            keys = torch.arange(kv_cache.max_len, device=dev).expand(B, -1)
-            ctx.mask = attn.causal_mask(positions, keys, window)
-            ctx.bias = None if x.is_cuda else attn.additive_mask(ctx.mask, kv_cache.k.dtype)
+            ctx.kernel, ctx.qkv = attn.decode_kernel(kv_cache.kernel, dev.type), kv_cache.qkv
+            if ctx.kernel == "flex":
+                ctx.block_mask = attn.flex_block_mask(positions, kv_cache.max_len, window)
+            else:
+                keys = torch.arange(kv_cache.max_len, device=dev).expand(B, -1)
+                ctx.mask = attn.causal_mask(positions, keys, window)
+                if ctx.kernel == "matmul":
+                    ctx.bias = attn.additive_mask(ctx.mask, kv_cache.k.dtype)
         elif seq_ids is not None and attn.use_flash(x, self.attn_backend):
             ctx.cu_seqlens = F.pad(seq_lens.to(dev).cumsum(0), (1, 0)).to(torch.int32)
             ctx.max_len = int(seq_lens.max())

@@ -65,7 +65,8 @@ import torch
 from torch import Tensor
 
 from model.kv_cache import KVCache
-from rollout import packed_linear
+from model import attention as attn
+from rollout import packed_linear, stacked
 from rollout.packed_linear import PackedLinears
 from rollout.sampling import hashed_uniform, mix32, process_logits, sample, stream_key
 
@@ -191,6 +192,10 @@ class _SlotState:
         self.logp = torch.zeros(S, L + 1, dtype=torch.float32, device=device)
         self.version = torch.zeros(S, L + 1, **i64)
         self.seq_len = torch.ones(S, **i64)  # prompt + generated tokens
+        # the position decode feeds each slot: its last token's (garbage 0 if not live). Set
+        # before the (compiled) step, which then reads it as an input: FlexAttention's compiled
+        # mask may only capture input tensors (inductor's CPU template refuses one computed)
+        self.pos = torch.zeros(S, 1, **i64)
         self.gen = torch.zeros(S, **i64)  # generated tokens
         self.max_new = torch.ones(S, **i64)
         # the uniform of each completion token's draw (rollout/sampling.py: a hash of the sample's
@@ -248,7 +253,7 @@ class _CacheView(KVCache):
 
     def __init__(self, cache: KVCache, Lb: int, R: int | None = None):  # nothing is allocated
         self.k, self.v = cache.k[:, :R, :, :Lb], cache.v[:, :R, :, :Lb]
-        self.rope, self._whole = cache.rope, cache.whole()
+        self.rope, self._whole, self.qkv = cache.rope, cache.whole(), cache.qkv
 
     def whole(self) -> KVCache:
         return self._whole
@@ -387,14 +392,20 @@ class Engine:
         Another engine's `packed_weights` over the same model: share its packed copies.
     compact: keep the owned slots at the front, decode computes only them ("Rows" above); None =
         with eager decode on CPU; True needs eager decode; False = decode computes every slot.
+    decode_attention: how decode attends over the cache (`model.attention.DECODE_KERNELS`;
+        "flex" needs the compiled step, and reads the whole cache's length under a block mask
+        instead of a length bucket). stack_qkv: one matmul over the stacked q|k|v weights
+        (rollout/stacked.py); None = on CUDA where the model allows it.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
                  dtype: torch.dtype | None = None, *, seed: int = 0, kv_policy: str = "keep",
                  sync_every: int | None = None, compile_decode: bool | str = False,
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
-                 pack_weights: bool | PackedLinears | None = None, compact: bool | None = None):
+                 pack_weights: bool | PackedLinears | None = None, compact: bool | None = None,
+                 decode_attention: str = "auto", stack_qkv: bool | None = None):
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
+        self.decode_attention = _checked_attention(decode_attention, device, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
         # decode reads the cache up to a length bucket; on CUDA each bucket is one graph
@@ -414,19 +425,21 @@ class Engine:
         self._n_requests = self._steps = self._since_sync = 0
         self._bound_base = 0  # max over owned slots of (length at admission - admission step)
         self._needs = _Needs()  # over the owned slots
-        self._decode_fn = self._decode_body
+        self._body = self._decode_body
         if use_compile:
             # the cache length read is the one size that changes from step to step: the second
             # length seen recompiles with it symbolic (dynamo's automatic dynamic shapes), and
             # that one graph serves every later length (dynamic=True, every size symbolic from
             # the start, compiled longer and ran slower on CPU: BENCHMARKS.md "Generation")
-            self._decode_fn = torch.compile(self._decode_body, dynamic=None)
+            self._body = torch.compile(self._decode_body, dynamic=None)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()
         # pack_trial: the automatic choice's timings, for the logs (None if none was timed)
         self._packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
                                                         use_compile)
+        self._stacked = _stacked_qkv(model, device, stack_qkv)
+        self.cache.qkv = self._stacked.per_layer if self._stacked else None
 
     # ----- public API ---------------------------------------------------------------------------
     @property
@@ -447,6 +460,8 @@ class Engine:
         self.st.version_now.fill_(int(v))
         if self._packed is not None:
             self._packed.invalidate()
+        if self._stacked is not None:
+            self._stacked.refresh(force=True)
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
@@ -473,6 +488,8 @@ class Engine:
         self._since_sync += 1
         if self._since_sync >= self.sync_every or (self._queue and self._free):
             self._harvest()
+        if self._stacked is not None:
+            self._stacked.refresh()
         with self._packed.active() if self._packed else nullcontext():
             if self._queue and self._free:
                 self._admit()
@@ -702,12 +719,20 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.decode_rows += key[-1]
 
+    def _decode_fn(self, *key) -> None:
+        """One decode step (`_decode_body`, compiled or not, after setting its positions)."""
+        st = self.st
+        st.pos.copy_(torch.where(st.live, st.seq_len - 1, 0)[:, None])
+        self._body(*key)
+
     def _decode_key(self) -> tuple[bool, bool, str, int, int]:
         """Host-side choice of the decode kernels: (truncate, tempered, sampling mode, cache
         length read, slot rows computed)."""
         bound = max(1, min(self.max_len, self._bound_base + self._steps))  # idle: a 1-long read
         Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
         if self.device.type == "cpu" and Lb * FULL_READ_ABOVE > self.max_len:
+            Lb = self.max_len
+        if self.decode_attention == "flex":  # its block mask skips the blocks past each row
             Lb = self.max_len
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
         rows = max(1, owned) if self.compact else self.num_slots  # the owned are [0, owned)
@@ -716,11 +741,11 @@ class Engine:
     def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int, R: int) -> None:
         """One token for each live slot of the first R; pure device code (CUDA-graph safe)."""
         st, L = self.st.rows(R), self.max_len
-        live = st.live
-        pos_S = torch.where(live, st.seq_len - 1, 0)  # not live: harmless garbage at position 0
-        ids_S1 = st.tokens.gather(1, pos_S[:, None])
+        live, pos_S1 = st.live, st.pos  # not live: harmless garbage at position 0
+        ids_S1 = st.tokens.gather(1, pos_S1)
         cache = _CacheView(self.cache, Lb, R)
-        logits_SV = self.model(ids_S1, positions=pos_S[:, None], kv_cache=cache)[:, 0]
+        cache.kernel = self.decode_attention
+        logits_SV = self.model(ids_S1, positions=pos_S1, kv_cache=cache)[:, 0]
         u_S = None if mode == "greedy" else st.u.gather(1, st.gen[:, None])[:, 0]
         tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, u_S, truncate,
                                tempered, mode)
@@ -797,6 +822,27 @@ def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
     if compile_decode == "cudagraph" and device.type != "cuda":
         raise ValueError("compile_decode='cudagraph' needs a CUDA device")
     return device
+
+
+def _checked_attention(kernel: str, device: torch.device, compile_decode) -> str:
+    """`decode_attention` resolved for the device; "flex" only with the compiled step (eager
+    FlexAttention is a slow reference implementation)."""
+    kernel = attn.decode_kernel(kernel, device.type)
+    if kernel == "flex" and compile_decode not in (True, "compile"):
+        raise ValueError(f"decode_attention='flex' needs the compiled decode step "
+                         f"(compile_decode='compile', got {compile_decode!r}): eager FlexAttention "
+                         "is a slow reference; use 'auto', 'sdpa' or 'matmul'")
+    return kernel
+
+
+def _stacked_qkv(model: torch.nn.Module, device: torch.device, choice: bool | None):
+    """`stack_qkv`: None = on CUDA where the model allows it (rollout/stacked.py)."""
+    ok = stacked.stackable(model)
+    if choice and not ok:
+        raise ValueError("stack_qkv=True: this model's q/k/v projections cannot be stacked "
+                         "(tensor-parallel shards, mixed dtypes or biases); leave stack_qkv=None")
+    use = ok and (device.type == "cuda" if choice is None else choice)
+    return stacked.StackedQKV(model) if use else None
 
 
 def _compaction_moves(slot_info: list) -> tuple[list[int], list[int]]:

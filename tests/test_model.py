@@ -179,8 +179,13 @@ def test_bad_seq_parents_name_the_entry(tmp_path, parents, why):
               seq_parents=torch.tensor(parents))
 
 
-def test_kv_cache_decode_equals_full_forward(family, tmp_path):
-    """Prefill rows of different prompt lengths in one batch, then decode one token at a time."""
+@pytest.mark.parametrize("kernel, stacked", [("auto", False), ("sdpa", False), ("matmul", True),
+                                             ("flex", False), ("flex", True)])
+def test_kv_cache_decode_equals_full_forward(family, tmp_path, kernel, stacked):
+    """Prefill rows of different prompt lengths in one batch, then decode one token at a time,
+    with each attention kernel over the cache and with the q|k|v weights stacked (flex: eager
+    FlexAttention, its reference implementation; the engine compiles it)."""
+    from rollout.stacked import StackedQKV
     tiny.save_hf(family, tmp_path)
     model = load_pretrained(tmp_path, dtype="float32").eval()
     prompt_lens, steps, total = [3, 7, 5], 6, 16
@@ -188,6 +193,7 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path):
     with torch.no_grad():
         ref = model(full)  # [3, total, V]
         cache = KVCache.for_model(model, num_slots=4, max_len=total)
+        cache.kernel, cache.qkv = kernel, StackedQKV(model).per_layer if stacked else None
         slots = torch.tensor([2, 0, 3])  # rows live in arbitrary cache slots
         T = max(prompt_lens)
         pos = torch.arange(T).expand(3, T)  # right-padded prefill; padding is overwritten later
@@ -207,6 +213,33 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path):
         assert tables.rope is not None and tables.rope[0].shape == (total, 1, model.args.head_dim)
         out = [model(full[:, :T], positions=pos, kv_cache=c, slots=slots) for c in (tables, computed)]
         assert torch.equal(*out)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_block_mask_lists_each_rows_blocks_and_attends_as_sdpa(window):
+    """Over a cache of three flex blocks: each row lists the key blocks up to its own position
+    (hand-computed), and FlexAttention under that mask equals the other kernels, with large
+    garbage in the cache past every row's position that must get no weight."""
+    from model import attention as attn
+    B, Hq, Hkv, S, D = 4, 8, 2, 3 * attn.FLEX_BLOCK - 50, 16
+    pos = torch.tensor([[5], [127], [128], [S - 1]])
+    bm = attn.flex_block_mask(pos, S, window)
+    assert bm.kv_num_blocks.flatten().tolist() == [1, 1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, 1, Hq, D, generator=g)
+    k, v = (torch.randn(B, S, Hkv, D, generator=g) for _ in range(2))
+    for x in (k, v):
+        x[torch.arange(S)[None, :] > pos] = 1e4
+    mask = attn.causal_mask(pos, torch.arange(S).expand(B, S), window)
+    live = torch.arange(S) <= pos[:, :1]  # the reference: each row over its live keys only
+    want = torch.cat([attn.sdpa_grouped(q[b:b + 1], k[b:b + 1, live[b]], v[b:b + 1, live[b]],
+                                        mask[b:b + 1, :, live[b]], kernel="matmul")
+                      for b in range(B)])
+    for got in (attn.flex_grouped(q, k, v, bm), attn.sdpa_grouped(q, k, v, mask, kernel="sdpa"),
+                attn.sdpa_grouped(q, k, v, mask, kernel="matmul")):
+        assert rel_err(got, want) <= 1e-5
+    with pytest.raises(ValueError, match="unknown decode attention kernel 'fast'.*'flex'"):
+        attn.decode_kernel("fast", "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
