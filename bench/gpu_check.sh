@@ -85,7 +85,7 @@ run b  330 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 
     --modes "${DECODE_MODES:-cudagraph,compile:sdpa:nostack,compile,compile:flex}" --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
-run a2 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
+run a2 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
 
