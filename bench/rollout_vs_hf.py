@@ -21,6 +21,7 @@ Prints human-readable lines, then one JSON line (`{"bench": "rollout_vs_hf", ...
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -71,17 +72,26 @@ def run_ours(engine: Engine, prompts, new_tokens: int) -> int:
 
 
 def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> dict:
-    """One engine per decode mode, keyed `ours_<mode>`. A mode is `decode[:attention[:nostack]]`:
+    """One engine per decode mode, keyed `ours_<mode>`. A mode is `decode[:attention[:flag]]`:
     decode of eager, cudagraph, compile; the attention kernel over the cache (Engine's
-    `decode_attention`, default auto); `nostack`: three q/k/v matmuls (Engine's stack_qkv=False)."""
+    `decode_attention`, default auto); flag `nostack`: three q/k/v matmuls (Engine's
+    stack_qkv=False), `autotune`: compiled with inductor's GEMM autotuning (`gpu_section`)."""
     engines = {}
-    for m in modes:
+    for m in modes:  # "autotune" is the bench's (gpu_section), not the engine's
         decode, attention, *rest = m.split(":") + [""]
         engines["ours_" + m.replace(":", "_").rstrip("_")] = Engine(
             model, num_slots=num_slots, max_len=max_len,
             compile_decode=decode_mode(decode, torch.device(device)),
             decode_attention=attention or "auto", stack_qkv=False if "nostack" in rest else None)
     return engines
+
+
+def autotuned(fn):
+    """`fn()` with inductor's GEMM autotuning on (Triton templates timed against cuBLAS for each
+    matmul shape) for whatever it compiles."""
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(max_autotune_gemm=True):
+        return fn()
 
 
 def run_hf(model, ids, mask, new_tokens: int, **kw) -> int:
@@ -92,28 +102,53 @@ def run_hf(model, ids, mask, new_tokens: int, **kw) -> int:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
-def measure(fns: dict, device: str, repeats: int, results: dict) -> None:
+def measure(fns: dict, device: str, repeats: int, results: dict, sequential: bool = False) -> None:
     """Warm each up once, then time them alternately `repeats` times, so that a busy machine
-    hits all alike. Reports the median and the best (least disturbed) run."""
-    for k, f in fns.items():
-        t = time.perf_counter()
-        f()  # warm-up (and compile / capture)
-        print(f"  {k}: warmed up in {time.perf_counter() - t:.1f} s", flush=True)
-    times: dict = {k: [] for k in fns}
+    hits all alike; or, `sequential`, each in turn, its result printed at once (a run cut short
+    keeps the finished ones). Reports the median and the best (least disturbed) run. A variant
+    whose warm-up raises is reported as failed and left out."""
+    times: dict = {}
     tokens: dict = {}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            holder: dict = {}
-            times[k].append(timed(lambda: holder.setdefault("n", f()), device))
-            tokens[k] = holder["n"]
-    for k in fns:
+
+    def warm(k, f) -> bool:
+        t = time.perf_counter()
+        try:
+            f()  # warm-up (and compile / capture)
+        except Exception as e:  # noqa: BLE001 -- a failed variant must not lose the others
+            print(f"  {k}: FAILED in warm-up: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results[k] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+            return False
+        print(f"  {k}: warmed up in {time.perf_counter() - t:.1f} s", flush=True)
+        times[k] = []
+        return True
+
+    def time_once(k) -> None:
+        holder: dict = {}
+        times[k].append(timed(lambda: holder.setdefault("n", fns[k]()), device))
+        tokens[k] = holder["n"]
+
+    def report(k) -> None:
         med, best = statistics.median(times[k]), min(times[k])
         results[k] = {"tok_per_s": round(tokens[k] / med, 1),
                       "tok_per_s_best": round(tokens[k] / best, 1),
                       "seconds": round(med, 4), "new_tokens": tokens[k],
                       "all_seconds": [round(t, 4) for t in times[k]]}
         print(f"  {k:<18} {tokens[k] / med:9.1f} new tok/s median, {tokens[k] / best:9.1f} best "
-              f"({med:.3f} s median of {repeats})")
+              f"({med:.3f} s median of {repeats})", flush=True)
+
+    if sequential:
+        for k, f in fns.items():
+            if warm(k, f):
+                for _ in range(repeats):
+                    time_once(k)
+                report(k)
+        return
+    ok = [k for k, f in fns.items() if warm(k, f)]
+    for _ in range(repeats):
+        for k in ok:
+            time_once(k)
+    for k in ok:
+        report(k)
 
 
 def profile_run(fn, device: str, label: str, top: int = 25, steps=None) -> dict:
@@ -203,18 +238,22 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     print(f"GPU ({name}): {args.num_params() / 1e9:.2f}B Llama shape bf16, B={B}, prompt {P}, +{new}")
     res: dict = {"device": name}
     engines = engines_by_mode(ours, modes if device == "cuda" else ("eager",), device, B, P + new)
-    fns = {k: lambda e=e: run_ours(e, prompts, new) for k, e in engines.items()}
-    fns["hf_dynamic_cache"] = lambda: run_hf(hf, ids, mask, new)
+    fns = {"hf_dynamic_cache": lambda: run_hf(hf, ids, mask, new)}  # first: timed in any case
     if hf_static:  # transformers compiles the forward for a static cache: ~1 min more
         fns["hf_static_cache"] = lambda: run_hf(hf, ids, mask, new, cache_implementation="static")
-    measure(fns, device, repeats, res)
-    best_hf = max(v["tok_per_s"] for k, v in res.items() if k.startswith("hf_"))
-    ours_best = max(v["tok_per_s"] for k, v in res.items() if k.startswith("ours"))
+    fns.update({k: functools.partial(run_ours, e, prompts, new) for k, e in engines.items()})
+    for k in [k for k in fns if k.endswith("_autotune")]:  # compiled at its first (warm-up) run
+        fns[k] = functools.partial(autotuned, fns[k])
+    measure(fns, device, repeats, res, sequential=device == "cuda")
+    best_hf = max(v["tok_per_s"] for k, v in res.items() if k.startswith("hf_") and "tok_per_s" in v)
+    ours_best = max(v["tok_per_s"] for k, v in res.items() if k.startswith("ours") and "tok_per_s" in v)
     res["speedup_vs_best_hf"] = round(ours_best / best_hf, 2)
     print(f"  speedup best ours / best HF: {res['speedup_vs_best_hf']:.2f}x")
     if profile:  # a diagnostic: a failure here must not lose the measurements above
         res["profile"] = {}
         for k, e in engines.items():
+            if "failed" in res[k]:
+                continue
             try:
                 res["profile"][k] = profile_run(fns[k], device, k,
                                                 steps=lambda e=e: e.stats.decode_steps)

@@ -35,29 +35,33 @@ def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots_B: torch.Tens
     v_cache.transpose(1, 2).index_put_(idx, v_BTHD.to(v_cache.dtype))
 
 
-def _write_layer(k_all: torch.Tensor, v_all: torch.Tensor, layer: int, slots_B: torch.Tensor,
-                 pos_BT: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> None:
-    scatter_kv(k_all[layer], v_all[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
+def _write_layer(kv_all: torch.Tensor, layer: int, slots_B: torch.Tensor, pos_BT: torch.Tensor,
+                 kv_2BTHD: torch.Tensor) -> None:
+    """Keys and values in one index_put: the cache as [layers, 2, slots, max_len, H, D]."""
+    kv_all[layer].transpose(2, 3)[:, slots_B[:, None], pos_BT] = kv_2BTHD.to(kv_all.dtype)
 
 
 # `scatter_kv` of one layer as an operator that declares its in-place mutation, for compiled code
-# only (eager calls skip its dispatch). It takes the whole cache tensors and the layer, not the
+# only (eager calls skip its dispatch). It takes the whole cache tensor and the layer, not the
 # layer's view: with the cache's sizes symbolic (a second cache shape compiled in one process),
 # torch 2.13's compiled code dropped a mutated view's storage offset, and every layer's keys
-# landed in layer 0 (tests/test_engine.py). Defined by schema on a `torch.library.Library`, not
-# with `torch.library.custom_op`: a call costs 22 us against custom_op's 44-46 (a decode step's
-# write of 16 slots on the Zen 4 EPYC, where the write itself takes 19; 4 layers x 32 steps a
-# batch of the vs_trl bench's generator).
+# landed in layer 0 (tests/test_engine.py). It writes keys and values stacked, in one kernel
+# (inductor stacks them in the kernel that makes them): two index_puts took 4 us each on the
+# H200, a twelfth of a compiled decode step's layer (BENCHMARKS.md, "GPU"). Defined by schema
+# on a `torch.library.Library`, not with `torch.library.custom_op`: a call costs 22 us against
+# custom_op's 44-46 (a decode step's write of 16 slots on the Zen 4 EPYC, where the write itself
+# takes 19; 4 layers x 32 steps a batch of the vs_trl bench's generator).
 _LIB = torch.library.Library("tandem", "FRAGMENT")
-_LIB.define("kv_write(Tensor(a!) k_all, Tensor(b!) v_all, int layer, Tensor slots_B, "
-            "Tensor pos_BT, Tensor k_BTHD, Tensor v_BTHD) -> ()")
+_LIB.define("kv_write(Tensor(a!) kv_all, int layer, Tensor slots_B, Tensor pos_BT, "
+            "Tensor kv_2BTHD) -> ()")
 _LIB.impl("kv_write", _write_layer, "CompositeExplicitAutograd")
 torch.library.register_fake("tandem::kv_write", lambda *args: None, lib=_LIB)
 kv_write = torch.ops.tandem.kv_write.default
 
 
 class KVCache:
-    """k, v: [layers, slots, kv_heads, max_len, head_dim]. How a forward through the cache
+    """k, v: [layers, slots, kv_heads, max_len, head_dim], views of one tensor `kv` [layers, 2,
+    slots, kv_heads, max_len, head_dim] (one kernel writes both in compiled code). How a forward through the cache
     computes (set on the instance, or on a view of it, by its owner; read once per forward):
     `kernel`, the attention over it (`model.attention.DECODE_KERNELS`), and `qkv`, None or per
     layer (q|k|v weights stacked, their biases stacked or None, the three row counts) for one
@@ -68,9 +72,9 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, 2, num_slots, num_kv_heads, max_len, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         # RoPE tables (model.rope.rope_tables) of every position 0..max_len-1, [max_len, 1, D]
         # each, set by `for_model`: a forward through this cache gathers its rows instead of
         # computing them (the same values: each is cos/sin of the same fp32 product)
@@ -108,8 +112,7 @@ class KVCache:
         `index_put_`s on views of the cache, inductor copied the whole cache of every layer
         before each layer's write (BENCHMARKS.md, "Generation")."""
         if torch.compiler.is_compiling():
-            whole = self.whole()
-            kv_write(whole.k, whole.v, layer, slots_B, pos_BT, k_BTHD, v_BTHD)
+            kv_write(self.whole().kv, layer, slots_B, pos_BT, torch.stack((k_BTHD, v_BTHD)))
         else:
             scatter_kv(self.k[layer], self.v[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
 
@@ -127,9 +130,7 @@ class KVCache:
     def move(self, src_R: torch.Tensor, dst_R: torch.Tensor, length: int) -> None:
         """Copy the keys/values at positions [0, length) of slots `src_R` into slots `dst_R`
         (a source may repeat: one prompt's prefix into several slots)."""
-        for kv in (self.k, self.v):
-            kv[:, dst_R, :, :length] = kv[:, src_R, :, :length]
+        self.kv[:, :, dst_R, :, :length] = self.kv[:, :, src_R, :, :length]
 
     def reset(self) -> None:
-        self.k.zero_()
-        self.v.zero_()
+        self.kv.zero_()

@@ -252,7 +252,8 @@ class _CacheView(KVCache):
     land in the full cache."""
 
     def __init__(self, cache: KVCache, Lb: int, R: int | None = None):  # nothing is allocated
-        self.k, self.v = cache.k[:, :R, :, :Lb], cache.v[:, :R, :, :Lb]
+        self.kv = cache.kv[:, :, :R, :, :Lb]
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.rope, self._whole, self.qkv = cache.rope, cache.whole(), cache.qkv
 
     def whole(self) -> KVCache:

@@ -132,3 +132,21 @@ def test_vs_trl_a_failed_sync_run_keeps_the_async_result(monkeypatch, tmp_path):
     r, desc = vs_trl._run_side("tandem_w2", 2, False, "tiny", "m", tmp_path, 1, a)
     assert r == {"step_s": 0.3, "sync_error": "tandem world=2 eta=0 failed (rc 1): boom"}
     assert desc == "tandem 1 gen + 1 train, fp32"
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_rollout_measure_reports_a_failed_variant_and_keeps_the_others(monkeypatch, sequential):
+    """gpu_check's run measures variants one after the other (sequential): a variant whose
+    warm-up raises (a compile error, say) is reported as failed, the others are timed."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+
+    def broken():
+        raise RuntimeError("no kernel for this shape")
+
+    res: dict = {}
+    rollout_vs_hf.measure({"ours_a": lambda: 7, "ours_bad": broken, "ours_b": lambda: 5}, "cpu",
+                          2, res, sequential=sequential)
+    assert res["ours_bad"] == {"failed": "RuntimeError: no kernel for this shape"}
+    assert res["ours_a"]["new_tokens"] == 7 and len(res["ours_a"]["all_seconds"]) == 2
+    assert res["ours_b"]["new_tokens"] == 5

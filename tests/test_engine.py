@@ -343,7 +343,7 @@ def test_compiled_decode_matches_eager(folders):
     assert engine.stats.decode_steps >= 6 and len(codes) == 2
     # Keys/values are written in place by the declared-mutating op: no buffer of the cache's
     # size is allocated to copy it into (traced as index_put_ on views, every layer's write did).
-    new_cache_copy = re.compile(r"empty_strided_\w+\(" + re.escape(str(tuple(engine.cache.k.shape))))
+    new_cache_copy = re.compile(r"empty_strided_\w+\(" + re.escape(str(tuple(engine.cache.kv.shape))))
     for code in codes:
         assert "torch.ops.tandem.kv_write" in code and not new_cache_copy.search(code)
     # A second engine of another cache shape in the same process: dynamo recompiles the same

@@ -222,7 +222,7 @@ def test_flex_block_mask_lists_each_rows_blocks_and_attends_as_sdpa(window):
     garbage in the cache past every row's position that must get no weight."""
     from model import attention as attn
     B, Hq, Hkv, S, D = 4, 8, 2, 3 * attn.FLEX_BLOCK - 50, 16
-    pos = torch.tensor([[5], [127], [128], [S - 1]])
+    pos = torch.tensor([[5], [attn.FLEX_BLOCK - 1], [attn.FLEX_BLOCK], [S - 1]])
     bm = attn.flex_block_mask(pos, S, window)
     assert bm.kv_num_blocks.flatten().tolist() == [1, 1, 2, 3]
     g = torch.Generator().manual_seed(0)
