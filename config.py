@@ -91,7 +91,8 @@ class GeneratorConfig:
     kv_policy: Literal["recompute", "keep"] = _f("keep", "On a weights update: 'keep' in-flight KV caches, or 'recompute' them with the new weights.")
     ignore_eos: bool = _f(False, "Generate exactly max_new_tokens (EOS does not stop); for benchmarks with fixed lengths.")
     pack_weights: Literal["auto", "on", "off"] = _f("auto", "CPU engine: run the large fp32 linears on oneDNN-prepacked weights. 'auto' times a decode forward both ways at start-up and keeps the faster (it depends on the CPU; logged); 'on'/'off' pin it, e.g. for bitwise-repeatable runs (the two differ by fp32 rounding).")
-    decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (4.4x eager on an H200, BENCHMARKS.md), eager on CPU; 'compile' = torch.compile of the step (+ a CUDA graph on CUDA): it costs a start-up compilation (~30 s on a CPU core) and fuses the step's small ops; on CPU the engine's step ran 1.15-1.45x faster than eager (BENCHMARKS.md, 'Generation'); on CUDA not re-measured since its cache writes became in place.")
+    decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (23.0k tok/s for the 1.1B shape on an H200, 5.7x eager), eager on CPU; 'compile' = torch.compile of the step (+ a CUDA graph on CUDA): it costs a start-up compilation (20-40 s) and fuses the step's small ops: 36.7k tok/s on the H200 with FlexAttention (BENCHMARKS.md, 'GPU'); on CPU the engine's step ran 1.15-1.45x faster than eager (BENCHMARKS.md, 'Generation').")
+    decode_attention: Literal["auto", "sdpa", "matmul", "flex"] = _f("auto", "Attention over the KV cache in decode: 'auto' = 'flex' (FlexAttention, reading each row's cache up to its length) for the compiled step on CUDA, 'sdpa' for the CUDA graph, 'matmul' on CPU. 'flex' needs generator.decode='compile'.")
 
 
 @dataclass

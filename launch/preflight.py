@@ -47,16 +47,16 @@ def preflight(cfg, dims):
 
 def _check_device_choices(cfg) -> None:
     """Choices that this machine must support: model.attn_backend (against the trainer's compute
-    dtype too) and generator.decode."""
+    dtype too), generator.decode and generator.decode_attention."""
     from model.attention import check_backend
     from model.hf_io import to_dtype
     from parallel.mesh import pick_device
     from parallel.sharding import compute_dtype
-    from rollout.engine import decode_mode
+    from rollout.engine import attention_choice, decode_mode
     device = pick_device()
     dtype = compute_dtype(cfg.model.compute_dtype, device.type, to_dtype(cfg.model.dtype))
     check_backend(cfg.model.attn_backend, device.type, dtype)
-    decode_mode(cfg.generator.decode, device)
+    attention_choice(cfg.generator.decode_attention, device, decode_mode(cfg.generator.decode, device))
 
 
 def _check_writable(run_dir: Path) -> None:

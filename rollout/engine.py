@@ -393,9 +393,9 @@ class Engine:
         Another engine's `packed_weights` over the same model: share its packed copies.
     compact: keep the owned slots at the front, decode computes only them ("Rows" above); None =
         with eager decode on CPU; True needs eager decode; False = decode computes every slot.
-    decode_attention: how decode attends over the cache (`model.attention.DECODE_KERNELS`;
-        "flex" needs the compiled step, and reads the whole cache's length under a block mask
-        instead of a length bucket). stack_qkv: one matmul over the stacked q|k|v weights
+    decode_attention: how decode attends over the cache (`model.attention.DECODE_KERNELS`,
+        `attention_choice`; "flex" needs the compiled step, and reads the whole cache's length
+        under a block mask instead of a length bucket). stack_qkv: one matmul over the stacked q|k|v weights
         (rollout/stacked.py); None = on CUDA where the model allows it.
     """
 
@@ -406,7 +406,7 @@ class Engine:
                  pack_weights: bool | PackedLinears | None = None, compact: bool | None = None,
                  decode_attention: str = "auto", stack_qkv: bool | None = None):
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
-        self.decode_attention = _checked_attention(decode_attention, device, compile_decode)
+        self.decode_attention = attention_choice(decode_attention, device, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
         # decode reads the cache up to a length bucket; on CUDA each bucket is one graph
@@ -825,14 +825,19 @@ def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
     return device
 
 
-def _checked_attention(kernel: str, device: torch.device, compile_decode) -> str:
-    """`decode_attention` resolved for the device; "flex" only with the compiled step (eager
-    FlexAttention is a slow reference implementation)."""
-    kernel = attn.decode_kernel(kernel, device.type)
-    if kernel == "flex" and compile_decode not in (True, "compile"):
-        raise ValueError(f"decode_attention='flex' needs the compiled decode step "
-                         f"(compile_decode='compile', got {compile_decode!r}): eager FlexAttention "
-                         "is a slow reference; use 'auto', 'sdpa' or 'matmul'")
+def attention_choice(choice: str, device: torch.device, compile_decode) -> str:
+    """`generator.decode_attention` as the Engine's `decode_attention` kernel: 'auto' = "flex"
+    for the compiled step on CUDA (1.08x SDPA's step on the H200, BENCHMARKS.md "GPU"), else
+    "sdpa" on CUDA and "matmul" on CPU; "flex" only with the compiled step (eager FlexAttention
+    is a slow reference implementation)."""
+    compiled = compile_decode in (True, "compile")
+    if choice == "auto" and device.type == "cuda" and compiled:
+        return "flex"
+    kernel = attn.decode_kernel(choice, device.type)
+    if kernel == "flex" and not compiled:
+        raise ValueError(f"generator.decode_attention='flex' needs the compiled decode step "
+                         f"(generator.decode='compile', the Engine's compile_decode='compile'; got "
+                         f"{compile_decode!r}): eager FlexAttention is a slow reference; use 'auto'")
     return kernel
 
 

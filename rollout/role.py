@@ -46,7 +46,7 @@ def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
     slots, max_len = engine_shape(cfg, len(items))
     engine = Engine(main.model, num_slots=slots, max_len=max_len, seed=g.seed,
                     compile_decode=decode_mode(g.decode, main.device),
-                    pack_weights=main.packed_weights or False)
+                    decode_attention=g.decode_attention, pack_weights=main.packed_weights or False)
     return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version)
 
 
@@ -62,7 +62,7 @@ def build_engine(model, cfg, replica: int, device, print_choice: bool) -> Engine
     g = cfg.generator
     engine = Engine(model, num_slots=g.num_slots, max_len=cfg.data.max_prompt_len + g.max_new_tokens,
                     seed=g.seed + replica, kv_policy=g.kv_policy,
-                    compile_decode=decode_mode(g.decode, device),
+                    compile_decode=decode_mode(g.decode, device), decode_attention=g.decode_attention,
                     pack_weights={"auto": None, "on": True, "off": False}[g.pack_weights])
     line = describe_packing(engine.pack_trial, engine.num_slots)
     if print_choice and line:
