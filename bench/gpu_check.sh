@@ -13,15 +13,13 @@
 #   a2  the CUDA tests of tests/test_ipc.py, tests/test_engine.py and tests/test_evaluate.py
 #       (skipped on CPU, so they only run here)
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
-#       for a minute, and REFERENCES.md has its number from this machine): our decode step as a
-#       CUDA graph and under torch.compile (+ CUDA graph; compiles ~1-2 min), side by side with
-#       HF's dynamic cache, each with its top kernels and its kernels per decode step (--profile);
-#       the compiled step three ways: three q/k/v matmuls and SDPA (as on 2026-12-04's first
-#       run), the q|k|v weights stacked (the CUDA default), and stacked with FlexAttention:
-#       the rollout issue's >= 40k tok/s. Since the last GPU run (2026-11-30: 17.6k graph, 8.8k
-#       compiled) the compiled step's KV-cache writes are in place (`tandem::kv_write`) and its
-#       cache length read is a dynamic size (on CPU: from 1.2-1.9x slower than eager to
-#       1.15-1.45x faster).
+#       for a minute, and REFERENCES.md has its number from this machine): the rollout issue's
+#       >= 40k tok/s. HF's dynamic cache first, then our decode variants one by one (a failed
+#       one is reported, the others still run), each with its top kernels, kernels a step and
+#       the device's idle time (--profile): the compiled step with FlexAttention (the default
+#       attention of generator.decode=compile on CUDA; 36.7k on 2026-12-04), the CUDA graph
+#       (generator.decode=auto; 23.0k), and the compiled step again with inductor's GEMM
+#       autotuning (not yet measured: it compiles for longer).
 #   c   bench/train_step.py --no-cpu --gpu --compile
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC)
 #       on SmolLM2-135M's architecture with random weights (hidden 576, 30 layers, GQA 9/3, vocab
@@ -29,7 +27,8 @@
 #       with zero-copy weight sync (--parallel.ipc_buffers=0)
 #   e   the planner's calibration on this GPU (1.1B shape: per-layer forward/backward, decode
 #       steps, the train step; no links on one GPU); e2 a plan for 2 x 8 H200 with that profile
-# The default order puts the open issues' acceptance points first (b: decode tokens/s, the
+# The default order puts the open issues' acceptance points first (a2: the CUDA tests of the
+# engine; b: decode tokens/s, the
 # rollout issue's >= 40k; d: the one-GPU RL run of the RL-loop issue), then the CUDA tests, so
 # that a short budget cuts the others (a: IPC bandwidth, whose issue is closed).
 # With $OUT set, everything is also written to $OUT/gpu_check.log. The last line is a JSON
@@ -83,7 +82,7 @@ fi
 
 run a2 80  "$PY" -m pytest -q -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
 run b  330 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 \
-    --modes "${DECODE_MODES:-compile:flex,compile,compile:flex:autotune}" --profile
+    --modes "${DECODE_MODES:-compile:flex,cudagraph,compile:flex:autotune}" --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10

@@ -175,8 +175,8 @@ def profile_run(fn, device: str, label: str, top: int = 25, steps=None) -> dict:
         fn()
     key = "device_time_total" if device == "cuda" else "cpu_time_total"
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    if device == "cuda":  # kernels only: the device's own time, not the host ops launching them
-        rows = [e for e in rows if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    if device == "cuda":  # kernels only: a host op's row repeats its kernels' time (aten::mm)
+        rows = [e for e in rows if e.device_type.name == "CUDA"] or rows
     out = [{"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
            for e in rows[:top]]
     total = sum(getattr(e, key) for e in rows) / 1e3
@@ -190,7 +190,37 @@ def profile_run(fn, device: str, label: str, top: int = 25, steps=None) -> dict:
         res.update(kernels_per_step=round(calls / steps, 1), ms_per_step=round(total / steps, 4))
         print(f"  {label}: {steps} decode steps, {calls / steps:.1f} kernels and "
               f"{total / steps:.3f} ms of kernel time a step (prefill included)")
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type.name == "CUDA"]
+    if spans:
+        res["timeline"] = device_timeline(spans)
+        t = res["timeline"]
+        print(f"  {label}: device busy {t['busy_ms']} of {t['span_ms']} ms; idle {t['idle_ms']} ms "
+              f"of which {t['stall_ms']} ms in {t['stalls']} gaps of >= {STALL_US} us (waiting "
+              f"for the host), the rest between kernels")
     return res
+
+
+STALL_US = 50  # a gap between kernels this long is the host, not the device's launch latency
+
+
+def device_timeline(spans: list[tuple[float, float]]) -> dict:
+    """Busy and idle time of the device over kernel (start, end) spans in us: idle time in the
+    gaps of at least STALL_US (the device waited for the host) and in the shorter ones."""
+    spans = sorted(spans)
+    busy = idle = stall = 0.0
+    stalls, end = 0, spans[0][0]
+    for a, b in spans:
+        gap = a - end
+        if gap > 0:
+            idle += gap
+            if gap >= STALL_US:
+                stall, stalls = stall + gap, stalls + 1
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    r3 = lambda us: round(us / 1e3, 3)  # noqa: E731
+    return {"span_ms": r3(end - spans[0][0]), "busy_ms": r3(busy), "idle_ms": r3(idle),
+            "stall_ms": r3(stall), "stalls": stalls}
 
 
 def cpu_section(repeats: int, modes: tuple = ("eager", "compile")) -> dict:

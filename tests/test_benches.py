@@ -150,3 +150,12 @@ def test_rollout_measure_reports_a_failed_variant_and_keeps_the_others(monkeypat
     assert res["ours_bad"] == {"failed": "RuntimeError: no kernel for this shape"}
     assert res["ours_a"]["new_tokens"] == 7 and len(res["ours_a"]["all_seconds"]) == 2
     assert res["ours_b"]["new_tokens"] == 5
+
+
+def test_device_timeline_hand_computed(monkeypatch):
+    """Busy and idle time of kernel spans (us): overlap counted once, a 100 us gap is a stall
+    (the host), a 10 us one launch latency."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+    t = rollout_vs_hf.device_timeline([(0, 20), (10, 30), (40, 50), (150, 160)])
+    assert t == {"span_ms": 0.16, "busy_ms": 0.05, "idle_ms": 0.11, "stall_ms": 0.1, "stalls": 1}
