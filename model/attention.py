@@ -134,7 +134,8 @@ def flex_block_mask(positions_BT: torch.Tensor, S: int, window: int | None):
     from torch.nn.attention.flex_attention import BlockMask
     B, T = positions_BT.shape
     nq, nk = -(-T // FLEX_BLOCK), -(-S // FLEX_BLOCK)
-    last_BQ = F.pad(positions_BT, (0, nq * FLEX_BLOCK - T), value=0).view(B, nq, FLEX_BLOCK).amax(-1)
+    padded_BT = F.pad(positions_BT, (0, nq * FLEX_BLOCK - T), value=0)
+    last_BQ = padded_BT.view(B, nq, FLEX_BLOCK).amax(-1)
     num_B1Q = (last_BQ // FLEX_BLOCK + 1).clamp(max=nk).to(torch.int32)[:, None]
     idx = torch.arange(nk, dtype=torch.int32, device=positions_BT.device).expand(B, 1, nq, nk)
 

@@ -61,8 +61,9 @@ kv_write = torch.ops.tandem.kv_write.default
 
 class KVCache:
     """k, v: [layers, slots, kv_heads, max_len, head_dim], views of one tensor `kv` [layers, 2,
-    slots, kv_heads, max_len, head_dim] (one kernel writes both in compiled code). How a forward through the cache
-    computes (set on the instance, or on a view of it, by its owner; read once per forward):
+    slots, kv_heads, max_len, head_dim] (one kernel writes both in compiled code). How a forward
+    through the cache computes (set on the instance, or on a view of it, by its owner; read once
+    per forward):
     `kernel`, the attention over it (`model.attention.DECODE_KERNELS`), and `qkv`, None or per
     layer (q|k|v weights stacked, their biases stacked or None, the three row counts) for one
     projection matmul instead of three; the owner keeps them equal to the parameters."""

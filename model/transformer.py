@@ -128,7 +128,8 @@ class Attention(nn.Module):
                        for p in (self.q_proj, self.k_proj, self.v_proj))
         else:  # one matmul over the three weights stacked (KVCache.qkv), split as views
             w, b, sizes = ctx.qkv[self.layer]
-            q, k, v = (y.view(B, T, -1, self.head_dim) for y in F.linear(x_BTC, w, b).split(sizes, -1))
+            qkv = F.linear(x_BTC, w, b).split(sizes, -1)
+            q, k, v = (y.view(B, T, -1, self.head_dim) for y in qkv)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)

@@ -395,8 +395,8 @@ class Engine:
         with eager decode on CPU; True needs eager decode; False = decode computes every slot.
     decode_attention: how decode attends over the cache (`model.attention.DECODE_KERNELS`,
         `attention_choice`; "flex" needs the compiled step, and reads the whole cache's length
-        under a block mask instead of a length bucket). stack_qkv: one matmul over the stacked q|k|v weights
-        (rollout/stacked.py); None = on CUDA where the model allows it.
+        under a block mask instead of a length bucket). stack_qkv: one matmul over the stacked
+        q|k|v weights (rollout/stacked.py); None = on CUDA where the model allows it.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
