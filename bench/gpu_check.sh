@@ -27,10 +27,10 @@
 #       with zero-copy weight sync (--parallel.ipc_buffers=0)
 #   e   the planner's calibration on this GPU (1.1B shape: per-layer forward/backward, decode
 #       steps, the train step; no links on one GPU); e2 a plan for 2 x 8 H200 with that profile
-# The default order puts the open issues' acceptance points first (a2: the CUDA tests of the
-# engine; b: decode tokens/s, the
-# rollout issue's >= 40k; d: the one-GPU RL run of the RL-loop issue), then the CUDA tests, so
-# that a short budget cuts the others (a: IPC bandwidth, whose issue is closed).
+# The default order: the CUDA tests (a2, short: the engine's graphs and kernels must be right
+# before they are timed), the open issues' acceptance points (b: decode tokens/s, the rollout
+# issue's >= 40k; d: the one-GPU RL run of the RL-loop issue, measured on 2026-12-04), then the
+# rest, so that a short budget cuts those (a: IPC bandwidth, whose issue is closed).
 # With $OUT set, everything is also written to $OUT/gpu_check.log. The last line is a JSON
 # summary of every section's exit status and time.
 set -uo pipefail
