@@ -396,7 +396,8 @@ class Engine:
     decode_attention: how decode attends over the cache (`model.attention.DECODE_KERNELS`,
         `attention_choice`; "flex" needs the compiled step, and reads the whole cache's length
         under a block mask instead of a length bucket). stack_qkv: one matmul over the stacked
-        q|k|v weights (rollout/stacked.py); None = on CUDA where the model allows it.
+        q|k|v weights (rollout/stacked.py); None = on CUDA where the model allows it; another
+        engine's `stacked_qkv` over the same model: share its copies.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
@@ -404,7 +405,7 @@ class Engine:
                  sync_every: int | None = None, compile_decode: bool | str = False,
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
                  pack_weights: bool | PackedLinears | None = None, compact: bool | None = None,
-                 decode_attention: str = "auto", stack_qkv: bool | None = None):
+                 decode_attention: str = "auto", stack_qkv=None):
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
         self.decode_attention = attention_choice(decode_attention, device, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
@@ -447,6 +448,11 @@ class Engine:
     def packed_weights(self) -> PackedLinears | None:
         """The oneDNN-packed copies this engine computes with (None: plain linears)."""
         return self._packed
+
+    @property
+    def stacked_qkv(self) -> "stacked.StackedQKV | None":
+        """The stacked q|k|v weights this engine computes with (None: three projections)."""
+        return self._stacked
 
     @property
     def version(self) -> int:
@@ -841,8 +847,11 @@ def attention_choice(choice: str, device: torch.device, compile_decode) -> str:
     return kernel
 
 
-def _stacked_qkv(model: torch.nn.Module, device: torch.device, choice: bool | None):
-    """`stack_qkv`: None = on CUDA where the model allows it (rollout/stacked.py)."""
+def _stacked_qkv(model: torch.nn.Module, device: torch.device, choice):
+    """`stack_qkv`: None = on CUDA where the model allows it (rollout/stacked.py); a StackedQKV
+    (another engine's over the same model): that one."""
+    if isinstance(choice, stacked.StackedQKV):
+        return choice
     ok = stacked.stackable(model)
     if choice and not ok:
         raise ValueError("stack_qkv=True: this model's q/k/v projections cannot be stacked "

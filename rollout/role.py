@@ -38,7 +38,8 @@ def _fitting(items, cfg, tokenizer):
 def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
                start_version: int = 0) -> PeriodicEval | None:
     """`eval.every_steps`: an evaluator with an engine of its own over the rollout engine's model
-    (greedy, at most generator.num_slots slots, the same decode mode and packed weights)."""
+    (greedy, at most generator.num_slots slots, the same decode mode, and the packed and stacked
+    weight copies of the rollout engine)."""
     if not cfg.eval.every_steps:
         return None
     items, _, encode = load_eval_items(cfg, tokenizer)
@@ -46,7 +47,8 @@ def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
     slots, max_len = engine_shape(cfg, len(items))
     engine = Engine(main.model, num_slots=slots, max_len=max_len, seed=g.seed,
                     compile_decode=decode_mode(g.decode, main.device),
-                    decode_attention=g.decode_attention, pack_weights=main.packed_weights or False)
+                    decode_attention=g.decode_attention, pack_weights=main.packed_weights or False,
+                    stack_qkv=main.stacked_qkv or False)
     return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version)
 
 

@@ -74,20 +74,26 @@ def setup(tmp_path):
     rewards.close()
 
 
-def _evaluator(cfg, model, tok, rewards, pack=False, **kw):
-    rollout_engine = Engine(model, num_slots=cfg.generator.num_slots, max_len=64, pack_weights=pack)
+def _evaluator(cfg, model, tok, rewards, pack=False, stack=None, **kw):
+    rollout_engine = Engine(model, num_slots=cfg.generator.num_slots, max_len=64, pack_weights=pack,
+                            stack_qkv=stack)
     return build_eval(cfg, rollout_engine, tok, rewards, **kw)
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
-def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup, pack):
+@pytest.mark.parametrize("pack, stack", [(False, None), (True, None), (False, True)],
+                         ids=["plain", "packed", "stacked"])
+def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup, pack, stack):
     cfg, model, tok, rewards = setup
     if pack and not packed_linear.available():
         pytest.skip("this torch build has no oneDNN packed linears")
-    ev = _evaluator(cfg, model, tok, rewards, pack, writer=True)
+    ev = _evaluator(cfg, model, tok, rewards, pack, stack, writer=True)
     assert ev.engine.num_slots == 5  # at most generator.num_slots: the 12 prompts in 3 rounds
-    # the rollout engine's packed weights, shared (no third copy of the weights)
+    # the rollout engine's packed and stacked weights, shared (no third copy of the weights)
     assert (ev.engine.packed_weights is not None) == pack
+    assert (ev.engine.stacked_qkv is not None) == bool(stack)
+    if stack:  # shared, not a copy of its own
+        main = Engine(model, num_slots=2, max_len=64, stack_qkv=True)
+        assert build_eval(cfg, main, tok, rewards, writer=False).engine.stacked_qkv is main.stacked_qkv
     recs = [ev.maybe_run(v) for v in range(9)]
     assert [v for v, r in enumerate(recs) if r] == [0, 3, 6, 7]  # every 3rd, and the final one
     items, _, encode = load_eval_items(cfg, tok)
