@@ -13,7 +13,8 @@ Memory per rank (feasible iff <= mem_headroom * gpu_mem)
             acts    = micro_batch_tokens * (L * a + V * (cb + 8))    a = cb*(4h + (2q+2kv+4i)/tp)
                       with activation checkpointing: micro_batch_tokens * (L*cb*h + a + V*(cb+8))
   generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*kv_bytes*slots*max_len
-            (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`)
+            (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`);
+            plus the engine's weight copies: oneDNN-packed on CPU, stacked q|k|v on GPUs at tp 1
   colocated ranks hold both.
 Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
   T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
@@ -289,6 +290,17 @@ def kv_elem_bytes(cl: Cluster, gen_dtype: str) -> int:
     return max(gb, 4) if cl.shared_cores else gb
 
 
+def stacked_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -> float:
+    """Bytes of the engine's stacked q|k|v weight copies (rollout/stacked.py; biases too), beside
+    the model's own on GPUs at gen_tp 1 (TP shards keep three projections), in the generator's
+    dtype. Llama-3-8B in bf16: 32 * 4096 * (4096 + 2 * 1024) * 2 B = 1.61 GB."""
+    if cl.shared_cores or gen_tp > 1:
+        return 0.0
+    rows = args.num_heads * args.head_dim + 2 * args.num_kv_heads * args.head_dim
+    per_layer = rows * (args.hidden_size + (1 if args.attention_bias else 0))
+    return float(dtype_bytes(wl.gen_dtype)) * args.num_layers * per_layer
+
+
 def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:
     """Static KV cache: 2 * L * (kv_heads/tp) * head_dim * bytes * slots * max_len.
     Llama-3-8B bf16, tp 1, 256 slots x 2560 positions: 131072 * 256 * 2560 = 85.9 GB."""
@@ -311,7 +323,8 @@ def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, ge
     capped at the replica's sequences per step; `reserved` is memory already taken (colocated)."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     gb = dtype_bytes(wl.gen_dtype)
-    weights = weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
+    weights = (weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
+               + stacked_copy_bytes(args, cl, wl, gen_tp))
     per_slot = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp) * wl.seq_len
     seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
     free = cap - reserved - weights

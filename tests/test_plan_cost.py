@@ -51,11 +51,16 @@ def test_memory_hand_computed():
     assert cm.trainer_state_bytes(L8B, 8, 1, 4, 2, "model") / 1e9 == pytest.approx(64.24, abs=0.01)
     # KV cache example: 256 slots x 2560 positions, bf16, tp 1
     assert cm.generator_kv_bytes(L8B, 1, 2, 256, 2560) == 131072 * 256 * 2560
-    # feasibility: one H100 generator, bf16, P + R = 2560: (72 GB - 16.06 GB) / 0.3355 GB = 166 slots
+    # feasibility: one H100 generator, bf16, P + R = 2560: the weights (16.06 GB) and the
+    # engine's stacked q|k|v copy (32 * 4096 * 6144 * 2 B = 1.61 GB) leave
+    # (72 - 16.06 - 1.61) GB / 0.3355 GB = 161 slots
     cl = cm.gpu_cluster("h100", 1)
     wl = cm.Workload(512, 16, 512, 2048, gen_dtype="bfloat16")
+    stacked = 32 * 4096 * 6144 * 2
+    assert cm.stacked_copy_bytes(L8B, cl, wl, 1) == stacked
+    assert cm.stacked_copy_bytes(L8B, cl, wl, 2) == 0  # TP shards: three projections
     used, slots, why = cm.generator_memory(L8B, cl, wl, gen_tp=1, gen_dp=1)
-    assert not why and slots == int((0.9 * 80e9 - n * 2) // (131072 * 2560)) == 166
+    assert not why and slots == int((0.9 * 80e9 - n * 2 - stacked) // (131072 * 2560)) == 161
     # one rank cannot hold the 8B trainer (16 B/param = 128 GB > 72 GB usable); 2 ranks just can
     # with activation checkpointing: 64.2 + 2.97 GB gathered + one 2560-token sequence (4.4 GB)
     _, _, why = cm.trainer_memory(L8B, cl, wl, fsdp=1, tp=1, ac=True)
@@ -67,6 +72,18 @@ def test_memory_hand_computed():
     per_tok = 32 * 2 * 4096 + cm.act_bytes_per_token_layer(L8B, 2, 1) + 128256 * 10
     fit = int((0.9 * 80e9 - cm.trainer_state_bytes(L8B, 8, 1, 4, 2)) // per_tok)
     assert not why and mbt == 1 << (fit.bit_length() - 1) == 16384
+
+
+def test_stacked_copy_bytes_are_what_the_engine_stacks():
+    """The stacked q|k|v copies the planner counts (biases too) are the bytes StackedQKV holds."""
+    from rollout.stacked import StackedQKV
+    args = ModelArgs(vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=3,
+                     num_heads=4, num_kv_heads=2, attention_bias=True)
+    wl = cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16")
+    model = Transformer(args).to(torch.bfloat16)
+    real = sum(t.numel() * t.element_size() for w, b, _ in StackedQKV(model).per_layer for t in (w, b))
+    assert cm.stacked_copy_bytes(args, cm.gpu_cluster("h100", 1), wl, 1) == real
+    assert cm.stacked_copy_bytes(args, cm.cpu_cluster(3, 2), wl, 1) == 0  # CPU: not stacked
 
 
 def test_packed_copies_count_in_cpu_generator_memory():
