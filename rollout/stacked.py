@@ -57,7 +57,7 @@ class StackedQKV:
     def _stamps(self) -> tuple:
         return tuple((t._version, t.data_ptr()) for t in self._tensors())
 
-    @torch.no_grad()
+    @torch.inference_mode()  # the copies may have been made under it (inference tensors)
     def refresh(self, force: bool = False) -> None:
         """Refill the stacked copies in place if a weight changed (or always, with `force`)."""
         stamp = self._stamps()
