@@ -79,8 +79,9 @@ def additive_mask(mask_BTS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # "auto": "sdpa" on CUDA, "matmul" on CPU (BENCHMARKS.md, "Generation" and "GPU").
 DECODE_KERNELS = ("auto", "sdpa", "matmul", "flex")
 # keys per block of the flex block mask: a row reads its length rounded up to this. FlexAttention's
-# default, 128, made the H200 read 25% more keys than live at the 1.1B bench's lengths (128-384);
-# its decoding kernel takes blocks as small as its own key tile (it caps the tile at the block)
+# default, 128, reads ~25% more keys than live at the 1.1B bench's lengths (128-384): on the H200
+# its kernel took 17.7 us a layer there, 16.3 with 64 (BENCHMARKS.md "GPU"); the decoding kernel
+# takes blocks as small as its own key tile (it caps the tile at the block)
 FLEX_BLOCK = 64
 
 
