@@ -11,8 +11,10 @@ moving mmap threshold (`--default-malloc` to see it).
 
 GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shared/REFERENCES.md
 (hidden 2048, 16 layers, GQA 32/8, intermediate 8192, vocab 32000: 1.10B) in bf16, B=64, prompt 128,
-+256 tokens. Ours (eager decode and CUDA-graph decode) vs HF generate with the default dynamic
-cache and with `cache_implementation="static"`.
++256 tokens. Ours in each of `--modes` (CUDA graph, compiled, attention kernels: see
+`engines_by_mode`) vs HF generate with the default dynamic cache and with
+`cache_implementation="static"`; `--profile` adds each variant's top kernels, kernels and kernel
+time a decode step, and the device's idle time (`device_timeline`).
 
     .venv/bin/python bench/rollout_vs_hf.py [--gpu] [--repeats 3]
 
