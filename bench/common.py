@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -48,6 +49,14 @@ def fixed_malloc() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+def root_cause(stderr: str) -> str:
+    """The first exception line of a failed run (not torchrun's own summary), then the tail."""
+    pattern = re.compile(r"\s*(\w+(Error|Exception)\b|error\b)")
+    causes = [ln.strip() for ln in stderr.splitlines()
+              if pattern.match(ln) and "ChildFailedError" not in ln]
+    return (causes[0] + "\n" if causes else "") + stderr[-1500:]
 
 
 def print_json(record: dict) -> None:

@@ -25,6 +25,8 @@
 #       on SmolLM2-135M's architecture with random weights (hidden 576, 30 layers, GQA 9/3, vocab
 #       49152): async (eta=1) vs sync (eta=0), step time and tokens/s; RL_IPC_BUFFERS=0 runs it
 #       with zero-copy weight sync (--parallel.ipc_buffers=0)
+#   d2  the same with the compiled decode step (--generator.decode=compile: FlexAttention, stacked
+#       q|k|v), not yet run inside the RL loop on a GPU; each run compiles first (~30-40 s)
 #   e   the planner's calibration on this GPU (1.1B shape: per-layer forward/backward, decode
 #       steps, the train step; no links on one GPU); e2 a plan for 2 x 8 H200 with that profile
 # The default order: the CUDA tests (a2, short: the engine's graphs and kernels must be right
@@ -43,7 +45,7 @@ fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
 BUDGET_S=${BUDGET_S:-540}
-SECTIONS=" ${SECTIONS:-a2 b d a c e e2} "
+SECTIONS=" ${SECTIONS:-a2 b d d2 a c e e2} "
 START=$(date +%s)
 SUMMARY=""
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -85,6 +87,8 @@ run b  330 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 
     --modes "${DECODE_MODES:-compile:flex,cudagraph,compile:flex:autotune}" --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
+run d2 240 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
+    --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 110 --rl-decode compile
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
 

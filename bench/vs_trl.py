@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -75,8 +74,8 @@ from pathlib import Path
 # `common` sits beside this file; the generator imports this module by name for the reward
 # ("bench.vs_trl:trivial_reward"), and then this folder is not on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (print_json, read_metrics, rl_args, run_in_group,  # noqa: E402
-                    run_train_rl)
+from common import (print_json, read_metrics, rl_args, root_cause,  # noqa: E402
+                    run_in_group, run_train_rl)
 
 RESULT_TAG = "VS_TRL_RESULT "  # the TRL child prints its result on a line starting with this
 
@@ -96,14 +95,6 @@ def trl_trivial_reward(completions, **kwargs) -> list[float]:
     return [_ones_fraction(c) for c in completions]
 
 
-def _root_cause(stderr: str) -> str:
-    """The first exception line of a failed run (not torchrun's own summary), then the tail."""
-    pattern = re.compile(r"\s*(\w+(Error|Exception)\b|error\b)")
-    causes = [ln.strip() for ln in stderr.splitlines()
-              if pattern.match(ln) and "ChildFailedError" not in ln]
-    return (causes[0] + "\n" if causes else "") + stderr[-1500:]
-
-
 # ----- tandem ---------------------------------------------------------------------------------
 def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a, eta: int = 1) -> dict:
     args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.samples,
@@ -118,7 +109,7 @@ def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a, eta: int = 
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"tandem world={world} eta={eta} failed (rc {proc.returncode}): "
-                           f"{_root_cause(proc.stderr)}")
+                           f"{root_cause(proc.stderr)}")
     rows = read_metrics(run_dir)
     timed = rows[a.warmup:]
     if not timed:
@@ -211,7 +202,7 @@ def run_trl(model: str, out: Path, threads: int, bf16: bool, a) -> dict:
     proc = run_in_group(cmd, env, a.timeout)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"TRL run failed (rc {proc.returncode}): {_root_cause(proc.stderr)}")
+        raise RuntimeError(f"TRL run failed (rc {proc.returncode}): {root_cause(proc.stderr)}")
     return json.loads(lines[-1][len(RESULT_TAG):])
 
 

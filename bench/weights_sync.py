@@ -60,7 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import torch
 
-from bench.common import LLAMA_1B, print_json, read_metrics, rl_args, run_ranks, run_train_rl
+from bench.common import (LLAMA_1B, print_json, read_metrics, rl_args, root_cause, run_ranks,
+                          run_train_rl)
 from launch.plan import PRESETS
 
 SHAPES = {
@@ -461,7 +462,7 @@ def rl_overrides(model: str, run_dir: Path, eta: int, a) -> list[str]:
     return [*rl_args(model, run_dir, steps=a.rl_steps, prompts=a.rl_prompts, samples=a.rl_samples,
                      new_tokens=a.rl_new_tokens, eta=eta),
             f"--model.gen_dtype={a.rl_gen_dtype}", "--parallel.timeout_s=60",
-            f"--parallel.ipc_buffers={a.rl_ipc_buffers}",
+            f"--parallel.ipc_buffers={a.rl_ipc_buffers}", f"--generator.decode={a.rl_decode}",
             f"--parallel.warmup_timeout_s={a.rl_timeout}"]
 
 
@@ -473,7 +474,7 @@ def rl_run(model: str, run_dir: Path, eta: int, a) -> dict:
         return {"error": f"timed out after {a.rl_timeout}s"}
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not (run_dir / "metrics.jsonl").exists():
-        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+        return {"error": f"exit {proc.returncode}: {root_cause(proc.stderr or proc.stdout)}"}
     rows = read_metrics(run_dir)[a.rl_warmup:]
     if not rows:
         return {"error": f"only {a.rl_warmup} steps or fewer were logged"}
@@ -502,7 +503,7 @@ def run_rl(a) -> int:
                                                         num_layers=a.rl_layers)
     out = {"bench": "weights_sync", "mode": "rl", "shape": a.rl_shape or "custom",
            "hidden": dims["hidden_size"], "layers": dims["num_layers"],
-           "ipc_buffers": a.rl_ipc_buffers,
+           "ipc_buffers": a.rl_ipc_buffers, "decode": a.rl_decode,
            "gen_dtype": a.rl_gen_dtype, "results": res, "ok": ok}
     if ok:
         out["speedup_async_vs_sync"] = res["sync"]["step_s"] / res["async"]["step_s"]
@@ -538,6 +539,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-samples", type=int, default=8)
     ap.add_argument("--rl-new-tokens", type=int, default=64)
     ap.add_argument("--rl-timeout", type=int, default=50, help="seconds per run")
+    ap.add_argument("--rl-decode", default="auto", choices=("auto", "eager", "cudagraph", "compile"),
+                    help="--generator.decode of the runs (compile: the compiled step, with "
+                         "FlexAttention on CUDA)")
     ap.add_argument("--rl-ipc-buffers", type=int, default=1,
                     help="--parallel.ipc_buffers of the runs (0: zero copy)")
     a = ap.parse_args(argv)

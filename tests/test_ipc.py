@@ -456,13 +456,13 @@ def test_cuda_ipc_two_processes_one_gpu(tmp_path, buffers):
 
 # ----- bench/weights_sync.py: the CPU code paths of every mode bench/gpu_check.sh runs --------
 
-def _bench(*args) -> dict:
+def _bench(*args, check: bool = True) -> dict:
     import json
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "bench/weights_sync.py", *args], capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == (0 if check else 1), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -482,7 +482,18 @@ def test_bench_rl_mode_on_cpu():
                  "--rl-steps", "4", "--rl-warmup", "1", "--rl-prompts", "2", "--rl-samples", "2",
                  "--rl-new-tokens", "4", "--rl-timeout", "200")
     assert out["ok"] and out["results"]["sync"]["tokens_per_s"] > 0
-    assert (out["shape"], out["hidden"], out["layers"]) == ("tiny", 64, 2)
+    assert (out["shape"], out["hidden"], out["layers"], out["decode"]) == ("tiny", 64, 2, "auto")
+
+
+def test_bench_rl_mode_passes_its_decode_step_to_the_runs():
+    """--rl-decode reaches train_rl.py: the CUDA graph, asked for on CPU, is refused by its
+    preflight in both runs (gpu_check.sh d2 runs the compiled step this way on a GPU)."""
+    out = _bench("--rl", "--rl-shape", "tiny", "--rl-gen-dtype", "float32", "--rl-steps", "2",
+                 "--rl-prompts", "2", "--rl-samples", "2", "--rl-new-tokens", "4",
+                 "--rl-timeout", "200", "--rl-decode", "cudagraph", check=False)
+    assert not out["ok"] and out["decode"] == "cudagraph"
+    for r in out["results"].values():
+        assert "generator.decode='cudagraph' needs a CUDA device" in r["error"]
 
 
 def test_unreachable_cpu_shared_memory_names_the_fix():
