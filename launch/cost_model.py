@@ -160,12 +160,10 @@ class Workload:
 
     @property
     def group_train_tokens(self) -> int:
-        """Tokens the trainer packs for one group (`trainer.batch.pack`): with shared prompts
-        the prompt but its last token once, then each sample's last prompt token and its
-        response but the last."""
-        if self.share_prompts and self.group_size > 1 and self.prompt_len > 1:
-            return self.prompt_len - 1 + self.group_size * self.response_len
-        return self.group_size * self.seq_len
+        """Tokens the trainer packs for one group (`trainer.batch.group_tokens`)."""
+        from trainer.batch import group_tokens
+        return group_tokens(self.prompt_len, [self.response_len] * self.group_size,
+                            self.share_prompts)
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,13 @@ class StackedQKV:
                 self._sources.append((ws, bs))
                 self.per_layer.append((torch.cat(ws), None if bs is None else torch.cat(bs),
                                        [w.shape[0] for w in ws]))
+        # what the stamps read, listed once: `refresh` runs before every engine step
+        self._tensors: list[Tensor] = [t for ws, bs in self._sources for t in ws + (bs or [])]
         self._stamp = self._stamps()
         self.refills = 0  # refreshes that copied (tests check that an unchanged model copies none)
 
-    def _tensors(self) -> list[Tensor]:
-        return [t for ws, bs in self._sources for t in ws + (bs or [])]
-
     def _stamps(self) -> tuple:
-        return tuple((t._version, t.data_ptr()) for t in self._tensors())
+        return tuple((t._version, t.data_ptr()) for t in self._tensors)
 
     @torch.inference_mode()  # the copies may have been made under it (inference tensors)
     def refresh(self, force: bool = False) -> None:

@@ -237,10 +237,19 @@ def prompt_units(trajs: Sequence[Trajectory], share: bool, max_tokens: int) -> l
 
 
 def packed_tokens(trajs: Sequence[Trajectory], members: Sequence[int]) -> int:
-    """Tokens `pack` makes of these trajectories when they share one prompt (alone: whole)."""
-    if len(members) == 1:
-        return trajs[members[0]].num_tokens
-    return len(trajs[members[0]].prompt_ids) - 1 + sum(len(trajs[i].completion_ids) for i in members)
+    """Tokens `pack` makes of these trajectories of one prompt, shared (`group_tokens`)."""
+    return group_tokens(len(trajs[members[0]].prompt_ids),
+                        [len(trajs[i].completion_ids) for i in members], share=True)
+
+
+def group_tokens(prompt_len: int, completion_lens: Sequence[int], share: bool) -> int:
+    """Tokens `pack` makes of one prompt's samples: shared (2+ samples of a 2+-token prompt), the
+    prompt but its last token once, then each sample's last prompt token and its completion but
+    the last; else each sample whole. The planner counts a group with it too
+    (`launch.cost_model.Workload.group_train_tokens`)."""
+    if share and len(completion_lens) > 1 and prompt_len > 1:
+        return prompt_len - 1 + sum(completion_lens)
+    return sum(prompt_len + c for c in completion_lens)
 
 
 def _add(cols: dict[str, list], parent: int, **rows) -> None:
