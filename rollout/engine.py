@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -240,6 +240,26 @@ class _SlotState:
     def restore(self, snap: dict[str, Tensor]) -> None:
         for k, v in self._tensors().items():
             v.copy_(snap[k])
+
+    def set_positions(self) -> None:
+        """`pos` for the next decode step: each slot's last token (0 where not live)."""
+        self.pos.copy_(torch.where(self.live, self.seq_len - 1, 0)[:, None])
+
+    def append(self, tok: Tensor, mu: Tensor, L: int) -> None:
+        """Record each live row's new token, its mu and the weight version, then end the rows
+        that stopped, reached max_new or the cache's length L. Rows not live write to the
+        scratch column and stay as they are."""
+        live = self.live
+        col = torch.where(live, self.seq_len, L)[:, None]
+        self.tokens.scatter_(1, col, tok[:, None])
+        self.logp.scatter_(1, col, mu[:, None])
+        self.version.scatter_(1, col, self.version_now.expand(col.shape[0], 1))
+        self.seq_len += live
+        self.gen += live
+        stop = (tok[:, None] == self.stop_ids).any(-1)
+        done = live & (stop | (self.gen >= self.max_new) | (self.seq_len >= L))
+        self.stopped |= done & stop
+        self.live &= ~done
 
     def grow_stop_ids(self, k: int) -> None:
         old = self.stop_ids
@@ -438,21 +458,21 @@ class Engine:
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()
         # pack_trial: the automatic choice's timings, for the logs (None if none was timed)
-        self._packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
-                                                        use_compile)
-        self._stacked = _stacked_qkv(model, device, stack_qkv)
-        self.cache.qkv = self._stacked.per_layer if self._stacked else None
+        packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
+                                                  use_compile)
+        self._copies = _WeightCopies(packed, _stacked_qkv(model, device, stack_qkv))
+        self.cache.qkv = self._copies.stacked.per_layer if self._copies.stacked else None
 
     # ----- public API ---------------------------------------------------------------------------
     @property
     def packed_weights(self) -> PackedLinears | None:
         """The oneDNN-packed copies this engine computes with (None: plain linears)."""
-        return self._packed
+        return self._copies.packed
 
     @property
     def stacked_qkv(self) -> "stacked.StackedQKV | None":
         """The stacked q|k|v weights this engine computes with (None: three projections)."""
-        return self._stacked
+        return self._copies.stacked
 
     @property
     def version(self) -> int:
@@ -460,15 +480,12 @@ class Engine:
 
     @version.setter
     def version(self, v: int) -> None:
-        """Set after new weights are in place (`load_weights` does it): it also drops the packed
-        weight copies, since a swap may write through `.data` or a flat buffer, which leaves the
-        parameters' version counters unchanged."""
+        """Set after new weights are in place (`load_weights` does it): it also renews the
+        engine's weight copies, since a swap may write through `.data` or a flat buffer, which
+        leaves the parameters' version counters unchanged."""
         self._version = int(v)
         self.st.version_now.fill_(int(v))
-        if self._packed is not None:
-            self._packed.invalidate()
-        if self._stacked is not None:
-            self._stacked.refresh(force=True)
+        self._copies.invalidate()
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
@@ -495,9 +512,7 @@ class Engine:
         self._since_sync += 1
         if self._since_sync >= self.sync_every or (self._queue and self._free):
             self._harvest()
-        if self._stacked is not None:
-            self._stacked.refresh()
-        with self._packed.active() if self._packed else nullcontext():
+        with self._copies.active():
             if self._queue and self._free:
                 self._admit()
             if len(self._free) < self.num_slots:
@@ -533,7 +548,7 @@ class Engine:
             self._graphs.clear()
             self._param_ptrs = self._param_pointers()
         if policy == "recompute":
-            with torch.inference_mode(), self._packed.active() if self._packed else nullcontext():
+            with torch.inference_mode(), self._copies.active():
                 self._recompute()
 
     # ----- harvest ------------------------------------------------------------------------------
@@ -728,19 +743,14 @@ class Engine:
 
     def _decode_fn(self, *key) -> None:
         """One decode step (`_decode_body`, compiled or not, after setting its positions)."""
-        st = self.st
-        st.pos.copy_(torch.where(st.live, st.seq_len - 1, 0)[:, None])
+        self.st.set_positions()
         self._body(*key)
 
     def _decode_key(self) -> tuple[bool, bool, str, int, int]:
         """Host-side choice of the decode kernels: (truncate, tempered, sampling mode, cache
         length read, slot rows computed)."""
         bound = max(1, min(self.max_len, self._bound_base + self._steps))  # idle: a 1-long read
-        Lb = min(self.max_len, -(-bound // self.kv_bucket) * self.kv_bucket)
-        if self.device.type == "cpu" and Lb * FULL_READ_ABOVE > self.max_len:
-            Lb = self.max_len
-        if self.decode_attention == "flex":  # its block mask skips the blocks past each row
-            Lb = self.max_len
+        Lb = _read_length(bound, self.max_len, self.kv_bucket, self.device, self.decode_attention)
         owned = self.num_slots - len(self._free)  # free slots' draws are never read
         rows = max(1, owned) if self.compact else self.num_slots  # the owned are [0, owned)
         return (*self._needs.flags(owned), Lb, rows)
@@ -748,7 +758,7 @@ class Engine:
     def _decode_body(self, truncate: bool, tempered: bool, mode: str, Lb: int, R: int) -> None:
         """One token for each live slot of the first R; pure device code (CUDA-graph safe)."""
         st, L = self.st.rows(R), self.max_len
-        live, pos_S1 = st.live, st.pos  # not live: harmless garbage at position 0
+        pos_S1 = st.pos  # the tensor itself when R is all (FlexAttention's mask captures it)
         ids_S1 = st.tokens.gather(1, pos_S1)
         cache = _CacheView(self.cache, Lb, R)
         cache.kernel = self.decode_attention
@@ -756,16 +766,7 @@ class Engine:
         u_S = None if mode == "greedy" else st.u.gather(1, st.gen[:, None])[:, 0]
         tok, mu = _sample_rows(logits_SV, st.temp, st.top_k, st.top_p, st.greedy, u_S, truncate,
                                tempered, mode)
-        col = torch.where(live, st.seq_len, L)[:, None]  # not live: the scratch column
-        st.tokens.scatter_(1, col, tok[:, None])
-        st.logp.scatter_(1, col, mu[:, None])
-        st.version.scatter_(1, col, st.version_now.expand(col.shape[0], 1))
-        st.seq_len += live
-        st.gen += live
-        stop = (tok[:, None] == st.stop_ids).any(-1)
-        done = live & (stop | (st.gen >= st.max_new) | (st.seq_len >= L))
-        st.stopped |= done & stop
-        st.live &= ~done
+        st.append(tok, mu, L)
 
     # ----- weights ------------------------------------------------------------------------------
     def _recompute(self) -> None:
@@ -845,6 +846,39 @@ def attention_choice(choice: str, device: torch.device, compile_decode) -> str:
                          f"(generator.decode='compile', the Engine's compile_decode='compile'; got "
                          f"{compile_decode!r}): eager FlexAttention is a slow reference; use 'auto'")
     return kernel
+
+
+def _read_length(bound: int, max_len: int, bucket: int, device: torch.device, kernel: str) -> int:
+    """Cache positions a decode step reads: the live bound rounded up to the bucket; on CPU the
+    whole cache past max_len / FULL_READ_ABOVE; with the flex kernel always the whole (its block
+    mask skips the blocks past each row)."""
+    Lb = min(max_len, -(-bound // bucket) * bucket)
+    if kernel == "flex" or (device.type == "cpu" and Lb * FULL_READ_ABOVE > max_len):
+        return max_len
+    return Lb
+
+
+class _WeightCopies:
+    """The engine's copies of its model's weights, which must follow them: oneDNN-packed linears
+    (CPU, rollout/packed_linear.py) and stacked q|k|v (CUDA, rollout/stacked.py); either None."""
+
+    def __init__(self, packed: PackedLinears | None, stacked_qkv: "stacked.StackedQKV | None"):
+        self.packed, self.stacked = packed, stacked_qkv
+
+    def invalidate(self) -> None:
+        """After weights were written in a way that moves no version counter."""
+        if self.packed is not None:
+            self.packed.invalidate()
+        if self.stacked is not None:
+            self.stacked.refresh(force=True)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Compute on the copies: stacked ones refilled if a weight moved, packed forwards on."""
+        if self.stacked is not None:
+            self.stacked.refresh()
+        with self.packed.active() if self.packed is not None else nullcontext():
+            yield
 
 
 def _stacked_qkv(model: torch.nn.Module, device: torch.device, choice):

@@ -293,7 +293,7 @@ def test_cuda_graph_decode_matches_eager(folders, mode, attention):
                  stack_qkv=False).generate(reqs)
     engine = Engine(model, num_slots=4, max_len=48, compile_decode=mode,
                     decode_attention=attention)
-    assert engine._stacked is not None
+    assert engine.stacked_qkv is not None
     got = engine.generate(reqs)
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     for a, b in zip(got, ref):
@@ -486,13 +486,13 @@ def test_stacked_qkv_samples_alike_and_follows_in_place_updates(folders):
             for layer in model.model.layers:
                 layer.self_attn.k_proj.weight.mul_(1.5)
                 layer.self_attn.v_proj.bias.add_(0.3)
-    assert engine._stacked.refills == 1  # the update between the calls; none while unchanged
+    assert engine.stacked_qkv.refills == 1  # the update between the calls; none while unchanged
     shared = Engine(model, num_slots=2, max_len=48, stack_qkv=engine.stacked_qkv)  # eval's way
     assert shared.stacked_qkv is engine.stacked_qkv
     ref, _ = run(model, 3, sp, ps, stack_qkv=False)
     got = shared.generate(requests(ps, sp))
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
-    assert Engine(model, num_slots=2, max_len=16)._stacked is None  # CPU default: off
+    assert Engine(model, num_slots=2, max_len=16).stacked_qkv is None  # CPU default: off
     with pytest.raises(ValueError, match="stack_qkv=True: .*cannot be stacked.*stack_qkv=None"):
         mixed = load(folders)
         mixed.model.layers[0].self_attn.k_proj.to(torch.bfloat16)

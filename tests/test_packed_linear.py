@@ -133,7 +133,7 @@ def test_bf16_left_plain_where_onednn_cannot_pack_it(tmp_path, monkeypatch):
     model = load_pretrained(tmp_path, dtype="bfloat16").eval()
     assert PackedLinears(model, min_numel=0).modules == []
     engine = Engine(model, num_slots=2, max_len=16)
-    assert engine._packed is None and engine.pack_trial is None
+    assert engine.packed_weights is None and engine.pack_trial is None
     sp = SamplingParams(max_new_tokens=4, seed=1, ignore_eos=True)
     assert len(engine.generate([Request(0, [1, 5, 7], sp)])[0].completion_ids) == 4
     with pytest.raises(ValueError, match=r"no linear of this torch.bfloat16 model can be packed"):
@@ -176,7 +176,7 @@ def test_engine_same_tokens_and_logp_with_and_without_packing(model):
     out = {}
     for pack in (False, True):
         engine = Engine(model, num_slots=3, max_len=32, pack_weights=pack)
-        assert (engine._packed is not None) == pack
+        assert (engine.packed_weights is not None) == pack
         out[pack] = engine.generate(reqs)
     for a, b in zip(out[True], out[False]):
         assert a.completion_ids == b.completion_ids
@@ -219,8 +219,8 @@ def test_automatic_choice_skips_small_linears(model):
     """Left to choose, the engine packs only weights of at least MIN_NUMEL elements (oneDNN's call
     overhead makes small ones slower); this tiny model has none, so nothing is packed."""
     assert max(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) < packed_linear.MIN_NUMEL
-    assert Engine(model, num_slots=2, max_len=8)._packed is None
-    assert len(Engine(model, num_slots=2, max_len=8, pack_weights=True)._packed.modules) > 0
+    assert Engine(model, num_slots=2, max_len=8).packed_weights is None
+    assert len(Engine(model, num_slots=2, max_len=8, pack_weights=True).packed_weights.modules) > 0
     big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255))
     assert PackedLinears(big).modules == [big[0]]
 
@@ -264,7 +264,7 @@ def test_engine_packs_by_its_timed_trial(monkeypatch, verdict):
     assert ("oneDNN-packed" if verdict else "plain (MKL)") in line
     assert f"medians of {trial['pairs']} pairs, packed / plain {trial['ratio']:.2f} by pair" in line
     assert trial["packed"] is verdict and trial["packed_ms"] > 0 and trial["plain_ms"] > 0
-    assert (engine._packed is not None) is verdict
+    assert (engine.packed_weights is not None) is verdict
     sp = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
     reqs = [Request(i, [1 + i, 7, 9], sp) for i in range(3)]
     want = Engine(big, num_slots=4, max_len=16, pack_weights=False).generate(reqs)
@@ -286,8 +286,8 @@ def test_generator_pack_weights_config_reaches_the_engine(model):
     for value, packs in (("on", True), ("off", False)):
         cfg = load_config(None, [f"--generator.pack_weights={value}"])
         engine = build_engine(big, cfg, 0, torch.device("cpu"), print_choice=False)
-        assert engine.pack_trial is None and (engine._packed is not None) is packs
+        assert engine.pack_trial is None and (engine.packed_weights is not None) is packs
     engine = build_engine(model, load_config(None), 0, torch.device("cpu"), print_choice=True)
-    assert engine.pack_trial is None and engine._packed is None
+    assert engine.pack_trial is None and engine.packed_weights is None
     with pytest.raises(ConfigError, match="generator.pack_weights='yes' is not a valid choice"):
         load_config(None, ["--generator.pack_weights=yes"])
