@@ -492,7 +492,8 @@ def test_stacked_qkv_samples_alike_and_follows_in_place_updates(folders):
     ref, _ = run(model, 3, sp, ps, stack_qkv=False)
     got = shared.generate(requests(ps, sp))
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
-    assert Engine(model, num_slots=2, max_len=16).stacked_qkv is None  # CPU default: off
+    assert Engine(model, num_slots=2, max_len=16).stacked_qkv is None  # CPU eager default: off
+    assert Engine(model, num_slots=2, max_len=16, compile_decode="compile").stacked_qkv is not None
     with pytest.raises(ValueError, match="stack_qkv=True: .*cannot be stacked.*stack_qkv=None"):
         mixed = load(folders)
         mixed.model.layers[0].self_attn.k_proj.to(torch.bfloat16)
