@@ -51,18 +51,41 @@ def use_flash(x: torch.Tensor, backend: str) -> bool:
 
 def sdpa(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """SDPA over [B, H, T, D] views. `mask_BTS` is a boolean keep-mask (True = attend).
-    On CPU it always runs in fp32 (outside autocast) and returns v's dtype: CPU SDPA's bf16
-    backward took 6x its fp32 time on an AMX Xeon (970 vs 160 us at [1, 4, 45, 64], BENCHMARKS.md)."""
-    if not q_BTHD.is_cuda and (v_BSHD.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
-        with torch.autocast("cpu", enabled=False):
-            out = sdpa(q_BTHD.float(), k_BSHD.float(), v_BSHD.float(), mask_BTS, causal)
-        return out.to(v_BSHD.dtype)
+    On CPU see `_sdpa_cpu`."""
+    if not q_BTHD.is_cuda:
+        return _sdpa_cpu(q_BTHD, k_BSHD, v_BSHD, mask_BTS, causal)
+    return _sdpa_call(q_BTHD, k_BSHD, v_BSHD, mask_BTS, causal)
+
+
+def _sdpa_call(q_BTHD, k_BSHD, v_BSHD, mask_BTS, causal: bool) -> torch.Tensor:
     q, k, v = (x.transpose(1, 2) for x in (q_BTHD, k_BSHD, v_BSHD))
     mask = None if mask_BTS is None else mask_BTS[:, None]  # broadcast over heads
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None,
         enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
+
+
+def _sdpa_cpu(q_BTHD, k_BSHD, v_BSHD, mask_BTS, causal: bool) -> torch.Tensor:
+    """CPU attention, returned in v's dtype. Under bf16 autocast (the one-rank trainer's
+    `compute_dtype`): two batched bf16 matmuls over grouped heads (`sdpa_grouped`'s "matmul"
+    kernel; probabilities rounded to bf16 as in flash attention), because CPU SDPA's own bf16
+    backward took 6x its fp32 time (970 vs 160 us at [1, 4, 45, 64] on an AMX Xeon, BENCHMARKS.md);
+    the vs_trl trainer's step took 0.94x the time of SDPA in fp32. That forward differs from the
+    bf16 generator's anyway (fp32 residual stream): this moved mu - logp by 7% (mean 3.4e-2 ->
+    3.6e-2). Otherwise SDPA in fp32, bf16 inputs too: a bf16 forward's attention then matches the
+    generator's over its fp32 cache (`kv_cache.cache_dtype`)."""
+    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):
+            T, S = q_BTHD.shape[1], k_BSHD.shape[1]
+            mask = mask_BTS
+            if mask is None:
+                mask = torch.ones(1, T, S, dtype=torch.bool, device=q_BTHD.device)
+                mask = mask.tril() if causal else mask
+            q, k, v = (x.to(torch.bfloat16) for x in (q_BTHD, k_BSHD, v_BSHD))
+            return sdpa_grouped(q, k, v, mask, None, "matmul").to(v_BSHD.dtype)
+    q, k, v = (x.float() for x in (q_BTHD, k_BSHD, v_BSHD))  # no copy where already fp32
+    return _sdpa_call(q, k, v, mask_BTS, causal).to(v_BSHD.dtype)
 
 
 def additive_mask(mask_BTS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The trainer's compute dtype (`model.compute_dtype`): fp32 parameters, gradients and optimizer
 state, with the forward in bf16 -- by autocast on one FSDP rank, by FSDP's param dtype on several
--- and CPU attention kept in fp32 either way (parallel/sharding.py, trainer/step.py,
-model/attention.py)."""
+-- and CPU attention in fp32, but for bf16 autocast's two batched bf16 matmuls (parallel/sharding.py,
+trainer/step.py, model/attention.py)."""
 import pytest
 import torch
 
@@ -32,24 +32,55 @@ def test_compute_dtype_names_a_bad_choice():
         compute_dtype("fp16", "cpu", FP32)
 
 
-def _qkv(dtype, seed=0):
+def _qkv(dtype, seed=0, kv_heads=4):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 9, 4, 16, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+    shapes = [(2, 9, 4, 16), (2, 9, kv_heads, 16), (2, 9, kv_heads, 16)]
+    return [torch.randn(*s, generator=g).to(dtype).requires_grad_() for s in shapes]
 
 
-def test_cpu_sdpa_computes_in_fp32_and_returns_v_dtype():
-    from model.attention import sdpa
-    q, k, v = _qkv(BF16)
+def _attention_by_hand(q, k, v, keep_TS):
+    """softmax(q k^T / sqrt(D) where kept) v in float64, kv heads repeated for grouped queries."""
+    q, k, v = (x.detach().double() for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+    probs = scores.masked_fill(~keep_TS, float("-inf")).softmax(-1)
+    return torch.einsum("bhts,bshd->bthd", probs, v)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cpu_attention_runs_in_bf16_under_autocast_only(kv_heads):
+    """Under bf16 autocast (fp32 inputs): the grouped matmul kernel in bf16, output in v's dtype,
+    within bf16 rounding of the float64 attention by hand (and not fp32-exact), gradients within
+    bf16 rounding of fp32 ones. bf16 inputs without autocast: PyTorch's SDPA in fp32 (as the bf16
+    generator's fp32 cache attends), returned in bf16; fp32 inputs: exactly SDPA in fp32."""
+    from model.attention import causal_mask, sdpa
+    F = torch.nn.functional
+
+    def exact(q, k, v):
+        return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                              is_causal=True, enable_gqa=kv_heads != 4).transpose(1, 2)
+    q32, k32, v32 = _qkv(FP32, kv_heads=kv_heads)
+    window = causal_mask(torch.arange(9)[None], torch.arange(9)[None], 3)  # [1, 9, 9] keep-mask
+    with torch.autocast("cpu", dtype=BF16):
+        out = sdpa(q32, k32, v32, window, causal=True)
+    err = (out.double() - _attention_by_hand(q32, k32, v32, window[0])).abs().max()
+    assert out.dtype == FP32 and 1e-6 < err < 0.03  # rounded to bf16 on the way: not fp32 math
+    assert torch.equal(sdpa(q32, k32, v32, None, causal=True), exact(q32, k32, v32))
+    sdpa(q32, k32, v32, None, causal=True).sum().backward()
+    ref_grads = [x.grad.clone() for x in (q32, k32, v32)]
+    for x in (q32, k32, v32):
+        x.grad = None
+    with torch.autocast("cpu", dtype=BF16):
+        sdpa(q32, k32, v32, None, causal=True).sum().backward()
+    for x, r in zip((q32, k32, v32), ref_grads):
+        assert (x.grad - r).abs().max() < 0.05 * r.abs().max()
+    q, k, v = _qkv(BF16, kv_heads=kv_heads)
     out = sdpa(q, k, v, None, causal=True)
-    ref = sdpa(*(x.detach().float() for x in (q, k, v)), None, causal=True).to(BF16)
+    ref = exact(*(x.detach().float() for x in (q, k, v))).to(BF16)
     assert out.dtype == BF16 and torch.equal(out, ref)
     out.float().sum().backward()
-    assert q.grad.dtype == BF16 and q.grad.abs().sum() > 0
-    # under CPU autocast: fp32 in, fp32 math (autocast would have run SDPA in bf16)
-    q32, k32, v32 = _qkv(FP32)
-    with torch.autocast("cpu", dtype=BF16):
-        out = sdpa(q32, k32, v32, None, causal=True)
-    assert out.dtype == FP32 and torch.equal(out, sdpa(q32, k32, v32, None, causal=True))
+    assert all(x.grad.dtype == BF16 and x.grad.abs().sum() > 0 for x in (q, k, v))
 
 
 def _step_worker(rank, world, folder, compute):
