@@ -35,28 +35,20 @@ def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots_B: torch.Tens
     v_cache.transpose(1, 2).index_put_(idx, v_BTHD.to(v_cache.dtype))
 
 
-def _write_layer(kv_all: torch.Tensor, layer: int, slots_B: torch.Tensor, pos_BT: torch.Tensor,
-                 kv_2BTHD: torch.Tensor) -> None:
-    """Keys and values in one index_put: the cache as [layers, 2, slots, max_len, H, D]."""
-    kv_all[layer].transpose(2, 3)[:, slots_B[:, None], pos_BT] = kv_2BTHD.to(kv_all.dtype)
-
-
-# `scatter_kv` of one layer as an operator that declares its in-place mutation, for compiled code
-# only (eager calls skip its dispatch). It takes the whole cache tensor and the layer, not the
-# layer's view: with the cache's sizes symbolic (a second cache shape compiled in one process),
-# torch 2.13's compiled code dropped a mutated view's storage offset, and every layer's keys
-# landed in layer 0 (tests/test_engine.py). It writes keys and values stacked, in one kernel
-# (inductor stacks them in the kernel that makes them): two index_puts took 4 us each on the
-# H200, a twelfth of a compiled decode step's layer (BENCHMARKS.md, "GPU"). Defined by schema
-# on a `torch.library.Library`, not with `torch.library.custom_op`: a call costs 22 us against
-# custom_op's 44-46 (a decode step's write of 16 slots on the Zen 4 EPYC, where the write itself
-# takes 19; 4 layers x 32 steps a batch of the vs_trl bench's generator).
-_LIB = torch.library.Library("tandem", "FRAGMENT")
-_LIB.define("kv_write(Tensor(a!) kv_all, int layer, Tensor slots_B, Tensor pos_BT, "
-            "Tensor kv_2BTHD) -> ()")
-_LIB.impl("kv_write", _write_layer, "CompositeExplicitAutograd")
-torch.library.register_fake("tandem::kv_write", lambda *args: None, lib=_LIB)
-kv_write = torch.ops.tandem.kv_write.default
+def _write_compiled(kv_all: torch.Tensor, layer: int, slots_B: torch.Tensor, pos_BT: torch.Tensor,
+                    k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> None:
+    """`scatter_kv` of one layer in compiled code: one index_put on the whole cache tensor
+    [layers, 2, slots, kv_heads, max_len, head_dim], never on a view of it. Traced on views
+    (`k[layer]`), inductor copied the whole cache of every layer before each layer's write, and
+    with the cache's sizes symbolic torch 2.13 dropped a mutated view's storage offset (every
+    layer's keys landed in layer 0; tests/test_engine.py). On the tensor itself inductor writes in
+    place, fused into the kernel that makes the keys and values: vs_trl's generator batch took
+    0.86-0.93x the time of an opaque write operator's (its Python dispatch cost ~20 us a layer).
+    The layer is a [1, 1] tensor index: an int would select a view, a 0-d tensor is read back as
+    an int (a graph break)."""
+    layer_11 = torch.full((1, 1), layer, dtype=torch.long, device=kv_all.device)
+    kv_BT2HD = torch.stack((k_BTHD, v_BTHD), 2).to(kv_all.dtype)
+    kv_all[layer_11, :, slots_B[:, None], :, pos_BT] = kv_BT2HD
 
 
 class KVCache:
@@ -108,12 +100,10 @@ class KVCache:
         return self.k.shape[3]
 
     def write(self, layer: int, slots_B, pos_BT, k_BTHD, v_BTHD) -> None:
-        """Scatter new keys/values of rows `slots_B` at positions `pos_BT` (`scatter_kv`). Under
-        torch.compile through the `tandem::kv_write` op, which writes in place: traced as plain
-        `index_put_`s on views of the cache, inductor copied the whole cache of every layer
-        before each layer's write (BENCHMARKS.md, "Generation")."""
+        """Scatter new keys/values of rows `slots_B` at positions `pos_BT` (`scatter_kv`; under
+        torch.compile `_write_compiled`)."""
         if torch.compiler.is_compiling():
-            kv_write(self.whole().kv, layer, slots_B, pos_BT, torch.stack((k_BTHD, v_BTHD)))
+            _write_compiled(self.whole().kv, layer, slots_B, pos_BT, k_BTHD, v_BTHD)
         else:
             scatter_kv(self.k[layer], self.v[layer], slots_B, pos_BT, k_BTHD, v_BTHD)
 

@@ -344,11 +344,13 @@ def test_compiled_decode_matches_eager(folders):
         assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
     # The cache length read changes every step: one graph for the first, one with it symbolic.
     assert engine.stats.decode_steps >= 6 and len(codes) == 2
-    # Keys/values are written in place by the declared-mutating op: no buffer of the cache's
-    # size is allocated to copy it into (traced as index_put_ on views, every layer's write did).
+    # Keys/values are written in place by inductor's own kernels (the index_put on the whole
+    # cache tensor fused into them, no operator called): no buffer of the cache's size is
+    # allocated to copy it into (traced as index_put_ on views, every layer's write did).
     new_cache_copy = re.compile(r"empty_strided_\w+\(" + re.escape(str(tuple(engine.cache.kv.shape))))
     for code in codes:
-        assert "torch.ops.tandem.kv_write" in code and not new_cache_copy.search(code)
+        assert not new_cache_copy.search(code) and "aten.index_put" not in code
+        assert re.search(r"cpp_fused\w*index_put", code)
     # A second engine of another cache shape in the same process: dynamo recompiles the same
     # code with the cache's sizes symbolic, and each layer's keys must still land in its layer.
     other = Engine(model, num_slots=3, max_len=40, compile_decode=True)
