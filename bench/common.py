@@ -18,6 +18,7 @@ if str(REPO) not in sys.path:  # benches run as scripts from anywhere; the repo 
     sys.path.insert(0, str(REPO))
 
 from launch.plan import PRESETS  # noqa: E402
+from parallel.mesh import pin_malloc  # noqa: E402,F401  (the benches pin it as the ranks do)
 
 
 # The "1.1B Llama shape" of shared/REFERENCES.md (its HF baselines on the H200 were measured on it):
@@ -31,24 +32,6 @@ def hf_names(shape: dict) -> dict:
     rename = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
               "num_kv_heads": "num_key_value_heads"}
     return {rename.get(k, k): v for k, v in shape.items()}
-
-
-def fixed_malloc() -> bool:
-    """Pin glibc's allocator policy for this process (mmap threshold 32 MiB, no trimming), so that
-    two contenders timed alternately in one process cannot slow each other through it: glibc moves
-    its mmap threshold with the sizes freed so far, and 1-4 MiB tensors allocated every decode step
-    then either reuse heap memory or page-fault on fresh mmaps, depending on what ran before.
-    Measured (BENCHMARKS.md, "Generation"): HF generate took 1.09-1.37 s for the same work in one
-    process depending on that history. Returns False where glibc's mallopt is not available."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 def root_cause(stderr: str) -> str:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, fixed_malloc, print_json  # also puts the repo on sys.path
+from common import REPO, pin_malloc, print_json  # also puts the repo on sys.path
 
 import torch  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M (slow: minutes)")
     a = ap.parse_args()
     torch.set_num_threads(1)  # as a generator rank (torchrun's OMP_NUM_THREADS=1)
-    out = {"bench": "compact_rows", "fixed_malloc": fixed_malloc(), "dtype": a.dtype}
+    out = {"bench": "compact_rows", "fixed_malloc": pin_malloc(), "dtype": a.dtype}
     from tools.make_tiny_model import make_random_model
     with tempfile.TemporaryDirectory() as d:
         folder = make_random_model(Path(d) / "tiny", hidden=256, layers=4)

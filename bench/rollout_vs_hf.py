@@ -6,7 +6,7 @@ top-k/top-p, EOS ignored). Ours: Engine(num_slots=64), with eager and with compi
 (`--cpu-modes`; the best is the headline). HF: one left-padded batch of all 64 prompts with an
 attention mask, `generate(do_sample=True, use_cache=True)`. All are warmed up once, then timed
 `--repeats` times alternately; the median is reported. The process pins glibc's
-malloc policy first (`common.fixed_malloc`): otherwise the two sides slow each other through its
+malloc policy first (`parallel.mesh.pin_malloc`): otherwise the two sides slow each other through its
 moving mmap threshold (`--default-malloc` to see it).
 
 GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shared/REFERENCES.md
@@ -28,7 +28,7 @@ import statistics
 import tempfile
 import time
 
-from common import LLAMA_1B, fixed_malloc, hf_names, print_json  # also puts the repo on sys.path
+from common import LLAMA_1B, hf_names, pin_malloc, print_json  # also puts the repo on sys.path
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -329,7 +329,7 @@ def main() -> None:
                     help="leave glibc's malloc policy as it is (see the module docstring)")
     a = ap.parse_args()
     out = {"bench": "rollout_vs_hf",
-           "fixed_malloc": False if a.default_malloc else fixed_malloc()}
+           "fixed_malloc": False if a.default_malloc else pin_malloc()}
     if not a.no_cpu:
         out["cpu"] = cpu_section(a.repeats, tuple(m for m in a.cpu_modes.split(",") if m))
     if a.gpu:

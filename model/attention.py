@@ -58,6 +58,7 @@ def sdpa(q_BTHD, k_BSHD, v_BSHD, mask_BTS: torch.Tensor | None, causal: bool) ->
 
 
 def _sdpa_call(q_BTHD, k_BSHD, v_BSHD, mask_BTS, causal: bool) -> torch.Tensor:
+    """PyTorch's SDPA on the [B, T, H, D] layout, grouped-query heads by `enable_gqa`."""
     q, k, v = (x.transpose(1, 2) for x in (q_BTHD, k_BSHD, v_BSHD))
     mask = None if mask_BTS is None else mask_BTS[:, None]  # broadcast over heads
     out = F.scaled_dot_product_attention(

@@ -16,10 +16,11 @@ from model.rope import inv_frequencies, rope_cos_sin, rope_tables
 def cache_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The cache's default dtype: the model's, except fp32 for a bf16/fp16 model on CPU, where
     attention then computes in fp32 over it (model/attention.py, as the CPU attention of a bf16
-    forward does; a forward under bf16 autocast attends in bf16). The keys/values stay the model's values (a bf16 number is exact in fp32); what changes
-    is that the scores, softmax and weighted sum are no longer rounded to bf16, and that CPU bf16
-    matmuls copy a strided view of the cache before they start (a decode step's q @ k^T over
-    64 of 288 positions: 64 vs 22 us, against 24 us in fp32; BENCHMARKS.md "Against TRL")."""
+    forward does; a forward under bf16 autocast attends in bf16). The keys/values stay the
+    model's values (a bf16 number is exact in fp32); what changes is that the scores, softmax
+    and weighted sum are no longer rounded to bf16, and that CPU bf16 matmuls copy a strided
+    view of the cache before they start (a decode step's q @ k^T over 64 of 288 positions: 64 vs
+    22 us, against 24 us in fp32; BENCHMARKS.md "Against TRL")."""
     reduced = model_dtype in (torch.bfloat16, torch.float16)
     return torch.float32 if reduced and torch.device(device).type == "cpu" else model_dtype
 

@@ -33,6 +33,27 @@ def pick_device(local_rank: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def pin_malloc() -> bool:
+    """Pin glibc's allocator policy for this process: mmap threshold at its 32 MiB maximum, no
+    trimming. glibc otherwise moves the threshold with the sizes freed so far and hands freed
+    memory back to the kernel, so the tensors a step allocates and frees again page-fault afresh
+    every step, or not, depending on what ran before. CPU ranks call it at start: SmolLM2's train
+    step on one core took 0.88-0.89x the time (page faults 418k -> 79k a step; its 105 MB logits
+    still come from mmap, above any threshold glibc allows); benches call it so that contenders
+    timed in one process cannot slow each other through it (BENCHMARKS.md, "Generation": HF
+    generate took 1.09-1.37 s for the same work depending on that history). False where glibc's
+    mallopt is not available (nothing changed)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 def backend_for(device: torch.device, requested: str = "cpu:gloo,cuda:nccl") -> str:
     """The configured backend on CUDA; plain gloo on a CPU-only machine (no NCCL there)."""
     return requested if device.type == "cuda" else "gloo"

@@ -1,14 +1,15 @@
 """The q|k|v projection weights of every layer stacked, for one matmul instead of three in the
-engine's forwards on CUDA (`KVCache.qkv`).
+engine's forwards on CUDA and in its compiled step on CPU (`KVCache.qkv`).
 
 At a decode step's 64 rows each projection is a launch-bound matmul: on the H200, for the 1.1B
 shape, q took 6 us and k and v 5.4 us each for 8 and 2 MB of weights (BENCHMARKS.md, "GPU"), where
 one matmul over the 12.6 MB of the three is bandwidth-bound. The stacked copies cost that much
-memory again (0.2 GB for the 1.1B shape). They live in buffers allocated once and refilled in
-place, so that CUDA graphs captured over them stay valid: `refresh()` refills them when a weight's
-version counter or data pointer moved (an optimizer step, a replaced tensor), `refresh(force=True)`
-also after writes that move neither (through `.data`, a flat buffer, CUDA IPC; the engine forces it
-whenever its weight version is set).
+memory again (0.2 GB for the 1.1B shape). On CPU the compiled step of vs_trl's generator (16 rows)
+took 0.93x the time with them; the eager step gained nothing. They live in buffers allocated once
+and refilled in place, so that CUDA graphs captured over them stay valid: `refresh()` refills them
+when a weight's version counter or data pointer moved (an optimizer step, a replaced tensor),
+`refresh(force=True)` also after writes that move neither (through `.data`, a flat buffer, CUDA
+IPC; the engine forces it whenever its weight version is set).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The trainer's compute dtype (`model.compute_dtype`): fp32 parameters, gradients and optimizer
 state, with the forward in bf16 -- by autocast on one FSDP rank, by FSDP's param dtype on several
--- and CPU attention in fp32, but for bf16 autocast's two batched bf16 matmuls (parallel/sharding.py,
-trainer/step.py, model/attention.py)."""
+-- and CPU attention in fp32, but for bf16 autocast's two batched bf16 matmuls
+(parallel/sharding.py, trainer/step.py, model/attention.py)."""
 import pytest
 import torch
 
@@ -58,8 +58,9 @@ def test_cpu_attention_runs_in_bf16_under_autocast_only(kv_heads):
     F = torch.nn.functional
 
     def exact(q, k, v):
-        return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
-                                              is_causal=True, enable_gqa=kv_heads != 4).transpose(1, 2)
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                             is_causal=True, enable_gqa=kv_heads != 4)
+        return out.transpose(1, 2)
     q32, k32, v32 = _qkv(FP32, kv_heads=kv_heads)
     window = causal_mask(torch.arange(9)[None], torch.arange(9)[None], 3)  # [1, 9, 9] keep-mask
     with torch.autocast("cpu", dtype=BF16):
