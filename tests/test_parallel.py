@@ -426,7 +426,8 @@ def test_pin_malloc_reuses_freed_host_memory():
     code = """if True:
         import resource, torch
         from parallel.mesh import pin_malloc
-        assert pin_malloc()
+        if not pin_malloc():
+            raise SystemExit("no glibc mallopt here")
         faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         rounds = []
         for _ in range(12):
@@ -438,6 +439,8 @@ def test_pin_malloc_reuses_freed_host_memory():
     """
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, timeout=120)
+    if "no glibc mallopt here" in out.stderr:
+        pytest.skip("glibc's mallopt is not available (pin_malloc does nothing here)")
     assert out.returncode == 0, out.stderr[-2000:]
     rounds = [int(x) for x in out.stdout.split()]
     assert rounds[0] > 4000 and max(rounds[4:]) < 0.02 * rounds[0], rounds
