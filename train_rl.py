@@ -88,12 +88,9 @@ def _run_role(cfg, dims, tokenizer) -> None:
     """Process groups, meshes, this rank's role loop, and the barrier where both meshes end."""
     import torch.distributed as dist
     from launch import preemption
-    from parallel.mesh import (build_meshes, init_process_group, pick_device, pin_malloc,
-                               shutdown_barrier)
+    from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
 
     device = pick_device()
-    if device.type == "cpu":
-        pin_malloc()  # freed host memory is reused, not page-faulted afresh every step
     init_process_group(device, cfg.parallel.backend, cfg.parallel.warmup_timeout_s)
     global _STARTED
     _STARTED = True

@@ -37,7 +37,7 @@ def pin_malloc() -> bool:
     """Pin glibc's allocator policy for this process: mmap threshold at its 32 MiB maximum, no
     trimming. glibc otherwise moves the threshold with the sizes freed so far and hands freed
     memory back to the kernel, so the tensors a step allocates and frees again page-fault afresh
-    every step, or not, depending on what ran before. CPU ranks call it at start: SmolLM2's train
+    every step, or not, depending on what ran before. CPU ranks call it at start (`init_process_group`): SmolLM2's train
     step on one core took 0.88-0.89x the time (page faults 418k -> 79k a step; its 105 MB logits
     still come from mmap, above any threshold glibc allows); benches call it so that contenders
     timed in one process cannot slow each other through it (BENCHMARKS.md, "Generation": HF
@@ -60,10 +60,14 @@ def backend_for(device: torch.device, requested: str = "cpu:gloo,cuda:nccl") -> 
 
 
 def init_process_group(device: torch.device, backend: str, timeout_s: float) -> None:
+    """This rank's process set up for `device` (a CPU rank pins its allocator, `pin_malloc`),
+    then its default process group."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        pin_malloc()  # freed host memory is reused, not page-faulted afresh every step
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend_for(device, backend), timeout=timeout,
                             **_attempt_store(timeout))

@@ -861,7 +861,8 @@ def _read_length(bound: int, max_len: int, bucket: int, device: torch.device, ke
 
 class _WeightCopies:
     """The engine's copies of its model's weights, which must follow them: oneDNN-packed linears
-    (CPU, rollout/packed_linear.py) and stacked q|k|v (CUDA, rollout/stacked.py); either None."""
+    (CPU eager, rollout/packed_linear.py) and stacked q|k|v (CUDA, and the compiled step on CPU;
+    rollout/stacked.py); either None."""
 
     def __init__(self, packed: PackedLinears | None, stacked_qkv: "stacked.StackedQKV | None"):
         self.packed, self.stacked = packed, stacked_qkv
