@@ -448,4 +448,6 @@ def test_pin_malloc_keeps_freed_host_memory_for_reuse():
         pytest.skip("glibc's mallopt/mallinfo2 is not available (pin_malloc does nothing here)")
     assert out.returncode == 0, out.stderr[-2000:]
     mmapped, kept = map(int, out.stdout.split())
-    assert mmapped < (1 << 20) and kept >= (8 << 20), (mmapped, kept)
+    # kept: the freed block's 8 MB, less what the allocation took of free bytes the heap had
+    # before (8380624 once); unpinned it is ~0.1 MB
+    assert mmapped < (1 << 20) and kept >= (7 << 20), (mmapped, kept)
