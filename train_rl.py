@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from config import ConfigError, help_text, load_config, parse_cli, prints
 
 _STARTED = False  # process groups exist: every rank reports its own errors from here on
+# Before process groups, a rank other than 0 waits this long for rank 0 to print the error they
+# share (torchrun then stops it) and prints it itself if it is still running: a rank that exited
+# first would make torchrun stop rank 0 before its line, and the user would see no reason at all.
+REPORT_GRACE_S = 5.0
 
 
 USAGE = """usage: torchrun --nproc-per-node N train_rl.py --config FILE [--section.key=value ...] [--dry-run]
@@ -136,9 +141,12 @@ def main(argv=None) -> int:
         return run(cfg)
     except (ConfigError, ValueError) as e:
         # Detected before process groups start, every rank sees the same error: rank 0 prints it
-        # and the others exit quietly. Later, only the failing rank knows: it prints one line.
-        if rank == 0 or _STARTED:
-            print(f"error{f' (rank {rank})' if _STARTED else ''}: {e}", file=sys.stderr, flush=True)
+        # (the others print it only if still running after REPORT_GRACE_S). Later, only the
+        # failing rank knows: it prints one line.
+        if rank != 0 and not _STARTED:
+            time.sleep(REPORT_GRACE_S)
+        who = f" (rank {rank})" if rank or _STARTED else ""
+        print(f"error{who}: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback from each
         if rank == 0:

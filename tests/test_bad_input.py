@@ -101,14 +101,14 @@ def _in_a_process(argv, world):
     return proc.returncode, proc.stderr
 
 
-def _in_this_process(argv, world, monkeypatch, capsys):
+def _in_this_process(argv, world, monkeypatch, capsys, rank="0"):
     import train_rl
     from parallel import mesh
 
     def no_groups(*args, **kwargs):  # a regression must fail here, not wait for peers
         raise AssertionError("reached process-group set-up: preflight let the bad input through")
     monkeypatch.setattr(mesh, "init_process_group", no_groups)
-    for k, v in {"WORLD_SIZE": world, "RANK": "0", "LOCAL_RANK": "0"}.items():
+    for k, v in {"WORLD_SIZE": world, "RANK": rank, "LOCAL_RANK": rank}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(ROOT)
     capsys.readouterr()
@@ -138,5 +138,22 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model, monke
     assert rc != 0
     assert "Traceback" not in err, err
     assert err.count("error") >= 1 and len(err.strip().splitlines()) <= 3, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_a_rank_other_than_0_reports_the_error_when_still_running_after_the_grace(
+        tmp_path, good_model, monkeypatch, capsys):
+    """Rank 0 prints the error every rank finds before process groups; another rank waits
+    REPORT_GRACE_S (torchrun stops it once rank 0 exits) and then prints it itself: a rank that
+    exits first makes torchrun stop rank 0, which may not have printed yet."""
+    import train_rl
+    monkeypatch.setattr(train_rl, "REPORT_GRACE_S", 0.3)
+    argv, words = _case("unknown_key", tmp_path, good_model)
+    argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
+    t0 = time.monotonic()
+    rc, err = _in_this_process(argv, "3", monkeypatch, capsys, rank="1")
+    assert rc == 2 and time.monotonic() - t0 >= 0.3
+    assert err.startswith("error (rank 1): ") and len(err.strip().splitlines()) == 1, err
     for w in words:
         assert w in err, (w, err)
