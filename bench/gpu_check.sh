@@ -27,6 +27,9 @@
 #       with zero-copy weight sync (--parallel.ipc_buffers=0)
 #   d2  the same with the compiled decode step (--generator.decode=compile: FlexAttention, stacked
 #       q|k|v), not yet run inside the RL loop on a GPU; each run compiles first (~30-40 s)
+#   m   bench/logprob_mismatch.py on a random tiny Llama with the compiled decode step: the
+#       engine's fp32 log-prob parity on CUDA through the trainer's packing, and how far each bf16
+#       generator/trainer pair is apart
 #   e   the planner's calibration on this GPU (1.1B shape: per-layer forward/backward, decode
 #       steps, the train step; no links on one GPU); e2 a plan for 2 x 8 H200 with that profile
 # The default order: the CUDA tests (a2, short: the engine's graphs and kernels must be right
@@ -45,7 +48,7 @@ fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
 BUDGET_S=${BUDGET_S:-540}
-SECTIONS=" ${SECTIONS:-a2 b d d2 a c e e2} "
+SECTIONS=" ${SECTIONS:-a2 b d d2 a c e e2 m} "
 START=$(date +%s)
 SUMMARY=""
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
@@ -97,5 +100,7 @@ run e  150 "$PY" launch/calibrate.py --model preset:llama-1.1b --device cuda --p
     --prompt-len 128 --response-len 256 --micro-batch-tokens 8192 --out "$PROFILE"
 run e2 30  "$PY" launch/plan.py --preset llama-1.1b --gpu h200 --nodes 2 --gpus-per-node 8 \
     --prompts 64 --group 8 --prompt-len 128 --response-len 256 --eta 1 --top 5 --profile "$PROFILE"
+
+run m  90  "$PY" bench/logprob_mismatch.py --random --device cuda --decode compile
 
 echo "{\"bench\": \"gpu_check\", \"cuda\": true, \"seconds\": $(( $(date +%s) - START )), \"sections\": {${SUMMARY%, }}}"

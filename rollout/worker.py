@@ -218,15 +218,10 @@ class GeneratorWorker:
         groups = []
         for pid in sorted(done, key=lambda k: self.pending[k].index):  # in the order admitted
             p = self.pending.pop(pid)
-            groups.append(Group(pid, [_trajectory(c, f.result()) for c, f in zip(p.completions, p.futures)]))
+            groups.append(Group(pid, [Trajectory.from_completion(c, f.result())
+                                      for c, f in zip(p.completions, p.futures)]))
         if groups and self.link is not None:
             self.link.send(self.trainer0, Msg.TRAJECTORIES, min(g.min_version for g in groups),
                            [g.to_dict() for g in groups])
         self.stats["groups_sent"] += len(groups)
 
-
-def _trajectory(c: Completion, reward: float) -> Trajectory:
-    return Trajectory(prompt_id=c.request_id, sample_idx=c.sample_idx, prompt_ids=list(c.prompt_ids),
-                      completion_ids=list(c.completion_ids), logp_mu=list(c.logp),
-                      token_versions=list(c.token_versions), reward=float(reward),
-                      finish_reason=c.finish_reason)

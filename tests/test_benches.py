@@ -159,3 +159,19 @@ def test_device_timeline_hand_computed(monkeypatch):
     import rollout_vs_hf
     t = rollout_vs_hf.device_timeline([(0, 20), (10, 30), (40, 50), (150, 160)])
     assert t == {"span_ms": 0.16, "busy_ms": 0.05, "idle_ms": 0.11, "stall_ms": 0.1, "stalls": 1}
+
+
+def test_logprob_mismatch_pairs_each_generator_dtype_with_each_trainer_precision(capsys):
+    """The fp32 pair is the engine's log-prob parity through the trainer's own packing (shared
+    prompts) at temperature != 1; a bf16 side differs by bf16 rounding, not by more."""
+    sys.path.append(str(BENCH.parent))
+    from bench.logprob_mismatch import main
+    out = main(["--random", "--threads", "1", "--prompts", "3", "--n", "2", "--new-tokens", "12",
+                "--temperature", "0.7"])["results"]
+    assert len(out) == 6 and {r["tokens"] for r in out.values()} == {3 * 2 * 12}
+    exact = out["gen_float32/train_fp32"]
+    assert exact["max_abs"] <= 1e-5 and abs(exact["is_ratio_mean"] - 1) <= 1e-5
+    for name, r in out.items():
+        if name != "gen_float32/train_fp32":
+            assert 1e-5 < r["max_abs"] < 0.1, (name, r)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "logprob_mismatch"')

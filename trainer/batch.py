@@ -41,6 +41,14 @@ class Trajectory:
     reward: float
     finish_reason: str
 
+    @classmethod
+    def from_completion(cls, c, reward: float) -> "Trajectory":
+        """One engine `Completion` (rollout.engine) with its reward."""
+        return cls(prompt_id=c.request_id, sample_idx=c.sample_idx, prompt_ids=list(c.prompt_ids),
+                   completion_ids=list(c.completion_ids), logp_mu=list(c.logp),
+                   token_versions=list(c.token_versions), reward=float(reward),
+                   finish_reason=c.finish_reason)
+
     def __post_init__(self) -> None:
         c = len(self.completion_ids)
         if c == 0 or len(self.prompt_ids) == 0:

@@ -124,9 +124,7 @@ class ColocatedWorker:
                                           [self.tok.decode(c.completion_ids) for c in done],
                                           [c.completion_ids for c in done])
         for c, r in zip(done, scores):
-            by_prompt.setdefault(c.request_id, []).append(Trajectory(
-                c.request_id, c.sample_idx, list(c.prompt_ids), list(c.completion_ids), list(c.logp),
-                list(c.token_versions), float(r), c.finish_reason))
+            by_prompt.setdefault(c.request_id, []).append(Trajectory.from_completion(c, r))
         groups = [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
         return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
 
