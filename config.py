@@ -357,6 +357,44 @@ def parse_cli(argv: list[str]) -> tuple[str | None, list[str], dict]:
     return path, overrides, flags
 
 
+USAGE = """usage: torchrun --nproc-per-node N train_rl.py --config FILE [--section.key=value ...] [--dry-run]
+       python train_rl.py --help [SECTION]
+
+  --config FILE          a TOML preset (configs/); keys not in it keep their defaults
+  --section.key=value    override one key, e.g. --trainer.lr=1e-5 --parallel.generator_ranks=2
+  --dry-run              validate the config, build the rank map and the weight-sync plan and
+                         print the memory per rank, without process groups
+  --help [SECTION]       this text and every key (or one section's)
+"""
+
+
+def help_requested(argv) -> str | None:
+    """The section asked for by `--help [SECTION]` / `-h` ("" for all), or None without it."""
+    for i, arg in enumerate(argv):
+        if arg in ("-h", "--help"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if nxt.startswith("-") else nxt
+        if arg.startswith("--help="):
+            return arg.partition("=")[2]
+    return None
+
+
+def resolve_config(argv: list[str]) -> Config:
+    """The config of `train_rl.py ARGV`, resolved for this rank's WORLD_SIZE (a dry run without
+    one is resolved by launch.dry_run from its degrees)."""
+    path, overrides, flags = parse_cli(argv)
+    unknown = set(flags) - {"dry_run"}
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}; "
+                          f"valid: --config FILE, --dry-run, --section.key=value, --help")
+    if flags.get("dry_run"):
+        overrides.append("run.dry_run=true")
+    cfg = load_config(path, overrides)
+    if cfg.run.dry_run and "WORLD_SIZE" not in os.environ:
+        return cfg  # launch.dry_run derives the world size from the config's degrees, then resolves
+    return cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def int_at_least(low: int):
     """An argparse type for the launch/ tools: an int >= low (argparse names the option
     in its error: "argument --nodes: 0 is below 1")."""

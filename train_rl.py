@@ -12,49 +12,13 @@ import sys
 import time
 import traceback
 
-from config import ConfigError, help_text, load_config, parse_cli, prints
+from config import USAGE, ConfigError, help_requested, help_text, resolve_config, prints
 
 _STARTED = False  # process groups exist: every rank reports its own errors from here on
 # Before process groups, a rank other than 0 waits this long for rank 0 to print the error they
 # share (torchrun then stops it) and prints it itself if it is still running: a rank that exited
 # first would make torchrun stop rank 0 before its line, and the user would see no reason at all.
 REPORT_GRACE_S = 5.0
-
-
-USAGE = """usage: torchrun --nproc-per-node N train_rl.py --config FILE [--section.key=value ...] [--dry-run]
-       python train_rl.py --help [SECTION]
-
-  --config FILE          a TOML preset (configs/); keys not in it keep their defaults
-  --section.key=value    override one key, e.g. --trainer.lr=1e-5 --parallel.generator_ranks=2
-  --dry-run              validate the config, build the rank map and the weight-sync plan and
-                         print the memory per rank, without process groups
-  --help [SECTION]       this text and every key (or one section's)
-"""
-
-
-def help_requested(argv) -> str | None:
-    """The section asked for by `--help [SECTION]` / `-h` ("" for all), or None without it."""
-    for i, arg in enumerate(argv):
-        if arg in ("-h", "--help"):
-            nxt = argv[i + 1] if i + 1 < len(argv) else ""
-            return "" if nxt.startswith("-") else nxt
-        if arg.startswith("--help="):
-            return arg.partition("=")[2]
-    return None
-
-
-def resolve_config(argv):
-    path, overrides, flags = parse_cli(argv)
-    unknown = set(flags) - {"dry_run"}
-    if unknown:
-        raise ConfigError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}; "
-                          f"valid: --config FILE, --dry-run, --section.key=value, --help")
-    if flags.get("dry_run"):
-        overrides.append("run.dry_run=true")
-    cfg = load_config(path, overrides)
-    if cfg.run.dry_run and "WORLD_SIZE" not in os.environ:
-        return cfg  # launch.dry_run derives the world size from the config's degrees, then resolves
-    return cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def run(cfg) -> int:

@@ -33,7 +33,7 @@ def _env_and_argv(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def _check_train_rl(args: list[str]) -> None:
-    from train_rl import help_requested
+    from config import help_requested
     if help_requested(args) is not None:
         return
     path, overrides, flags = parse_cli(args)
