@@ -90,6 +90,14 @@ def decode_mode(choice: str, device: torch.device) -> bool | str:
     return {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[choice]
 
 
+def compile_options(device: torch.device) -> dict:
+    """inductor's options for the compiled decode step. On CPU the wrapper that calls its ~60
+    kernels and matmuls is C++ rather than Python (`cpp_wrapper`): the vs_trl generator's batch
+    took 0.88-0.97x the time, and a cold compile no longer (BENCHMARKS.md "Generation"). On CUDA
+    the step is replayed as a CUDA graph, which has no per-call wrapper cost to save."""
+    return {"cpp_wrapper": True} if device.type == "cpu" else {}
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled. `temperature == 0` means greedy."""
@@ -454,7 +462,8 @@ class Engine:
             # length seen recompiles with it symbolic (dynamo's automatic dynamic shapes), and
             # that one graph serves every later length (dynamic=True, every size symbolic from
             # the start, compiled longer and ran slower on CPU: BENCHMARKS.md "Generation")
-            self._body = torch.compile(self._decode_body, dynamic=None)
+            self._body = torch.compile(self._decode_body, dynamic=None,
+                                       options=compile_options(device))
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()
