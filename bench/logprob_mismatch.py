@@ -37,7 +37,7 @@ from model import load_pretrained  # noqa: E402
 from model.tokenizer import load_tokenizer  # noqa: E402
 from rollout.engine import Engine, Request, SamplingParams, decode_mode  # noqa: E402
 from trainer import losses  # noqa: E402
-from trainer.batch import Group, Trajectory  # noqa: E402
+from trainer.batch import Group  # noqa: E402
 from trainer.step import _logits, micro_batches  # noqa: E402
 
 TEXTS = ["What is 17 + 25? Answer:", "Write a short poem about the sea.",
@@ -74,10 +74,7 @@ def sample(model32, gen_dtype: torch.dtype, ids: list[list[int]], a) -> list[Gro
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=a.temperature, n=a.n,
                             ignore_eos=True, seed=a.seed)
     done = engine.generate([Request(i, p, params) for i, p in enumerate(ids)])
-    by_prompt: dict[int, list] = {}
-    for c in done:
-        by_prompt.setdefault(c.request_id, []).append(Trajectory.from_completion(c, 0.0))
-    return [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
+    return Group.of_completions(done, [0.0] * len(done))
 
 
 @torch.no_grad()

@@ -241,3 +241,21 @@ def test_config_validation():
     buf = OffPolicyBuffer(capacity_samples=12, max_staleness=1, batch_groups=4, group_size=3)
     with pytest.raises(ValueError, match=r"take\(5\) must ask for 1..4 groups"):
         buf.take(5, 0, timeout=0.01)
+
+
+def test_groups_of_engine_completions_keep_prompt_order_and_sample_order():
+    """Completions arrive in the order they finish; each prompt becomes one group (first seen
+    first), its samples sorted by index, each with its own reward and the engine's mu/versions."""
+    from rollout.engine import Completion
+
+    def done(pid, j):
+        return Completion(pid, j, [1, 2], [3 + j, 4], [-0.1 * j, -0.2], [7, 8], "length", {}, 2)
+    order = [done("b", 1), done("a", 0), done("b", 0), done("a", 1)]
+    groups = Group.of_completions(order, [0.5, 1.0, 0.0, 0.25])
+    assert [g.prompt_id for g in groups] == ["b", "a"]
+    assert [[t.sample_idx for t in g.trajectories] for g in groups] == [[0, 1], [0, 1]]
+    assert [[t.reward for t in g.trajectories] for g in groups] == [[0.0, 0.5], [1.0, 0.25]]
+    b1 = groups[0].trajectories[1]
+    assert (b1.completion_ids, b1.logp_mu, b1.token_versions) == ([4, 4], [-0.1, -0.2], [7, 8])
+    with pytest.raises(ValueError):  # a reward missing: nothing is silently dropped
+        Group.of_completions(order, [0.5])

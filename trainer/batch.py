@@ -100,6 +100,15 @@ class Group:
             raise ValueError(
                 f"Group(prompt_id={self.prompt_id}) holds trajectories of prompt ids {other}")
 
+    @staticmethod
+    def of_completions(completions, rewards) -> list[Group]:
+        """Engine `Completion`s (rollout.engine) and their rewards as one group per prompt, in the
+        order of each prompt's first completion, samples in index order."""
+        by_prompt: dict[Any, list[Trajectory]] = {}
+        for c, r in zip(completions, rewards, strict=True):
+            by_prompt.setdefault(c.request_id, []).append(Trajectory.from_completion(c, r))
+        return [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
+
     @property
     def min_version(self) -> int:
         """The oldest token version in the group: the group is as stale as its stalest token."""

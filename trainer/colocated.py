@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rollout.engine import Request
 from rollout.role import build_engine
 from rollout.worker import replica_share, sampling_params
-from trainer.batch import Group, Trajectory
+from trainer.batch import Group
 from trainer.checkpointing import maybe_export_hf
 from trainer.metrics import reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
@@ -118,14 +118,11 @@ class ColocatedWorker:
             reqs.append(Request(item.id, self.encode(item), dataclasses.replace(self.params, seed=seed)))
             items[item.id] = item
             self.started += 1
-        by_prompt: dict[int, list[Trajectory]] = {}
         done = self.engine.generate(reqs)
         scores = self.rewards.score_batch([items[c.request_id] for c in done],
                                           [self.tok.decode(c.completion_ids) for c in done],
                                           [c.completion_ids for c in done])
-        for c, r in zip(done, scores):
-            by_prompt.setdefault(c.request_id, []).append(Trajectory.from_completion(c, r))
-        groups = [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
+        groups = Group.of_completions(done, scores)
         return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
 
     @torch.no_grad()
