@@ -16,8 +16,9 @@ from config import USAGE, ConfigError, help_requested, help_text, resolve_config
 
 _STARTED = False  # process groups exist: every rank reports its own errors from here on
 # Before process groups, a rank other than 0 waits this long for rank 0 to print the error they
-# share (torchrun then stops it) and prints it itself if it is still running: a rank that exited
-# first would make torchrun stop rank 0 before its line, and the user would see no reason at all.
+# share (torchrun stops it once rank 0 exits): a rank that exited first would make torchrun stop
+# rank 0 before its line, and the user would see no reason at all. A rank of rank 0's node still
+# running after it prints the line itself; other nodes stay quiet (one line per node, not N).
 REPORT_GRACE_S = 5.0
 
 
@@ -105,10 +106,12 @@ def main(argv=None) -> int:
         return run(cfg)
     except (ConfigError, ValueError) as e:
         # Detected before process groups start, every rank sees the same error: rank 0 prints it
-        # (the others print it only if still running after REPORT_GRACE_S). Later, only the
+        # (its node's other ranks only if still running after REPORT_GRACE_S). Later, only the
         # failing rank knows: it prints one line.
         if rank != 0 and not _STARTED:
             time.sleep(REPORT_GRACE_S)
+            if int(os.environ.get("GROUP_RANK", "0")) != 0:  # torchrun's node rank
+                return 2
         who = f" (rank {rank})" if rank or _STARTED else ""
         print(f"error{who}: {e}", file=sys.stderr, flush=True)
         return 2

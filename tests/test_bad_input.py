@@ -145,15 +145,21 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model, monke
 def test_a_rank_other_than_0_reports_the_error_when_still_running_after_the_grace(
         tmp_path, good_model, monkeypatch, capsys):
     """Rank 0 prints the error every rank finds before process groups; another rank waits
-    REPORT_GRACE_S (torchrun stops it once rank 0 exits) and then prints it itself: a rank that
-    exits first makes torchrun stop rank 0, which may not have printed yet."""
+    REPORT_GRACE_S (torchrun stops it once rank 0 exits): a rank that exits first makes torchrun
+    stop rank 0, which may not have printed yet. Still running then, a rank of rank 0's node
+    prints it itself; a rank of another node exits quietly (no line per rank of a large job)."""
     import train_rl
     monkeypatch.setattr(train_rl, "REPORT_GRACE_S", 0.3)
     argv, words = _case("unknown_key", tmp_path, good_model)
     argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
-    t0 = time.monotonic()
+    for node, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("GROUP_RANK", node)
+        t0 = time.monotonic()
+        rc, err = _in_this_process(argv, "3", monkeypatch, capsys, rank="1")
+        assert rc == 2 and time.monotonic() - t0 >= 0.3
+        assert len(err.strip().splitlines()) == lines, (node, err)
+    monkeypatch.delenv("GROUP_RANK")  # a launcher without node ranks: as on rank 0's node
     rc, err = _in_this_process(argv, "3", monkeypatch, capsys, rank="1")
-    assert rc == 2 and time.monotonic() - t0 >= 0.3
-    assert err.startswith("error (rank 1): ") and len(err.strip().splitlines()) == 1, err
+    assert rc == 2 and err.startswith("error (rank 1): ") and len(err.strip().splitlines()) == 1
     for w in words:
         assert w in err, (w, err)
