@@ -327,7 +327,6 @@ def test_compaction_needs_eager_decode(folders):
     assert not Engine(load(folders), num_slots=2, max_len=16, compile_decode=True).compact
 
 
-@pytest.mark.slow
 def _allocated_shapes(code: str) -> list[tuple]:
     """The shapes of the buffers an inductor wrapper allocates, from its Python form
     (`empty_strided_cpu((2, 3), ...)`) or its C++ one (`aoti_torch_empty_strided(2, int_array_4,
@@ -341,6 +340,7 @@ def _allocated_shapes(code: str) -> list[tuple]:
     return [shape(t) for t in found]
 
 
+@pytest.mark.slow
 def test_compiled_decode_matches_eager(folders):
     """compile_decode=True (torch.compile of the decode step; + a CUDA graph on CUDA) samples the
     same tokens with the same log-probs as the eager step (here on CPU, inductor's C++ code)."""
