@@ -38,7 +38,7 @@ from model.tokenizer import load_tokenizer  # noqa: E402
 from rollout.engine import Engine, Request, SamplingParams, decode_mode  # noqa: E402
 from trainer import losses  # noqa: E402
 from trainer.batch import Group  # noqa: E402
-from trainer.step import _logits, micro_batches  # noqa: E402
+from trainer.step import micro_batches, policy_logp  # noqa: E402
 
 TEXTS = ["What is 17 + 25? Answer:", "Write a short poem about the sea.",
          "The capital of France is", "Explain why the sky is blue.",
@@ -83,7 +83,7 @@ def compare(model, groups: list[Group], temperature: float) -> dict:
     device = next(model.parameters()).device
     for b in micro_batches(groups, "group_mean", 1 << 20, share_prompts=True):
         b = b.to(device)
-        logp = losses.token_logprobs(_logits(model, b), b.targets_N, temperature)
+        logp = policy_logp(model, b, temperature)
         mask = b.loss_mask_N.bool()
         diffs.append((b.logp_mu_N - logp)[mask].double().cpu())
         kl += float(losses.mismatch_kl(logp, b.logp_mu_N, mask))
@@ -97,8 +97,9 @@ def compare(model, groups: list[Group], temperature: float) -> dict:
 def load(a):
     if a.random:
         from tools.make_tiny_model import make_random_model
-        folder = make_random_model(Path(tempfile.mkdtemp()) / "model", hidden=256, layers=4)
-        return load_pretrained(folder, device=a.device, dtype=torch.float32), None
+        with tempfile.TemporaryDirectory() as tmp:  # loaded into memory, then removed
+            folder = make_random_model(Path(tmp) / "model", hidden=256, layers=4)
+            return load_pretrained(folder, device=a.device, dtype=torch.float32), None
     path = Path(a.model) if a.model else None
     if path is None:
         from tools.convert_smollm2 import convert

@@ -164,7 +164,6 @@ def test_device_timeline_hand_computed(monkeypatch):
 def test_logprob_mismatch_pairs_each_generator_dtype_with_each_trainer_precision(capsys):
     """The fp32 pair is the engine's log-prob parity through the trainer's own packing (shared
     prompts) at temperature != 1; a bf16 side differs by bf16 rounding, not by more."""
-    sys.path.append(str(BENCH.parent))
     from bench.logprob_mismatch import main
     out = main(["--random", "--threads", "1", "--prompts", "3", "--n", "2", "--new-tokens", "12",
                 "--temperature", "0.7"])["results"]

@@ -67,8 +67,9 @@ def _logits(model, batch: PackedBatch) -> torch.Tensor:
         return model(batch.input_ids_N, seq_lens=batch.seq_lens_S, seq_parents=batch.seq_parents_S)
 
 
-def _policy_logp(model, batch: PackedBatch, temperature: float):
-    """Token log-probs of a reference or proximal forward."""
+def policy_logp(model, batch: PackedBatch, temperature: float):
+    """Token log-probs of a batch under the trainer's forward and its autocast rule: a reference
+    or proximal forward, or the comparison with mu in bench/logprob_mismatch.py."""
     return losses.token_logprobs(_logits(model, batch), batch.targets_N, temperature)
 
 
@@ -127,7 +128,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
             loss_sum = loss_sum - acfg.entropy_coef * entropy
         if acfg.kl_coef > 0:
             with torch.no_grad():
-                ref_logp = _policy_logp(ref_model, batch, temp)
+                ref_logp = policy_logp(ref_model, batch, temp)
             kl = losses.kl_penalty(logp, ref_logp, batch.loss_mask_N, acfg.kl_estimator)
             loss_sum = loss_sum + acfg.kl_coef * kl
             stats["kl_sum"] += float(kl.detach()) if real else 0.0
@@ -160,7 +161,7 @@ def _sync_on_last(model, last: bool) -> None:
 @torch.no_grad()
 def _prox_logps(model, batches, temp):
     """Decoupled PPO's pi_prox: the policy before this update, one extra forward (AReaL)."""
-    return [_policy_logp(model, b, temp) for b in batches]
+    return [policy_logp(model, b, temp) for b in batches]
 
 
 def _zero_stats() -> dict:
