@@ -13,9 +13,9 @@ An fp32 generator against the fp32 trainer is the engine's log-prob parity (<= 1
 small models); every bf16 pair shows bf16's own rounding, which AIPO's truncated importance
 weights then see as off-policyness.
 
-    python bench/logprob_mismatch.py                 # SmolLM2-135M-Instruct (tools/convert_smollm2.py)
-    python bench/logprob_mismatch.py --random        # a random tiny Llama (vs_trl's shape)
-    python bench/logprob_mismatch.py --device cuda   # the same on a GPU (decode: --decode)
+    python bench/logprob_mismatch.py                # SmolLM2-135M-Instruct (converted once)
+    python bench/logprob_mismatch.py --random       # a random tiny Llama (vs_trl's shape)
+    python bench/logprob_mismatch.py --device cuda  # the same on a GPU (decode: --decode)
 
 Prints one line per pair, then one JSON line last.
 """

@@ -173,4 +173,5 @@ def test_logprob_mismatch_pairs_each_generator_dtype_with_each_trainer_precision
     for name, r in out.items():
         if name != "gen_float32/train_fp32":
             assert 1e-5 < r["max_abs"] < 0.1, (name, r)
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "logprob_mismatch"')
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["bench"] == "logprob_mismatch"

@@ -336,7 +336,8 @@ def _allocated_shapes(code: str) -> list[tuple]:
                      (d.strip().removesuffix("L") for d in text.split(",")) if x)
     found = re.findall(r"empty_strided_\w+\(\(([^)]*)\)", code)
     arrays = dict(re.findall(r"int_array_(\d+)\[\] = \{([^}]*)\}", code))
-    found += [arrays[i] for i in re.findall(r"aoti_torch_empty_strided\(\d+, int_array_(\d+),", code)]
+    calls = re.findall(r"aoti_torch_empty_strided\(\d+, int_array_(\d+),", code)
+    found += [arrays[i] for i in calls]
     return [shape(t) for t in found]
 
 
