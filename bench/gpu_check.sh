@@ -101,6 +101,6 @@ run e  150 "$PY" launch/calibrate.py --model preset:llama-1.1b --device cuda --p
 run e2 30  "$PY" launch/plan.py --preset llama-1.1b --gpu h200 --nodes 2 --gpus-per-node 8 \
     --prompts 64 --group 8 --prompt-len 128 --response-len 256 --eta 1 --top 5 --profile "$PROFILE"
 
-run m  90  "$PY" bench/logprob_mismatch.py --random --device cuda --decode compile
+run m  150 "$PY" bench/logprob_mismatch.py --random --device cuda --decode compile
 
 echo "{\"bench\": \"gpu_check\", \"cuda\": true, \"seconds\": $(( $(date +%s) - START )), \"sections\": {${SUMMARY%, }}}"
