@@ -90,12 +90,20 @@ def decode_mode(choice: str, device: torch.device) -> bool | str:
     return {"eager": False, "cudagraph": "cudagraph", "compile": "compile"}[choice]
 
 
-def compile_options(device: torch.device) -> dict:
-    """inductor's options for the compiled decode step. On CPU the wrapper that calls its ~60
-    kernels and matmuls is C++ rather than Python (`cpp_wrapper`): the vs_trl generator's batch
-    took 0.88-0.97x the time, and a cold compile no longer (BENCHMARKS.md "Generation"). On CUDA
-    the step is replayed as a CUDA graph, which has no per-call wrapper cost to save."""
-    return {"cpp_wrapper": True} if device.type == "cpu" else {}
+# The compiled decode step's wrapper (the code that calls its kernels and matmuls) is C++ rather
+# than Python (inductor's `cpp_wrapper`) on CPU for models of at most this many layers. Measured
+# (BENCHMARKS.md "Generation"): the vs_trl model's 4 layers took 0.88-0.97x the batch time, its
+# Python wrapper ~0.3 ms of a ~2.5 ms step, with no longer a cold compile; SmolLM2's 30 layers
+# gained nothing (their matmuls dwarf the calls) and compiled 45 s longer cold (166-178 s
+# against 121-132 s on 2 cores).
+CPP_WRAPPER_MAX_LAYERS = 8
+
+
+def compile_options(device: torch.device, num_layers: int) -> dict:
+    """inductor's options for the compiled decode step (CPP_WRAPPER_MAX_LAYERS). On CUDA the step
+    is replayed as a CUDA graph, which has no per-call wrapper cost to save."""
+    small = device.type == "cpu" and num_layers <= CPP_WRAPPER_MAX_LAYERS
+    return {"cpp_wrapper": True} if small else {}
 
 
 @dataclass
@@ -463,7 +471,7 @@ class Engine:
             # that one graph serves every later length (dynamic=True, every size symbolic from
             # the start, compiled longer and ran slower on CPU: BENCHMARKS.md "Generation")
             self._body = torch.compile(self._decode_body, dynamic=None,
-                                       options=compile_options(device))
+                                       options=compile_options(device, model.args.num_layers))
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()

@@ -341,6 +341,13 @@ def _allocated_shapes(code: str) -> list[tuple]:
     return [shape(t) for t in found]
 
 
+def test_compiled_step_wrapper_is_cpp_only_for_small_models_on_cpu():
+    from rollout.engine import CPP_WRAPPER_MAX_LAYERS, compile_options
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_options(cpu, CPP_WRAPPER_MAX_LAYERS) == {"cpp_wrapper": True}
+    assert compile_options(cpu, 30) == {} and compile_options(cuda, 2) == {}
+
+
 @pytest.mark.slow
 def test_compiled_decode_matches_eager(folders):
     """compile_decode=True (torch.compile of the decode step; + a CUDA graph on CUDA) samples the
@@ -361,7 +368,7 @@ def test_compiled_decode_matches_eager(folders):
     # Keys/values are written in place by inductor's own kernels (the index_put on the whole
     # cache tensor fused into them, no operator called): no buffer of the cache's size is
     # allocated to copy it into (traced as index_put_ on views, every layer's write did).
-    # On CPU the wrapper that calls the kernels is C++ (rollout.engine.compile_options).
+    # On CPU the wrapper that calls the kernels is C++ for a small model (compile_options).
     for code in codes:
         shapes = _allocated_shapes(code)
         assert shapes and tuple(engine.cache.kv.shape) not in shapes, shapes
