@@ -18,7 +18,7 @@ _STARTED = False  # process groups exist: every rank reports its own errors from
 # Before process groups, a rank other than 0 waits this long for rank 0 to print the error they
 # share (torchrun stops it once rank 0 exits): a rank that exited first would make torchrun stop
 # rank 0 before its line, and the user would see no reason at all. A rank of rank 0's node still
-# running after it prints the line itself; other nodes stay quiet (one line per node, not N).
+# running after it prints the line itself; other nodes stay quiet (not a line per rank).
 REPORT_GRACE_S = 5.0
 
 
