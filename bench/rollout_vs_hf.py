@@ -5,9 +5,9 @@ vocab 4096), 64 prompts of 16-48 tokens (seeded), +64 sampled tokens each (tempe
 top-k/top-p, EOS ignored). Ours: Engine(num_slots=64), with eager and with compiled decode
 (`--cpu-modes`; the best is the headline). HF: one left-padded batch of all 64 prompts with an
 attention mask, `generate(do_sample=True, use_cache=True)`. All are warmed up once, then timed
-`--repeats` times alternately; the median is reported. The process pins glibc's
-malloc policy first (`parallel.mesh.pin_malloc`): otherwise the two sides slow each other through its
-moving mmap threshold (`--default-malloc` to see it).
+`--repeats` times alternately; the median is reported. The process pins glibc's malloc policy
+first (`parallel.mesh.pin_malloc`): otherwise the two sides slow each other through its moving
+mmap threshold (`--default-malloc` to see it).
 
 GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shared/REFERENCES.md
 (hidden 2048, 16 layers, GQA 32/8, intermediate 8192, vocab 32000: 1.10B) in bf16, B=64, prompt 128,

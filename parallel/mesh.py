@@ -37,12 +37,12 @@ def pin_malloc() -> bool:
     """Pin glibc's allocator policy for this process: mmap threshold at its 32 MiB maximum, no
     trimming. glibc otherwise moves the threshold with the sizes freed so far and hands freed
     memory back to the kernel, so the tensors a step allocates and frees again page-fault afresh
-    every step, or not, depending on what ran before. CPU ranks call it at start (`init_process_group`): SmolLM2's train
-    step on one core took 0.88-0.89x the time (page faults 418k -> 79k a step; its 105 MB logits
-    still come from mmap, above any threshold glibc allows); benches call it so that contenders
-    timed in one process cannot slow each other through it (BENCHMARKS.md, "Generation": HF
-    generate took 1.09-1.37 s for the same work depending on that history). False where glibc's
-    mallopt is not available (nothing changed)."""
+    every step, or not, depending on what ran before. CPU ranks call it at start
+    (`init_process_group`): SmolLM2's train step on one core took 0.88-0.89x the time (page
+    faults 418k -> 79k a step; its 105 MB logits still come from mmap, above any threshold glibc
+    allows); benches call it so that contenders timed in one process cannot slow each other
+    through it (BENCHMARKS.md, "Generation": HF generate took 1.09-1.37 s for the same work
+    depending on that history). False where glibc's mallopt is not available (nothing changed)."""
     import ctypes
     import ctypes.util
     try:
