@@ -8,7 +8,8 @@ A reward is any callable
 reward: the trainer gets the ids. Built-ins (names for `resolve_reward` / `reward.fn`):
 
 - "exact_match":   1.0 if the stripped completion equals the stripped `item.answer`.
-- "math":          math answer equivalence. With `math_verify` installed it decides; otherwise
+- "math":          math answer equivalence. With `math_verify` installed it decides (the gold's
+                   final answer read as LaTeX; words compare as strings); otherwise
                    `math_fallback` (documented there) compares the final number.
 - "format":        1.0 if the completion ends in a final-answer marker: `<answer>X</answer>` or a
                    last line `#### X` (X non-empty). Usually added with a small weight.
@@ -64,15 +65,23 @@ def _quiet_math_verify_timeout_warning() -> None:
         logging.getLogger(name).addFilter(drop)
 
 
+_MATHY_RE = re.compile(r"[\d\\^_=+*/]")  # a digit, a LaTeX command or an operator
+
+
 def _math_verify_equal(gold: str, completion: str) -> float:
     from math_verify import parse, verify
 
     _quiet_math_verify_timeout_warning()
+    # The gold's final answer (a GSM8K "#### 72", a \boxed{...}) is parsed as LaTeX between $...$:
+    # bare, math_verify reads only a leading number or plain expression of it ("2\pi" became 2,
+    # so "\boxed{2}" scored 1 and "\boxed{2\pi}" 0; "x+1" parsed to nothing). Words ("yes", a
+    # name, a choice letter) stay strings: between $...$ they parse as products of symbols.
+    answer = (extract_final_answer(gold, last_number=False) or gold).strip().strip("$")
+    gold_parsed = parse(f"${answer}$", parsing_timeout=None) if _MATHY_RE.search(answer) else []
+    if not gold_parsed:  # a non-mathematical answer: compare as strings (math_fallback)
+        return math_fallback(gold, completion)
     # Timeouts off: math_verify's own use signal.alarm, which fails outside the main thread;
     # RewardRunner enforces the time limit instead.
-    gold_parsed = parse(gold, parsing_timeout=None)
-    if not gold_parsed:  # a non-mathematical answer ("yes", a name): compare as strings
-        return math_fallback(gold, completion)
     return float(verify(gold_parsed, parse(completion, parsing_timeout=None), timeout_seconds=None))
 
 

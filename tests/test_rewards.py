@@ -51,6 +51,36 @@ def test_math_reward_uses_math_verify_or_fallback():
     assert math_reward(_item("1/2"), "\\boxed{0.5}", []) == 1.0
 
 
+GSM8K_GOLD = "She sold 48 / 2 = 24 clips in May.\nIn all she sold 48 + 24 = 72 clips.\n#### 72"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                    reason="math_verify not installed (optional; make test installs it)")
+@pytest.mark.parametrize("gold, completion, expected", [
+    ("2\\pi", "so \\boxed{2\\pi}", 1.0),
+    ("2\\pi", "\\boxed{2}", 0.0),  # a bare gold parsed as it stood read "2\\pi" as 2
+    ("x+1", "\\boxed{1+x}", 1.0),   # symbolic equality (the fallback compares strings: 0)
+    ("50\\%", "\\boxed{0.5}", 1.0),
+    ("\\sqrt{2}", "\\boxed{\\sqrt 2}", 1.0),
+    ("$\\frac{3}{4}$", "\\boxed{0.75}", 1.0),
+    (GSM8K_GOLD, "she sold \\boxed{72}", 1.0),
+    (GSM8K_GOLD, "#### 48", 0.0),
+    ("yes", "\\boxed{Yes}", 1.0),   # words compare as strings, not as products of symbols
+    ("Paris", "\\boxed{Rome}", 0.0),
+    ("46", "", 0.0),
+])
+def test_math_reward_with_math_verify(gold, completion, expected):
+    assert math_reward(_item(gold), completion, []) == expected
+
+
+def test_math_reward_falls_back_without_math_verify(monkeypatch):
+    import rollout.rewards as rewards
+    monkeypatch.setattr(rewards, "_has_math_verify", lambda: False)
+    assert math_reward(_item("x+1"), "\\boxed{1+x}", []) == 0.0  # math_verify would say 1
+    for gold, completion in (("46", "\\boxed{46}"), ("1/2", "\\boxed{0.5}"), (GSM8K_GOLD, "72")):
+        assert math_reward(_item(gold), completion, []) == math_fallback(gold, completion) == 1.0
+
+
 def test_extract_final_answer_prefers_box_then_markers():
     assert extract_final_answer("3 then \\boxed{x+1} then 5") == "x+1"
     assert extract_final_answer("3\n#### 7\n") == "7"
