@@ -8,9 +8,10 @@ A reward is any callable
 reward: the trainer gets the ids. Built-ins (names for `resolve_reward` / `reward.fn`):
 
 - "exact_match":   1.0 if the stripped completion equals the stripped `item.answer`.
-- "math":          math answer equivalence. With `math_verify` installed it decides (the gold's
-                   final answer read as LaTeX; words compare as strings); otherwise
-                   `math_fallback` (documented there) compares the final number.
+- "math":          math answer equivalence. With `math_verify` installed it decides (on both
+                   final answers, found as `math_fallback` finds them and read as LaTeX; words
+                   compare as strings); otherwise `math_fallback` (documented there) compares
+                   the final number.
 - "format":        1.0 if the completion ends in a final-answer marker: `<answer>X</answer>` or a
                    last line `#### X` (X non-empty). Usually added with a small weight.
 - "reasoning_gym": the task's own scorer, for items loaded from `reasoning_gym:<task>`.
@@ -69,20 +70,30 @@ _MATHY_RE = re.compile(r"[\d\\^_=+*/]")  # a digit, a LaTeX command or an operat
 
 
 def _math_verify_equal(gold: str, completion: str) -> float:
+    """math_verify's verdict on the two final answers, found as `math_fallback` finds them (a
+    marked answer: \\boxed{...}, `#### X`, `<answer>X</answer>`; else the gold whole, and
+    math_verify's own extraction over the completion) and read as LaTeX between $...$. Parsed
+    as they stand, math_verify reads only a leading number or plain expression: a bare gold
+    "2\\pi" became 2 (so "\\boxed{2}" scored 1), and "then <answer>7</answer>" gave the 5 of
+    "think 5". Words ("yes", a name, a choice letter) compare as strings (`math_fallback`):
+    between $...$ they parse as products of symbols."""
     from math_verify import parse, verify
 
     _quiet_math_verify_timeout_warning()
-    # The gold's final answer (a GSM8K "#### 72", a \boxed{...}) is parsed as LaTeX between $...$:
-    # bare, math_verify reads only a leading number or plain expression of it ("2\pi" became 2,
-    # so "\boxed{2}" scored 1 and "\boxed{2\pi}" 0; "x+1" parsed to nothing). Words ("yes", a
-    # name, a choice letter) stay strings: between $...$ they parse as products of symbols.
-    answer = (extract_final_answer(gold, last_number=False) or gold).strip().strip("$")
-    gold_parsed = parse(f"${answer}$", parsing_timeout=None) if _MATHY_RE.search(answer) else []
-    if not gold_parsed:  # a non-mathematical answer: compare as strings (math_fallback)
+    gold_answer = extract_final_answer(gold, last_number=False) or gold
+    gold_parsed = _parse_latex(gold_answer) if _MATHY_RE.search(gold_answer) else []
+    if not gold_parsed:  # a non-mathematical answer: compare as strings
         return math_fallback(gold, completion)
-    # Timeouts off: math_verify's own use signal.alarm, which fails outside the main thread;
-    # RewardRunner enforces the time limit instead.
-    return float(verify(gold_parsed, parse(completion, parsing_timeout=None), timeout_seconds=None))
+    marked = extract_final_answer(completion, last_number=False)
+    # Timeouts off (here and in _parse_latex): math_verify's own use signal.alarm, which fails
+    # outside the main thread; RewardRunner enforces the time limit instead.
+    answer = parse(completion, parsing_timeout=None) if marked is None else _parse_latex(marked)
+    return float(verify(gold_parsed, answer, timeout_seconds=None))
+
+
+def _parse_latex(answer: str) -> list:
+    from math_verify import parse
+    return parse(f"${answer.strip().strip('$')}$", parsing_timeout=None)
 
 
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")

@@ -65,6 +65,9 @@ GSM8K_GOLD = "She sold 48 / 2 = 24 clips in May.\nIn all she sold 48 + 24 = 72 c
     ("$\\frac{3}{4}$", "\\boxed{0.75}", 1.0),
     (GSM8K_GOLD, "she sold \\boxed{72}", 1.0),
     (GSM8K_GOLD, "#### 48", 0.0),
+    ("7", "think 5 then <answer>7</answer>", 1.0),  # the marked answer, as math_fallback reads
+    ("5", "think 5 then <answer>7</answer>", 0.0),  # it (math_verify alone found the 5)
+    ("1/2", "<answer>0.5</answer>", 1.0),
     ("yes", "\\boxed{Yes}", 1.0),   # words compare as strings, not as products of symbols
     ("Paris", "\\boxed{Rome}", 0.0),
     ("46", "", 0.0),
