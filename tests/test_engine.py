@@ -4,7 +4,6 @@ Greedy tokens equal HF `generate`; behaviour log-probs equal `log_softmax(logits
 forward; slot count, batching and arrival order change nothing; stop/length rules, shared
 prefills, seeds and weight swaps; the pure sampling functions against hand-computed values.
 """
-import math
 import re
 
 import pytest
