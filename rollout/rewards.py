@@ -349,12 +349,16 @@ class RewardRunner:
                 self._callers.append(caller)
         with self._lock:
             self._counts["calls"] += 1
-        try:
-            return _as_reward(caller.call(item, text, ids).result(timeout=self.timeout_s))
-        except concurrent.futures.TimeoutError:
+        result = caller.call(item, text, ids)
+        # wait() rather than result(timeout=): a reward that itself raises TimeoutError (a socket
+        # time-out) is an error of the reward, not a time-out of its call thread
+        if not concurrent.futures.wait([result], timeout=self.timeout_s).done:
             caller.abandoned = True
             self._local.caller = None
             self._record_timeout(item, caller.thread)
+            return 0.0
+        try:
+            return _as_reward(result.result())
         except BaseException as e:  # even SystemExit from a reward must not escape the future
             self._record_error(item, e)
         return 0.0

@@ -177,6 +177,23 @@ def test_raising_reward_scores_zero_counts_and_logs_first_traceback_once(caplog)
     assert "RuntimeError: boom on" in caplog.text and "Traceback" in caplog.text
 
 
+def test_a_reward_raising_timeout_error_is_an_error_not_a_time_out(caplog):
+    """A reward's own TimeoutError (a socket time-out) is one of its errors: logged with its
+    traceback, its call thread kept (Python 3.11's concurrent.futures.TimeoutError is the
+    built-in one, which `Future.result(timeout=)` raised for both)."""
+    import socket
+
+    def reward(item, text, ids):
+        raise socket.timeout(f"no answer from the grader for {item.id}")
+
+    with caplog.at_level(logging.ERROR, logger="tandem.reward"):
+        with RewardRunner(reward, timeout_s=5.0, max_workers=1) as runner:
+            items = [_item("", i) for i in range(4)]
+            assert runner.score_batch(items, [""] * 4, [[]] * 4) == [0.0] * 4
+            assert runner.stats() == {"calls": 4, "errors": 4, "timeouts": 0, "stuck": 0}
+    assert "TimeoutError: no answer from the grader for 0" in caplog.text
+
+
 def test_bad_return_values_are_errors():
     values = iter(["abc", float("nan"), None])
     with RewardRunner(lambda item, text, ids: next(values), timeout_s=10.0, max_workers=1) as runner:
