@@ -96,9 +96,10 @@ def _parse_latex(answer: str) -> list:
     return parse(f"${answer.strip().strip('$')}$", parsing_timeout=None)
 
 
-_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_HASHES_RE = re.compile(r"^####\s*(.+?)\s*$", re.MULTILINE)
+_NUMBER_RE = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # "46," -> "46"
+_HASHES_RE = re.compile(r"(?:\A|\n)####[ \t]*(\S[^\n]*?)\s*\Z")  # the last line only
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\\,)(?=\d{3}(?!\d))")
 _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 
@@ -106,12 +107,15 @@ def math_fallback(gold: str, completion: str) -> float:
     """Math equivalence without math_verify (the documented fallback).
 
     1. The completion's final answer is, in order of preference: the content of the last
-       `\\boxed{...}`, the last `#### X` line, the last `<answer>X</answer>`, else its last number.
-       The gold answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
-    2. Both are normalised: `$`, spaces and thousands commas removed, `\\frac{a}{b}` -> a/b.
+       `\\boxed{...}`, a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
+       in the text is not one), the last `<answer>X</answer>`, else its last number. The gold
+       answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
+    2. Both are normalised: `$`, spaces and thousands separators (a comma or `\\,` before three
+       digits) removed, `\\frac{a}{b}` -> a/b.
     3. If both parse as numbers (ints, decimals, a/b; via fractions.Fraction, so "46.0" == "46"
-       and "0.5" == "1/2"), they are equal within a relative 1e-6; otherwise the normalised
-       strings must match, case-insensitively.
+       and "0.5" == "1/2"), two integers must be equal (1000001 is not 1000000), other numbers
+       within 1e-6 of the gold, relative above 1 ("0.333333" == "1/3"); otherwise the
+       normalised strings must match, case-insensitively.
     """
     gold_answer = extract_final_answer(gold, last_number=False) or gold
     answer = extract_final_answer(completion)
@@ -120,7 +124,9 @@ def math_fallback(gold: str, completion: str) -> float:
     g, a = _normalise(gold_answer), _normalise(answer)
     gn, an = _to_fraction(g), _to_fraction(a)
     if gn is not None and an is not None:
-        return float(gn == an or abs(float(gn - an)) <= 1e-6 * max(1.0, abs(float(gn))))
+        if gn == an or (gn.denominator == an.denominator == 1):
+            return float(gn == an)
+        return float(abs(float(gn - an)) <= 1e-6 * max(1.0, abs(float(gn))))
     return float(g.lower() == a.lower() and g != "")
 
 
@@ -155,15 +161,15 @@ def _last_boxed(text: str) -> str | None:
 def _normalise(answer: str) -> str:
     s = answer.strip().strip("$").strip()
     s = _FRAC_RE.sub(r"(\1)/(\2)", s)
-    s = s.replace("\\!", "").replace(",", "").replace(" ", "").rstrip(".")
-    return s
+    s = _THOUSANDS_RE.sub("", s.replace("\\!", ""))  # "1,000" and "1\,000", not "2, 3" or "2,3"
+    return s.replace(" ", "").rstrip(".,")
 
 
 def _to_fraction(s: str) -> Fraction | None:
-    m = re.fullmatch(r"\((-?[\d.]+)\)/\((-?[\d.]+)\)", s)  # from \frac{a}{b}
+    m = re.fullmatch(r"(-?)\((-?[\d.]+)\)/\((-?[\d.]+)\)", s)  # from (-)\frac{a}{b}
     try:
         if m:
-            return Fraction(m.group(1)) / Fraction(m.group(2))
+            return (-1) ** len(m.group(1)) * Fraction(m.group(2)) / Fraction(m.group(3))
         return Fraction(s)
     except (ValueError, ZeroDivisionError):
         return None

@@ -40,6 +40,16 @@ def test_exact_match():
     ("46", "\\boxed{47", 0.0),
     ("yes", "\\boxed{Yes}", 1.0),        # non-numeric: normalised string match
     ("46", "", 0.0),
+    ("1000000", "\\boxed{1000001}", 0.0),  # integers compare exactly (a relative 1e-6 let it by)
+    ("2000000", "#### 2000002", 0.0),
+    ("1/3", "\\boxed{0.333333}", 1.0),     # other numbers within 1e-6
+    ("2, 3", "\\boxed{23}", 0.0),          # a comma before fewer than three digits is no
+    ("1, 2, 3", "\\boxed{123}", 0.0),      # thousands separator
+    ("1000", "\\boxed{1\\,000}", 1.0),
+    ("46", "The answer is 46, I think", 1.0),
+    ("-0.5", "\\boxed{-\\frac{1}{2}}", 1.0),
+    ("7", "#### Step 2\nShe pays 2 + 5 = 7 dollars. The answer is 7.", 1.0),  # a Markdown
+    ("3", "The result is 3.\n#### ", 1.0),  # heading, an empty marker: not GSM8K's "#### X" line
 ])
 def test_math_fallback(gold, completion, expected):
     assert math_fallback(gold, completion) == expected
@@ -68,6 +78,8 @@ GSM8K_GOLD = "She sold 48 / 2 = 24 clips in May.\nIn all she sold 48 + 24 = 72 c
     ("7", "think 5 then <answer>7</answer>", 1.0),  # the marked answer, as math_fallback reads
     ("5", "think 5 then <answer>7</answer>", 0.0),  # it (math_verify alone found the 5)
     ("1/2", "<answer>0.5</answer>", 1.0),
+    ("7", "#### Step 2\nShe pays 2 + 5 = 7 dollars. The answer is 7.", 1.0),  # a heading
+    ("1000000", "\\boxed{1000001}", 0.0),
     ("yes", "\\boxed{Yes}", 1.0),   # words compare as strings, not as products of symbols
     ("Paris", "\\boxed{Rome}", 0.0),
     ("46", "", 0.0),
