@@ -146,8 +146,9 @@ def task_options(data) -> dict:
 
 
 def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) -> list[PromptItem]:
-    """reasoning_gym entries are {"question", "answer", "metadata"}; the whole entry is kept in
-    meta["reasoning_gym"] so that the "reasoning_gym" reward can call the task's own scorer."""
+    """reasoning_gym entries are {"question", "answer", "metadata"}; the whole entry and the task
+    options are kept in meta["reasoning_gym"], so that the "reasoning_gym" reward calls the
+    task's own scorer, as configured."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -165,7 +166,8 @@ def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) ->
         answer = "" if entry.get("answer") is None else str(entry["answer"])
         items.append(PromptItem(id=i, prompt=str(entry["question"]), messages=None, answer=answer,
                                 meta={"source": f"reasoning_gym:{name}", "reward": "reasoning_gym",
-                                      "reasoning_gym": {"task": name, "entry": entry}}))
+                                      "reasoning_gym": {"task": name, "entry": entry,
+                                                        "options": dict(kwargs)}}))
     return items
 
 

@@ -25,6 +25,7 @@ import concurrent.futures
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import queue
 import re
@@ -205,14 +206,20 @@ def reasoning_gym_reward(item, completion_text: str, completion_ids=None) -> flo
     answer = extract_answer(completion_text)
     answer = completion_text.strip() if answer is None else answer
     task = entry.get("metadata", {}).get("source_dataset", rg.get("task"))
-    return float(_rg_scorer(task)(answer, entry))
+    # the scorer of the task as configured (data.task_options): some read their config (the
+    # decimal tolerance of decimal_arithmetic), and the default config's would differ
+    options = rg.get("options") if task == rg.get("task") else None
+    return float(_rg_scorer(task, json.dumps(options or {}, sort_keys=True))(answer, entry))
 
 
 @functools.cache
-def _rg_scorer(task: str):
+def _rg_scorer(task: str, options_json: str):
     import reasoning_gym
 
-    return reasoning_gym.get_score_answer_fn(task)
+    options = json.loads(options_json)
+    if not options:
+        return reasoning_gym.get_score_answer_fn(task)
+    return reasoning_gym.create_dataset(task, size=1, seed=0, **options).score_answer
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {

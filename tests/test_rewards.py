@@ -127,6 +127,24 @@ def test_reasoning_gym_passthrough():
         reasoning_gym_reward(_item("1"), "1", [])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
+                    reason="reasoning_gym not installed (optional)")
+def test_reasoning_gym_reward_scores_with_the_configured_task():
+    """decimal_arithmetic accepts an error of one unit in the last of max_num_decimal_places:
+    0.0008 off passes at the default 3 places, not at 6 (the default config's scorer passed it)."""
+    from decimal import Decimal
+
+    def off(item, delta):
+        return f"<answer>{Decimal(item.answer) + Decimal(delta)}</answer>"
+
+    six = load_prompts("reasoning_gym:decimal_arithmetic", num_prompts=3, seed=0,
+                       min_num_decimal_places=6, max_num_decimal_places=6)
+    three = load_prompts("reasoning_gym:decimal_arithmetic", num_prompts=3, seed=0)
+    assert [reasoning_gym_reward(it, off(it, "0.0008"), []) for it in six] == [0.0] * 3
+    assert [reasoning_gym_reward(it, off(it, "0.0000008"), []) for it in six] == [1.0] * 3
+    assert [reasoning_gym_reward(it, off(it, "0.0008"), []) for it in three] == [1.0] * 3
+
+
 # ------------------------------------------------------------------------------------ resolve
 
 @pytest.fixture
