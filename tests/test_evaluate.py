@@ -1,5 +1,6 @@
 """Held-out evaluation (config `eval`): which prompts, the greedy scores against a plain forward
 loop, the records a run keeps (eval.jsonl, TensorBoard), and what a resumed run redoes."""
+import importlib.util
 import json
 
 import pytest
@@ -47,6 +48,21 @@ def test_held_out_prompts_are_the_tasks_far_items_or_eval_source(tmp_path):
     cfg = load_config(TINY, [f"--data.num_prompts={HELD_OUT_START + 1}"])
     with pytest.raises(ValueError, match="reaches the held-out items"):
         load_held_out(cfg.data, cfg.eval)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
+                    reason="reasoning_gym not installed (optional)")
+@pytest.mark.parametrize("task", ["basic_arithmetic", "leg_counting"])
+def test_reasoning_gym_held_out_prompts_are_not_training_prompts(task):
+    """Under the seed data.seed + 1, item i of most reasoning_gym tasks was training's item
+    i + 1: every held-out prompt was a training one. Seeded apart by HELD_OUT_START, none is."""
+    cfg = load_config(TINY, [f"--data.source=reasoning_gym:{task}", "--data.num_prompts=300",
+                             "--eval.num_prompts=50"])
+    train = {it.prompt for it in load_prompts(cfg.data.source, num_prompts=300, seed=cfg.data.seed)}
+    held = [it.prompt for it in load_held_out(cfg.data, cfg.eval)]
+    assert len(held) == 50 and len(set(held)) > 40 and not set(held) & train
+    shifted = load_prompts(cfg.data.source, num_prompts=50, seed=cfg.data.seed + 1)
+    assert {it.prompt for it in shifted} <= train  # what seed + 1 gave
 
 
 def _greedy_by_hand(model, prompt_ids, max_new, eos) -> list[int]:
