@@ -110,25 +110,27 @@ def _load_synthetic(name: str, num_prompts: int, seed: int, kwargs: dict,
 
 def load_held_out(data, ev) -> list[PromptItem]:
     """The prompts of an evaluation (`config.EvalConfig` ev, `config.DataConfig` data): those of
-    `ev.source` in data's fields, else the held-out part of `data.source`, items training never
-    draws: a synthetic task's from HELD_OUT_START on, a reasoning_gym task's under the seed
-    data.seed + HELD_OUT_START. Most reasoning_gym tasks make item i from Random(seed + i), so
-    those are the training seed's items from HELD_OUT_START on too (under seed + 1 every one
-    was a training item: item i was training's i + 1)."""
+    `ev.source` in data's fields, else of `data.source`. A task's prompts (given or derived) come
+    from its held-out part, items training never draws: a synthetic task's from HELD_OUT_START
+    on, a reasoning_gym task's under the seed data.seed + HELD_OUT_START. Most reasoning_gym
+    tasks make item i from Random(seed + i), so those are the training seed's items from
+    HELD_OUT_START on too (under seed + 1 every one was a training item: item i was training's
+    i + 1)."""
     source, seed = ev.source or data.source, data.seed
     kind = source.partition(":")[0]
-    if not ev.source and kind not in ("synthetic", "reasoning_gym"):
+    is_task = kind in ("synthetic", "reasoning_gym")
+    if not ev.source and not is_task:
         raise ValueError(f"eval.every_steps={ev.every_steps} needs held-out prompts: data.source "
                          f"{data.source!r} is a file, so set eval.source to a .jsonl/.parquet file "
                          "of prompts kept out of training")
-    if not ev.source and data.num_prompts > HELD_OUT_START:
+    if is_task and source == data.source and data.num_prompts > HELD_OUT_START:
         raise ValueError(f"data.num_prompts={data.num_prompts} reaches the held-out items of "
                          f"{data.source} (from {HELD_OUT_START} on); use at most "
                          f"{HELD_OUT_START} training prompts, or set eval.source")
-    if not ev.source and kind == "reasoning_gym":
+    if kind == "reasoning_gym":
         seed += HELD_OUT_START
     # data's task options go with a task of data's kind (a file takes none)
-    same_kind_task = kind in ("synthetic", "reasoning_gym") and kind == data.source.partition(":")[0]
+    same_kind_task = is_task and kind == data.source.partition(":")[0]
     try:
         return load_prompts(source, prompt_field=data.prompt_field,
                             messages_field=data.messages_field, answer_field=data.answer_field,

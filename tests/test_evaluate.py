@@ -52,12 +52,15 @@ def test_held_out_prompts_are_the_tasks_far_items_or_eval_source(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                     reason="reasoning_gym not installed (optional)")
-@pytest.mark.parametrize("task", ["basic_arithmetic", "leg_counting"])
-def test_reasoning_gym_held_out_prompts_are_not_training_prompts(task):
+@pytest.mark.parametrize("task, given", [("basic_arithmetic", False), ("leg_counting", False),
+                                         ("basic_arithmetic", True)])
+def test_reasoning_gym_held_out_prompts_are_not_training_prompts(task, given):
     """Under the seed data.seed + 1, item i of most reasoning_gym tasks was training's item
-    i + 1: every held-out prompt was a training one. Seeded apart by HELD_OUT_START, none is."""
-    cfg = load_config(TINY, [f"--data.source=reasoning_gym:{task}", "--data.num_prompts=300",
-                             "--eval.num_prompts=50"])
+    i + 1: every held-out prompt was a training one. Seeded apart by HELD_OUT_START, none is,
+    whether eval.source is derived or names the training task itself."""
+    source = f"reasoning_gym:{task}"
+    cfg = load_config(TINY, [f"--data.source={source}", "--data.num_prompts=300",
+                             "--eval.num_prompts=50", f"--eval.source={source if given else ''}"])
     train = {it.prompt for it in load_prompts(cfg.data.source, num_prompts=300, seed=cfg.data.seed)}
     held = [it.prompt for it in load_held_out(cfg.data, cfg.eval)]
     assert len(held) == 50 and len(set(held)) > 40 and not set(held) & train
