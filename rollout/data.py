@@ -236,6 +236,12 @@ def _check_messages(messages, where: str, messages_field: str) -> None:
     if not ok:
         raise ValueError(f"{where}: messages field {messages_field!r} must be a non-empty list of "
                          f'{{"role": str, "content": str}} objects, got {messages!r:.200}')
+    if messages[-1]["role"] == "assistant":  # SFT-style data: the reply (often the answer) would
+        # sit in the prompt, and the policy would be asked for a second reply after it
+        raise ValueError(f"{where}: messages field {messages_field!r} ends with an assistant turn "
+                         f"({messages[-1]['content']!r:.80}); a prompt ends with the turn the "
+                         f"policy answers: drop the assistant turn (its answer goes in the answer "
+                         f"field)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,8 @@ def test_load_jsonl_prompts_and_messages(tmp_path):
     ([{"prompt": "x", "answer": "1"}, '{"prompt": "y", '], r"p\.jsonl:2: malformed JSON"),
     ([{"prompt": 3, "answer": "1"}], r"p\.jsonl:1: prompt field 'prompt' must be a string"),
     ([{"messages": [{"role": "user"}], "answer": "1"}], r"p\.jsonl:1: messages field 'messages'"),
+    ([{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}],
+       "answer": "2"}], r"p\.jsonl:1: messages field 'messages' ends with an assistant turn"),
     ([{"prompt": "x", "answer": ["1"]}], r"p\.jsonl:1: answer field 'answer' must be"),
     (["", "  "], r"p\.jsonl' has no records.*'prompt'.*'answer'"),
 ])
