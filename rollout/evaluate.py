@@ -21,10 +21,13 @@ from rollout.engine import Engine, Request, SamplingParams
 from trainer.checkpointing import truncate_steps
 
 
-def greedy_rewards(engine: Engine, items, prompt_ids, score, max_new_tokens: int):
+def greedy_rewards(engine: Engine, items, prompt_ids, score, max_new_tokens: int,
+                   stop_token_ids=(), ignore_eos: bool = False):
     """The greedy completions of `items` (whose token ids are `prompt_ids`) and their rewards:
-    `score(items, completions)` returns one float per completion."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, n=1)
+    `score(items, completions)` returns one float per completion. The stopping rule is the
+    training requests' (`rollout.worker.stop_token_ids`, generator.ignore_eos)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, n=1,
+                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     done = engine.generate([Request(i, ids, params) for i, ids in enumerate(prompt_ids)])
     return done, score([items[c.request_id] for c in done], done)
 
@@ -41,7 +44,8 @@ def accuracy(model, tokenizer, items, reward_fn, max_new_tokens: int, num_slots:
         return [reward_fn(it, tokenizer.decode(c.completion_ids), c.completion_ids)
                 for it, c in zip(its, done)]
     _, rewards = greedy_rewards(engine, items, [tokenizer.encode(it.prompt, add_bos=True)
-                                                for it in items], score, max_new_tokens)
+                                                for it in items], score, max_new_tokens,
+                                stop_token_ids=tokenizer.stop_ids)
     return sum(rewards) / len(rewards)
 
 
@@ -59,9 +63,10 @@ class PeriodicEval:
     since they are redone."""
 
     def __init__(self, cfg, engine: Engine, items, encode, tokenizer, rewards, writer: bool,
-                 start_version: int = 0):
+                 start_version: int = 0, stop_token_ids=()):
         self.every, self.final = cfg.eval.every_steps, cfg.trainer.max_steps
         self.max_new = cfg.eval.max_new_tokens or cfg.generator.max_new_tokens
+        self.stop_ids, self.ignore_eos = list(stop_token_ids), cfg.generator.ignore_eos
         self.engine, self.items, self.tok, self.rewards = engine, items, tokenizer, rewards
         self.prompt_ids = [encode(it) for it in items]
         self.writer = writer
@@ -88,7 +93,8 @@ class PeriodicEval:
         def score(its, done):
             return self.rewards.score_batch(its, [self.tok.decode(c.completion_ids) for c in done],
                                             [c.completion_ids for c in done])
-        done, rewards = greedy_rewards(self.engine, self.items, self.prompt_ids, score, self.max_new)
+        done, rewards = greedy_rewards(self.engine, self.items, self.prompt_ids, score, self.max_new,
+                                       self.stop_ids, self.ignore_eos)
         rec = {"step": version, "reward_mean": sum(rewards) / len(rewards), "prompts": len(rewards),
                "completion_tokens_mean": sum(len(c.completion_ids) for c in done) / len(done),
                "time_s": time.perf_counter() - t0}

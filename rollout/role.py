@@ -9,7 +9,7 @@ from rollout.engine import Engine, decode_mode
 from rollout.evaluate import PeriodicEval, engine_shape
 from rollout.packed_linear import describe as describe_packing
 from rollout.rewards import RewardRunner, resolve_reward
-from rollout.worker import GeneratorWorker
+from rollout.worker import GeneratorWorker, stop_token_ids
 from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link
 from weights_sync.sync import describe_receiver, make_receiver, plan_between_meshes
@@ -49,7 +49,8 @@ def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
                     compile_decode=decode_mode(g.decode, main.device),
                     decode_attention=g.decode_attention, pack_weights=main.packed_weights or False,
                     stack_qkv=main.stacked_qkv or False)
-    return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version)
+    return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version,
+                        stop_token_ids(cfg, tokenizer))
 
 
 def build_generator_model(cfg, meshes):

@@ -33,12 +33,21 @@ from trainer.buffer import staleness_gate_allows
 from trainer.link import Link, Msg
 
 
-def sampling_params(cfg) -> SamplingParams:
+def stop_token_ids(cfg, tokenizer) -> list[int]:
+    """The ids that end a completion besides the model's EOS (config.json): generator.stop_token_ids
+    and, unless generator.ignore_eos, the tokenizer's `stop_ids`, its EOS and the extra EOS ids of
+    generation_config.json (Llama 3 Instruct's <|eot_id|>), on which HF `generate` stops too."""
+    g = cfg.generator
+    eos = [] if g.ignore_eos or tokenizer is None else tokenizer.stop_ids
+    return list(dict.fromkeys([*g.stop_token_ids, *eos]))
+
+
+def sampling_params(cfg, tokenizer) -> SamplingParams:
     """The sampling of every training request, from `cfg.generator` (split and colocated)."""
     g = cfg.generator
     return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                           top_k=g.top_k, greedy=g.greedy, n=g.n_samples,
-                          stop_token_ids=list(g.stop_token_ids), ignore_eos=g.ignore_eos)
+                          stop_token_ids=stop_token_ids(cfg, tokenizer), ignore_eos=g.ignore_eos)
 
 
 def replica_share(batch_groups: int, dp: int, replica: int) -> int:
@@ -68,7 +77,7 @@ class GeneratorWorker:
         self.pending: dict[int, _Pending] = {}
         self.generated: list[int] = []  # pending groups whose n completions are all in, being scored
         self.stop = False
-        self.params = sampling_params(cfg)
+        self.params = sampling_params(cfg, tokenizer)
         self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
         self.replica = replica
         self.on_first_swap = None

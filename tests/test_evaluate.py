@@ -2,6 +2,7 @@
 loop, the records a run keeps (eval.jsonl, TensorBoard), and what a resumed run redoes."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from model import load_pretrained
 from model.tokenizer import load_tokenizer
 from rollout import packed_linear
 from rollout.data import HELD_OUT_START, load_held_out, load_prompts
-from rollout.engine import Engine
+from rollout.engine import Engine, Request, SamplingParams
 from rollout.evaluate import PeriodicEval, accuracy
 from rollout.rewards import RewardRunner
 from rollout.role import build_eval, load_eval_items
@@ -91,6 +92,43 @@ def setup(tmp_path):
     rewards = RewardRunner(digit_sum_reward, timeout_s=5.0)
     yield cfg, model, tok, rewards
     rewards.close()
+
+
+def test_generation_config_eos_ids_end_training_and_evaluation_completions(setup):
+    """A chat model's generation_config.json may list extra EOS ids (Llama 3 Instruct's
+    <|eot_id|>): HF generate stops on them, so training and evaluation requests do too (they ran
+    to max_new_tokens); generator.ignore_eos drops them with the EOS."""
+    import transformers
+
+    from rollout.evaluate import greedy_rewards
+    from rollout.worker import sampling_params, stop_token_ids
+    cfg, model, tok, _ = setup
+    folder = Path(cfg.model.path)
+    run = lambda params: Engine(model, num_slots=2, max_len=40).generate(  # noqa: E731
+        [Request(0, prompt, params)])[0]
+    for text in ("3", "12+34=", "0+0=", "7"):  # a prompt whose greedy start is not EOS
+        prompt = tok.encode(text, add_bos=True)
+        free = run(SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)).completion_ids
+        if tok.eos_id not in free[:3]:
+            break
+    cut = next(i for i in range(1, 3) if free[i] not in free[:i])  # its first new token
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id,
+                                                                                free[cut]]}))
+    tok = load_tokenizer(folder)
+    cfg = load_config(TINY, [f"--model.path={folder}", "--generator.greedy=true",
+                             "--generator.max_new_tokens=8", "--generator.n_samples=1"])
+    done = run(sampling_params(cfg, tok))
+    assert done.completion_ids == free[:cut + 1] and done.finish_reason == "stop"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                          pad_token_id=tok.pad_id)[0, len(prompt):]
+    assert ref.tolist() == done.completion_ids
+    evaluated, _ = greedy_rewards(Engine(model, num_slots=2, max_len=40), ["item"], [prompt],
+                                  lambda its, d: [0.0] * len(d), 8, stop_token_ids(cfg, tok))
+    assert evaluated[0].completion_ids == done.completion_ids
+    cfg = load_config(TINY, ["--generator.ignore_eos=true", "--generator.stop_token_ids=[5]"])
+    assert stop_token_ids(cfg, tok) == [5]
 
 
 def _evaluator(cfg, model, tok, rewards, pack=False, stack=None, **kw):

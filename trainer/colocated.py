@@ -76,7 +76,7 @@ class ColocatedWorker:
         self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
         self.engine = build_engine(g_model, cfg, self.replica, meshes.device,
                                    print_choice=meshes.rank == 0)
-        self.params = sampling_params(cfg)
+        self.params = sampling_params(cfg, tokenizer)
         self.dp_group = meshes.trainer["fsdp"].get_group()
         self.dp_rank = meshes.trainer.get_coordinate()[0]
         self.step = self.version = self.started = 0
