@@ -74,6 +74,8 @@ class GeneratorWorker:
         self.share = replica_share(cfg.trainer.prompts_per_step, cfg.parallel.gen_dp, replica)
         self.version = 0  # weights applied; the initial checkpoint is version 0
         self.started = 0  # groups started by this replica
+        # keyed by start index, the engine's request id: a prompt can be in flight twice (a new,
+        # reshuffled epoch may draw it again before its first group is done)
         self.pending: dict[int, _Pending] = {}
         self.generated: list[int] = []  # pending groups whose n completions are all in, being scored
         self.stop = False
@@ -148,7 +150,7 @@ class GeneratorWorker:
         """This replica's half of a consistent checkpoint: everything it shipped is already on its
         way (sent before this reply), the rest is the cursor and the prompts in flight."""
         return {"cursor": self.prompts.state_dict(), "started": self.started,
-                "inflight": [[pid, p.index] for pid, p in self.pending.items()]}
+                "inflight": [[p.item.id, p.index] for p in self.pending.values()]}
 
     def _swap(self, version: int) -> None:
         maybe_kill(dist.get_rank() if dist.is_initialized() else 0, version)
@@ -194,8 +196,8 @@ class GeneratorWorker:
             # Seed by (replica, start index): a resumed run regenerates exactly the same samples.
             seed = mix32(self.cfg.generator.seed * 1_000_003 + self.replica) << 32 | mix32(index)
             params = dataclasses.replace(self.params, seed=seed)
-            self.engine.add_requests([Request(item.id, self.encode(item), params)])
-            self.pending[item.id] = _Pending(item, index)
+            self.engine.add_requests([Request(index, self.encode(item), params)])
+            self.pending[index] = _Pending(item, index)
             self.started += 1
 
     def _collect(self) -> None:
@@ -212,7 +214,7 @@ class GeneratorWorker:
         """Nothing to decode, groups still being scored: block on their rewards for a moment
         instead of spinning through the loop, whose Python holds the GIL that the reward threads
         need (spinning, a batch of 64 fixed-length completions took ~30 ms to score)."""
-        futures = [f for pid in self.generated for f in self.pending[pid].futures if not f.done()]
+        futures = [f for key in self.generated for f in self.pending[key].futures if not f.done()]
         if futures:
             concurrent.futures.wait(futures, timeout=timeout_s,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -222,13 +224,13 @@ class GeneratorWorker:
         receive (a hand-shake with this process's I/O thread, ~1 ms on busy cores) and 3 store
         round trips, so 8 groups sent one by one kept it waiting 17-25 ms per step."""
         # only the generated groups, not every pending one: this runs after every decode step
-        done = {pid for pid in self.generated if all(f.done() for f in self.pending[pid].futures)}
-        self.generated = [pid for pid in self.generated if pid not in done]
+        done = {key for key in self.generated if all(f.done() for f in self.pending[key].futures)}
+        self.generated = [key for key in self.generated if key not in done]
         groups = []
-        for pid in sorted(done, key=lambda k: self.pending[k].index):  # in the order admitted
-            p = self.pending.pop(pid)
-            groups.append(Group(pid, [Trajectory.from_completion(c, f.result())
-                                      for c, f in zip(p.completions, p.futures)]))
+        for index in sorted(done):  # in the order admitted
+            p = self.pending.pop(index)
+            groups.append(Group(p.item.id, [Trajectory.from_completion(c, f.result(), p.item.id)
+                                            for c, f in zip(p.completions, p.futures)]))
         if groups and self.link is not None:
             self.link.send(self.trainer0, Msg.TRAJECTORIES, min(g.min_version for g in groups),
                            [g.to_dict() for g in groups])

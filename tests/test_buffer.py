@@ -259,3 +259,48 @@ def test_groups_of_engine_completions_keep_prompt_order_and_sample_order():
     assert (b1.completion_ids, b1.logp_mu, b1.token_versions) == ([4, 4], [-0.1, -0.2], [7, 8])
     with pytest.raises(ValueError):  # a reward missing: nothing is silently dropped
         Group.of_completions(order, [0.5])
+    # two requests of one prompt (a step across an epoch boundary): two groups, not one of 2n
+    twice = Group.of_completions(order, [0.5, 1.0, 0.0, 0.25], {"a": 7, "b": 7})
+    assert [(g.prompt_id, g.num_samples) for g in twice] == [(7, 2), (7, 2)]
+
+
+def test_a_prompt_in_flight_twice_makes_two_whole_groups(tmp_path):
+    """The generator's requests are keyed by start index: when a new (reshuffled) epoch draws a
+    prompt whose group is still in flight, both groups are shipped whole (keyed by prompt id,
+    the second overwrote the first: a group of 2n samples, or a KeyError)."""
+    import concurrent.futures
+    import types
+
+    from model import load_pretrained
+    from rollout.data import PromptItem, PromptSource
+    from rollout.engine import Engine
+    from rollout.worker import GeneratorWorker
+    from tools.make_tiny_model import make_random_model
+    model = load_pretrained(make_random_model(tmp_path / "m", hidden=32), dtype="float32").eval()
+    items = [PromptItem(id=i, prompt=f"p{i}", messages=None, answer="") for i in range(3)]
+    ns = types.SimpleNamespace
+    cfg = ns(trainer=ns(prompts_per_step=4), parallel=ns(gen_dp=1), algo=ns(max_staleness=0),
+             generator=ns(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
+                          n_samples=2, stop_token_ids=[], ignore_eos=True, seed=0))
+    sent = []
+    link = ns(send=lambda dst, kind, version, payload=None: sent.extend(payload or []))
+
+    def reward(item, text, ids):
+        done = concurrent.futures.Future()
+        done.set_result(float(item.id))
+        return done
+    engine = Engine(model, num_slots=8, max_len=32)
+    worker = GeneratorWorker(cfg, engine, PromptSource(items, seed=0), ns(decode=str),
+                             ns(submit=reward), link, None, 0, 0,
+                             encode=lambda it: [1, 5 + it.id, 7])
+    worker._admit()  # 4 groups of 3 prompts: one prompt twice
+    drawn = [p.item.id for p in worker.pending.values()]
+    assert len(drawn) == 4 and len(set(drawn)) == 3
+    while engine.has_work():
+        engine.step()
+        worker._collect()
+        worker._ship_scored()
+    groups = [Group.from_dict(d) for d in sent]
+    assert sorted(g.prompt_id for g in groups) == sorted(drawn)
+    assert all(sorted(t.sample_idx for t in g.trajectories) == [0, 1] for g in groups)
+    assert not worker.pending and worker.stats["groups_sent"] == 4

@@ -42,9 +42,12 @@ class Trajectory:
     finish_reason: str
 
     @classmethod
-    def from_completion(cls, c, reward: float) -> "Trajectory":
-        """One engine `Completion` (rollout.engine) with its reward."""
-        return cls(prompt_id=c.request_id, sample_idx=c.sample_idx, prompt_ids=list(c.prompt_ids),
+    def from_completion(cls, c, reward: float, prompt_id=None) -> "Trajectory":
+        """One engine `Completion` (rollout.engine) with its reward; `prompt_id` defaults to its
+        request id (the generator's requests are keyed by start index: a prompt may be in flight
+        twice, across an epoch boundary)."""
+        prompt_id = c.request_id if prompt_id is None else prompt_id
+        return cls(prompt_id=prompt_id, sample_idx=c.sample_idx, prompt_ids=list(c.prompt_ids),
                    completion_ids=list(c.completion_ids), logp_mu=list(c.logp),
                    token_versions=list(c.token_versions), reward=float(reward),
                    finish_reason=c.finish_reason)
@@ -101,13 +104,16 @@ class Group:
                 f"Group(prompt_id={self.prompt_id}) holds trajectories of prompt ids {other}")
 
     @staticmethod
-    def of_completions(completions, rewards) -> list[Group]:
-        """Engine `Completion`s (rollout.engine) and their rewards as one group per prompt, in the
-        order of each prompt's first completion, samples in index order."""
-        by_prompt: dict[Any, list[Trajectory]] = {}
+    def of_completions(completions, rewards, prompt_ids: dict | None = None) -> list[Group]:
+        """Engine `Completion`s (rollout.engine) and their rewards as one group per request, in
+        the order of each request's first completion, samples in index order. `prompt_ids` maps
+        request ids to prompt ids where they differ (two requests of one prompt: two groups)."""
+        by_request: dict[Any, list[Trajectory]] = {}
         for c, r in zip(completions, rewards, strict=True):
-            by_prompt.setdefault(c.request_id, []).append(Trajectory.from_completion(c, r))
-        return [Group(pid, sorted(ts, key=lambda t: t.sample_idx)) for pid, ts in by_prompt.items()]
+            pid = c.request_id if prompt_ids is None else prompt_ids[c.request_id]
+            by_request.setdefault(c.request_id, []).append(Trajectory.from_completion(c, r, pid))
+        return [Group(ts[0].prompt_id, sorted(ts, key=lambda t: t.sample_idx))
+                for ts in by_request.values()]
 
     @property
     def min_version(self) -> int:

@@ -112,17 +112,19 @@ class ColocatedWorker:
     def _generate(self) -> list[dict]:
         """This replica's share of the step's groups, all sampled with the current weights."""
         from rollout.sampling import mix32
+        # by start index: a step across an epoch boundary may draw a prompt twice
         reqs, items = [], {}
         for item in self.prompts.next_batch(self.share):
             seed = mix32(self.cfg.generator.seed * 1_000_003 + self.replica) << 32 | mix32(self.started)
-            reqs.append(Request(item.id, self.encode(item), dataclasses.replace(self.params, seed=seed)))
-            items[item.id] = item
+            reqs.append(Request(self.started, self.encode(item),
+                                dataclasses.replace(self.params, seed=seed)))
+            items[self.started] = item
             self.started += 1
         done = self.engine.generate(reqs)
         scores = self.rewards.score_batch([items[c.request_id] for c in done],
                                           [self.tok.decode(c.completion_ids) for c in done],
                                           [c.completion_ids for c in done])
-        groups = Group.of_completions(done, scores)
+        groups = Group.of_completions(done, scores, {i: it.id for i, it in items.items()})
         return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
 
     @torch.no_grad()
