@@ -175,8 +175,10 @@ class TrainerWorker:
             self.stopped = groups
             return None
         groups = [Group.from_dict(d) for d in groups]
-        # Arrival order depends on reward threads and timing; training order must not.
-        return sorted(groups, key=lambda g: (g.min_version, g.prompt_id))
+        # Arrival order depends on reward threads and timing; training order must not (a prompt
+        # may come twice, from two epochs: its groups' completions decide between them).
+        return sorted(groups, key=lambda g: (g.min_version, g.prompt_id,
+                                             [t.completion_ids for t in g.trajectories]))
 
     def _stop_decision(self) -> dict:
         """Why the run stops, and whether the last finished step still needs its checkpoint."""
