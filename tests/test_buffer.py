@@ -264,6 +264,19 @@ def test_groups_of_engine_completions_keep_prompt_order_and_sample_order():
     assert [(g.prompt_id, g.num_samples) for g in twice] == [(7, 2), (7, 2)]
 
 
+def test_training_order_is_independent_of_arrival():
+    from trainer.worker import training_order
+
+    def group(pid, version, first):
+        return Group(pid, [Trajectory(pid, 0, [1], [first, 2], [-0.1, -0.2], [version, version],
+                                      0.5, "length")])
+    groups = [group(7, 1, 5), group(3, 1, 9), group(7, 1, 4), group(2, 0, 8)]
+    want = [(2, 8), (3, 9), (7, 4), (7, 5)]
+    for arrival in (groups, groups[::-1], groups[1:] + groups[:1]):
+        got = training_order(arrival)
+        assert [(g.prompt_id, g.trajectories[0].completion_ids[0]) for g in got] == want
+
+
 def test_a_prompt_in_flight_twice_makes_two_whole_groups(tmp_path):
     """The generator's requests are keyed by start index: when a new (reshuffled) epoch draws a
     prompt whose group is still in flight, both groups are shipped whole (keyed by prompt id,

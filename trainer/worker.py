@@ -55,6 +55,14 @@ def waiting_line(step: int, B: int, leaders: list[int], buffered: int,
             f"({buffered} buffered{why})")
 
 
+def training_order(groups: list[Group]) -> list[Group]:
+    """A step's groups in the order they train: arrival order depends on reward threads and
+    timing, training order must not. By oldest version, prompt id, and (a prompt drawn by two
+    epochs comes twice) the completions."""
+    return sorted(groups, key=lambda g: (g.min_version, g.prompt_id,
+                                         [t.completion_ids for t in g.trajectories]))
+
+
 class TrainerWorker:
     def __init__(self, cfg, meshes, model, optimizer, scheduler, sender, link: Link | None,
                  logger=None, ref_model=None, start_step: int = 0, tokenizer=None):
@@ -174,11 +182,7 @@ class TrainerWorker:
         if isinstance(groups, dict):
             self.stopped = groups
             return None
-        groups = [Group.from_dict(d) for d in groups]
-        # Arrival order depends on reward threads and timing; training order must not (a prompt
-        # may come twice, from two epochs: its groups' completions decide between them).
-        return sorted(groups, key=lambda g: (g.min_version, g.prompt_id,
-                                             [t.completion_ids for t in g.trajectories]))
+        return training_order([Group.from_dict(d) for d in groups])
 
     def _stop_decision(self) -> dict:
         """Why the run stops, and whether the last finished step still needs its checkpoint."""
