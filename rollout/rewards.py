@@ -125,8 +125,10 @@ def math_fallback(gold: str, completion: str) -> float:
     g, a = _normalise(gold_answer), _normalise(answer)
     gn, an = _to_fraction(g), _to_fraction(a)
     if gn is not None and an is not None:
-        if gn == an or (gn.denominator == an.denominator == 1):
-            return float(gn == an)
+        if gn == an:
+            return 1.0
+        if gn.denominator == an.denominator == 1:  # integers compare exactly
+            return 0.0
         return float(abs(float(gn - an)) <= 1e-6 * max(1.0, abs(float(gn))))
     return float(g.lower() == a.lower() and g != "")
 
