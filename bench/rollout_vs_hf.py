@@ -76,15 +76,17 @@ def run_ours(engine: Engine, prompts, new_tokens: int) -> int:
 def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> dict:
     """One engine per decode mode, keyed `ours_<mode>`. A mode is `decode[:attention[:flag]]`:
     decode of eager, cudagraph, compile; the attention kernel over the cache (Engine's
-    `decode_attention`, default auto); flag `nostack`: three q/k/v matmuls (Engine's
-    stack_qkv=False), `autotune`: compiled with inductor's GEMM autotuning (`gpu_section`)."""
+    `decode_attention`, default auto); flag `nostack`: one matmul a projection (Engine's
+    stack_weights=False), `qkvonly`: q|k|v stacked, gate and up two matmuls, `autotune`: compiled
+    with inductor's GEMM autotuning (`gpu_section`)."""
     engines = {}
     for m in modes:  # "autotune" is the bench's (gpu_section), not the engine's
         decode, attention, *rest = m.split(":") + [""]
+        stacks = False if "nostack" in rest else "qkv" if "qkvonly" in rest else None
         engines["ours_" + m.replace(":", "_").rstrip("_")] = Engine(
             model, num_slots=num_slots, max_len=max_len,
             compile_decode=decode_mode(decode, torch.device(device)),
-            decode_attention=attention or "auto", stack_qkv=False if "nostack" in rest else None)
+            decode_attention=attention or "auto", stack_weights=stacks)
     return engines
 
 
@@ -319,9 +321,10 @@ def main() -> None:
                     help="GPU: also profile one run of each of --modes (top kernels, kernels a "
                          "step, device idle time)")
     ap.add_argument("--modes", default="eager,cudagraph",
-                    help="GPU: our decode variants, each decode[:attention[:nostack]]: decode of "
+                    help="GPU: our decode variants, each decode[:attention[:flag]]: decode of "
                          "eager, cudagraph, compile (torch.compile + CUDA graph); attention of "
-                         "auto, sdpa, matmul, flex (compile only); nostack: three q/k/v matmuls")
+                         "auto, sdpa, matmul, flex (compile only); flag nostack: one matmul a "
+                         "projection, qkvonly: q|k|v stacked, gate and up not")
     ap.add_argument("--cpu-modes", default="eager,compile",
                     help="CPU: our decode variants, of eager and compile (torch.compile of the "
                          "decode step; ~30-40 s of compilation in the warm-up)")

@@ -14,7 +14,7 @@ Memory per rank (feasible iff <= mem_headroom * gpu_mem)
                       with activation checkpointing: micro_batch_tokens * (L*cb*h + a + V*(cb+8))
   generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*kv_bytes*slots*max_len
             (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`);
-            plus the engine's weight copies: oneDNN-packed on CPU, stacked q|k|v on GPUs at tp 1
+            plus the engine's weight copies: oneDNN-packed on CPU, stacked q|k|v and gate|up on GPUs at tp 1
   colocated ranks hold both.
 Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
   T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
@@ -144,6 +144,7 @@ class Workload:
     master_dtype: str = "float32"
     gen_dtype: str = "bfloat16"
     share_prompts: bool = True
+    stack_weights: str = "auto"  # generator.stack_weights: the GPU engine's stacked copies
 
     def __post_init__(self) -> None:
         _at_least(1, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
@@ -289,14 +290,20 @@ def kv_elem_bytes(cl: Cluster, gen_dtype: str) -> int:
 
 
 def stacked_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -> float:
-    """Bytes of the engine's stacked q|k|v weight copies (rollout/stacked.py; biases too), beside
-    the model's own on GPUs at gen_tp 1 (TP shards keep three projections), in the generator's
-    dtype. Llama-3-8B in bf16: 32 * 4096 * (4096 + 2 * 1024) * 2 B = 1.61 GB."""
-    if cl.shared_cores or gen_tp > 1:
+    """Bytes of the engine's stacked q|k|v and gate|up weight copies (rollout/stacked.py; biases
+    too), beside the model's own on GPUs at gen_tp 1 (TP shards keep one matmul a projection), in
+    the generator's dtype, as `wl.stack_weights` chooses (gate|up automatically up to
+    `rollout.stacked.GATE_UP_AUTO_BYTES`). Llama-3-8B in bf16: q|k|v 32 * 4096 * (4096 + 2 *
+    1024) * 2 B = 1.61 GB; gate|up 32 * 4096 * 2 * 14336 * 2 B = 7.52 GB, "all" only."""
+    from rollout.stacked import stacks_gate_up
+    if gen_tp > 1 or wl.stack_weights == "off" or (cl.shared_cores and wl.stack_weights != "all"):
         return 0.0
+    nbytes = float(dtype_bytes(wl.gen_dtype)) * args.num_layers
     rows = args.num_heads * args.head_dim + 2 * args.num_kv_heads * args.head_dim
-    per_layer = rows * (args.hidden_size + (1 if args.attention_bias else 0))
-    return float(dtype_bytes(wl.gen_dtype)) * args.num_layers * per_layer
+    qkv = nbytes * rows * (args.hidden_size + (1 if args.attention_bias else 0))
+    gate_up = nbytes * 2 * args.intermediate_size * args.hidden_size
+    choice = {"auto": None, "all": True, "qkv": "qkv"}[wl.stack_weights]
+    return qkv + (gate_up if stacks_gate_up(choice, gate_up) else 0.0)
 
 
 def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:

@@ -121,7 +121,7 @@ def _print_memory(cfg, args, dims) -> None:
     max_len = cfg.data.max_prompt_len + g.max_new_tokens
     wl = cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
                      cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype,
-                     t.share_prompts)
+                     t.share_prompts, g.stack_weights)
     print("memory per rank (launch/cost_model.py; bf16 compute):")
     units = resolve_fsdp_units(cfg.parallel.fsdp_units, "cuda")
     for name in ("h100", "h200"):

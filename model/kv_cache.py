@@ -57,12 +57,14 @@ class KVCache:
     slots, kv_heads, max_len, head_dim] (one kernel writes both in compiled code). How a forward
     through the cache computes (set on the instance, or on a view of it, by its owner; read once
     per forward):
-    `kernel`, the attention over it (`model.attention.DECODE_KERNELS`), and `qkv`, None or per
+    `kernel`, the attention over it (`model.attention.DECODE_KERNELS`); `qkv`, None or per
     layer (q|k|v weights stacked, their biases stacked or None, the three row counts) for one
-    projection matmul instead of three; the owner keeps them equal to the parameters."""
+    projection matmul instead of three, and `gate_up` the same for the MLP's gate|up (one
+    matmul instead of two); the owner keeps them equal to the parameters."""
 
     kernel: str = "auto"
     qkv: list | None = None
+    gate_up: list | None = None
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):

@@ -58,6 +58,7 @@ class _Context:
     kernel: str = "auto"  # KV-cache attention: attn.DECODE_KERNELS, resolved for the device
     block_mask: object = None  # the flex kernel's attn.flex_block_mask
     qkv: list | None = None  # KVCache.qkv: per layer (stacked q|k|v weight, bias, sizes)
+    gate_up: list | None = None  # KVCache.gate_up: the same for the MLP's gate|up
     kv_cache: KVCache | None = None
     slots: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -146,8 +147,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, gate_up: tuple | None = None):
+        """`gate_up`: (gate|up weights stacked, None, sizes) for one matmul instead of two."""
+        if gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        w, _, sizes = gate_up
+        gate, up = F.linear(x, w).split(sizes, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -160,7 +166,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: _Context) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        gate_up = None if ctx.gate_up is None else ctx.gate_up[self.self_attn.layer]
+        return x + self.mlp(self.post_attention_layernorm(x), gate_up)
 
 
 class Backbone(nn.Module):
@@ -240,7 +247,8 @@ class Transformer(nn.Module):
         ctx = _Context(cos, sin, window=window, backend=self.attn_backend)
         if kv_cache is not None:
             ctx.kv_cache, ctx.slots, ctx.positions = kv_cache, slots, positions
-            ctx.kernel, ctx.qkv = attn.decode_kernel(kv_cache.kernel, dev.type), kv_cache.qkv
+            ctx.kernel = attn.decode_kernel(kv_cache.kernel, dev.type)
+            ctx.qkv, ctx.gate_up = kv_cache.qkv, kv_cache.gate_up
             if ctx.kernel == "flex":
                 ctx.block_mask = attn.flex_block_mask(positions, kv_cache.max_len, window)
             else:

@@ -290,7 +290,8 @@ class _CacheView(KVCache):
     def __init__(self, cache: KVCache, Lb: int, R: int | None = None):  # nothing is allocated
         self.kv = cache.kv[:, :, :R, :, :Lb]
         self.k, self.v = self.kv[:, 0], self.kv[:, 1]
-        self.rope, self._whole, self.qkv = cache.rope, cache.whole(), cache.qkv
+        self.rope, self._whole = cache.rope, cache.whole()
+        self.qkv, self.gate_up = cache.qkv, cache.gate_up
 
     def whole(self) -> KVCache:
         return self._whole
@@ -431,10 +432,11 @@ class Engine:
         with eager decode on CPU; True needs eager decode; False = decode computes every slot.
     decode_attention: how decode attends over the cache (`model.attention.DECODE_KERNELS`,
         `attention_choice`; "flex" needs the compiled step, and reads the whole cache's length
-        under a block mask instead of a length bucket). stack_qkv: one matmul over the stacked
-        q|k|v weights (rollout/stacked.py); None = where the model allows it, on CUDA or with the
-        compiled step (the CPU's eager step gained nothing); another engine's `stacked_qkv` over
-        the same model: share its copies.
+        under a block mask instead of a length bucket). stack_weights: one matmul over the
+        stacked q|k|v weights and one over gate|up (rollout/stacked.py); None = where the model
+        allows it, on CUDA or with the compiled step (the CPU's eager step gained nothing); "qkv"
+        the same for q|k|v only; another engine's `stacked_weights` over the same model: compute
+        with those copies.
     """
 
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device=None,
@@ -442,7 +444,7 @@ class Engine:
                  sync_every: int | None = None, compile_decode: bool | str = False,
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
                  pack_weights: bool | PackedLinears | None = None, compact: bool | None = None,
-                 decode_attention: str = "auto", stack_qkv=None):
+                 decode_attention: str = "auto", stack_weights=None):
         device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
         self.decode_attention = attention_choice(decode_attention, device, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
@@ -478,8 +480,9 @@ class Engine:
         # pack_trial: the automatic choice's timings, for the logs (None if none was timed)
         packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
                                                   use_compile)
-        self._copies = _WeightCopies(packed, _stacked_qkv(model, device, stack_qkv, use_compile))
-        self.cache.qkv = self._copies.stacked.per_layer if self._copies.stacked else None
+        stacks = _stacked_weights(model, device, stack_weights, use_compile)
+        self._copies = _WeightCopies(packed, stacks)
+        self.cache.qkv, self.cache.gate_up = (stacks.qkv, stacks.gate_up) if stacks else (None, None)
 
     # ----- public API ---------------------------------------------------------------------------
     @property
@@ -488,8 +491,9 @@ class Engine:
         return self._copies.packed
 
     @property
-    def stacked_qkv(self) -> "stacked.StackedQKV | None":
-        """The stacked q|k|v weights this engine computes with (None: three projections)."""
+    def stacked_weights(self) -> "stacked.StackedWeights | None":
+        """The stacked q|k|v (and gate|up) weights this engine computes with (None: one matmul
+        a projection)."""
         return self._copies.stacked
 
     @property
@@ -878,11 +882,11 @@ def _read_length(bound: int, max_len: int, bucket: int, device: torch.device, ke
 
 class _WeightCopies:
     """The engine's copies of its model's weights, which must follow them: oneDNN-packed linears
-    (CPU eager, rollout/packed_linear.py) and stacked q|k|v (CUDA, and the compiled step on CPU;
-    rollout/stacked.py); either None."""
+    (CPU eager, rollout/packed_linear.py) and stacked q|k|v and gate|up (CUDA, and the compiled
+    step on CPU; rollout/stacked.py); either None."""
 
-    def __init__(self, packed: PackedLinears | None, stacked_qkv: "stacked.StackedQKV | None"):
-        self.packed, self.stacked = packed, stacked_qkv
+    def __init__(self, packed: PackedLinears | None, stacks: "stacked.StackedWeights | None"):
+        self.packed, self.stacked = packed, stacks
 
     def invalidate(self) -> None:
         """After weights were written in a way that moves no version counter."""
@@ -900,18 +904,29 @@ class _WeightCopies:
             yield
 
 
-def _stacked_qkv(model: torch.nn.Module, device: torch.device, choice, compiled: bool):
-    """`stack_qkv`: None = where the model allows it (rollout/stacked.py), on CUDA or with the
-    compiled step (CPU, vs_trl's generator: 0.93x the batch time; eager: no change); a
-    StackedQKV (another engine's over the same model): that one."""
-    if isinstance(choice, stacked.StackedQKV):
+def _stacked_weights(model: torch.nn.Module, device: torch.device, choice, compiled: bool):
+    """`stack_weights`: None = where the model allows it (rollout/stacked.py), on CUDA or with
+    the compiled step (CPU, vs_trl's generator: q|k|v 0.93x the batch time, gate|up 0.97-0.98x
+    more; eager: no change), q|k|v, and gate|up while its copies stay small
+    (`stacked.stacks_gate_up`); "qkv" = the same for q|k|v only; True = both, wherever; False =
+    none; a StackedWeights (another engine's over the same model): that one."""
+    if isinstance(choice, stacked.StackedWeights):
         return choice
+    if choice not in (None, True, False, "qkv"):
+        raise ValueError(f"stack_weights={choice!r}; choose None (automatic), 'qkv', True, False "
+                         "or another engine's stacked_weights")
     ok = stacked.stackable(model)
-    if choice and not ok:
-        raise ValueError("stack_qkv=True: this model's q/k/v projections cannot be stacked "
-                         "(tensor-parallel shards, mixed dtypes or biases); leave stack_qkv=None")
-    use = ok and ((device.type == "cuda" or compiled) if choice is None else choice)
-    return stacked.StackedQKV(model) if use else None
+    if choice is True and not ok:
+        raise ValueError("stack_weights=True: this model's q/k/v or gate/up projections cannot be "
+                         "stacked (tensor-parallel shards, mixed dtypes or biases); leave "
+                         "stack_weights=None (generator.stack_weights='auto')")
+    auto = choice is None or choice == "qkv"
+    if not (ok and ((device.type == "cuda" or compiled) if auto else choice)):
+        return None
+    mlp = model.model.layers[0].mlp
+    gate_up_bytes = len(model.model.layers) * sum(p.weight.numel() * p.weight.element_size()
+                                                   for p in (mlp.gate_proj, mlp.up_proj))
+    return stacked.StackedWeights(model, gate_up=stacked.stacks_gate_up(choice, gate_up_bytes))
 
 
 def _compaction_moves(slot_info: list) -> tuple[list[int], list[int]]:

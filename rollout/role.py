@@ -48,7 +48,7 @@ def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
     engine = Engine(main.model, num_slots=slots, max_len=max_len, seed=g.seed,
                     compile_decode=decode_mode(g.decode, main.device),
                     decode_attention=g.decode_attention, pack_weights=main.packed_weights or False,
-                    stack_qkv=main.stacked_qkv or False)
+                    stack_weights=main.stacked_weights or False)
     return PeriodicEval(cfg, engine, items, encode, tokenizer, rewards, writer, start_version,
                         stop_token_ids(cfg, tokenizer))
 
@@ -66,7 +66,9 @@ def build_engine(model, cfg, replica: int, device, print_choice: bool) -> Engine
     engine = Engine(model, num_slots=g.num_slots, max_len=cfg.data.max_prompt_len + g.max_new_tokens,
                     seed=g.seed + replica, kv_policy=g.kv_policy,
                     compile_decode=decode_mode(g.decode, device), decode_attention=g.decode_attention,
-                    pack_weights={"auto": None, "on": True, "off": False}[g.pack_weights])
+                    pack_weights={"auto": None, "on": True, "off": False}[g.pack_weights],
+                    stack_weights={"auto": None, "all": True, "qkv": "qkv",
+                                   "off": False}[g.stack_weights])
     line = describe_packing(engine.pack_trial, engine.num_slots)
     if print_choice and line:
         print(line, flush=True)

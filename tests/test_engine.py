@@ -284,15 +284,16 @@ def test_compaction_move_hand_checked(folders):
                                              ("cudagraph", "matmul"), ("compile", "flex")])
 def test_cuda_graph_decode_matches_eager(folders, mode, attention):
     """The replayed decode graphs (plain, and of the compiled step with its in-place cache writes
-    and dynamic cache length), with each attention kernel and the stacked q|k|v weights (the CUDA
-    default), sample what eager decode with three projections samples (bench/gpu_check.sh a2)."""
+    and dynamic cache length), with each attention kernel and the stacked q|k|v and gate|up
+    weights (the CUDA default), sample what eager decode with one matmul a projection samples
+    (bench/gpu_check.sh a2)."""
     model = load(folders).cuda()
     reqs = staggered(prompts([3, 9, 5, 14, 1, 7]), n=2)
     ref = Engine(model, num_slots=4, max_len=48, compile_decode=False,
-                 stack_qkv=False).generate(reqs)
+                 stack_weights=False).generate(reqs)
     engine = Engine(model, num_slots=4, max_len=48, compile_decode=mode,
                     decode_attention=attention)
-    assert engine.stacked_qkv is not None
+    assert engine.stacked_weights is not None and engine.stacked_weights.gate_up is not None
     got = engine.generate(reqs)
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     for a, b in zip(got, ref):
@@ -455,10 +456,10 @@ def test_group_without_running_sibling_is_prefilled_again(folders):
 @pytest.mark.parametrize("policy, stack", [("keep", False), ("recompute", False),
                                            ("keep", True), ("recompute", True)])
 def test_weight_swap_versions_and_kv_policy(folders, policy, stack):
-    """With stacked q|k|v weights (stack_qkv) the new weights are written through `.data`, which
+    """With stacked q|k|v weights (stack_weights) the new weights are written through `.data`, which
     moves no version counter: the engine refills its stacked copies when the version is set."""
     model, old, new = load(folders), load(folders), load(folders, ("llama3", 1))
-    engine = Engine(model, num_slots=3, max_len=40, kv_policy=policy, stack_qkv=stack)
+    engine = Engine(model, num_slots=3, max_len=40, kv_policy=policy, stack_weights=stack)
     sp = SamplingParams(max_new_tokens=10, temperature=0.8, ignore_eos=True)
     engine.add_requests(requests(prompts([4, 9, 6, 3, 8]), sp))  # 5 prompts on 3 slots
     for _ in range(4):
@@ -492,16 +493,18 @@ def test_weight_swap_versions_and_kv_policy(folders, policy, stack):
         assert engine.stats.recompute_tokens > 0
 
 
-def test_stacked_qkv_samples_alike_and_follows_in_place_updates(folders):
-    """stack_qkv=True (one matmul over the stacked q|k|v weights, the CUDA default) samples what
-    the three projections sample; an in-place update of the model between calls (an optimizer
-    step: version counters move) is seen without a weight version being set, by one refill."""
+def test_stacked_weights_samples_alike_and_follows_in_place_updates(folders):
+    """stack_weights=True (one matmul over the stacked q|k|v weights and one over gate|up, the
+    CUDA default) samples what one matmul a projection samples; an in-place update of the model
+    between calls (an optimizer step: version counters move) is seen without a weight version
+    being set, by one refill."""
     model = load(folders, "qwen2")  # q/k/v biases: stacked too
     sp = SamplingParams(max_new_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
     ps = prompts([3, 9, 5, 12])
-    engine = Engine(model, num_slots=3, max_len=48, stack_qkv=True)
+    engine = Engine(model, num_slots=3, max_len=48, stack_weights=True)
+    assert engine.stacked_weights.gate_up is not None and engine.cache.gate_up is not None
     for _ in range(2):
-        ref, _ = run(model, 3, sp, ps, stack_qkv=False)
+        ref, _ = run(model, 3, sp, ps, stack_weights=False)
         got = engine.generate(requests(ps, sp))
         assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
         for a, b in zip(got, ref):
@@ -510,18 +513,26 @@ def test_stacked_qkv_samples_alike_and_follows_in_place_updates(folders):
             for layer in model.model.layers:
                 layer.self_attn.k_proj.weight.mul_(1.5)
                 layer.self_attn.v_proj.bias.add_(0.3)
-    assert engine.stacked_qkv.refills == 1  # the update between the calls; none while unchanged
-    shared = Engine(model, num_slots=2, max_len=48, stack_qkv=engine.stacked_qkv)  # eval's way
-    assert shared.stacked_qkv is engine.stacked_qkv
-    ref, _ = run(model, 3, sp, ps, stack_qkv=False)
+                layer.mlp.up_proj.weight.mul_(-1.2)
+    assert engine.stacked_weights.refills == 1  # the update between the calls; none while unchanged
+    shared = Engine(model, num_slots=2, max_len=48, stack_weights=engine.stacked_weights)  # eval's way
+    assert shared.stacked_weights is engine.stacked_weights
+    ref, _ = run(model, 3, sp, ps, stack_weights=False)
     got = shared.generate(requests(ps, sp))
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
-    assert Engine(model, num_slots=2, max_len=16).stacked_qkv is None  # CPU eager default: off
-    assert Engine(model, num_slots=2, max_len=16, compile_decode="compile").stacked_qkv is not None
-    with pytest.raises(ValueError, match="stack_qkv=True: .*cannot be stacked.*stack_qkv=None"):
+    assert Engine(model, num_slots=2, max_len=16).stacked_weights is None  # CPU eager default: off
+    compiled = Engine(model, num_slots=2, max_len=16, compile_decode="compile").stacked_weights
+    assert compiled is not None and compiled.gate_up is not None  # small copies: gate|up too
+    qkv = Engine(model, num_slots=2, max_len=16, compile_decode="compile", stack_weights="qkv")
+    assert qkv.stacked_weights.qkv and qkv.stacked_weights.gate_up is None
+    assert qkv.cache.qkv is not None and qkv.cache.gate_up is None
+    assert Engine(model, num_slots=2, max_len=16, stack_weights="qkv").stacked_weights is None
+    with pytest.raises(ValueError, match="stack_weights='mlp'; choose None"):
+        Engine(model, num_slots=2, max_len=16, stack_weights="mlp")
+    with pytest.raises(ValueError, match="stack_weights=True: .*cannot be stacked.*stack_weights=None"):
         mixed = load(folders)
         mixed.model.layers[0].self_attn.k_proj.to(torch.bfloat16)
-        Engine(mixed, num_slots=2, max_len=16, stack_qkv=True)
+        Engine(mixed, num_slots=2, max_len=16, stack_weights=True)
     with pytest.raises(ValueError, match="decode_attention='flex' needs the compiled decode step"):
         Engine(model, num_slots=2, max_len=16, decode_attention="flex")
     with pytest.raises(ValueError, match="unknown decode attention kernel 'fast'"):
@@ -542,7 +553,7 @@ def test_compiled_flex_decode_matches_eager_on_cpu(folders):
     ps = prompts([3, 9, 5])
     ref, _ = run(model, 2, sp, ps)
     got, engine = run(model, 2, sp, ps, compile_decode="compile", decode_attention="flex",
-                      stack_qkv=True)
+                      stack_weights=True)
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     for a, b in zip(got, ref):
         assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
@@ -710,3 +721,15 @@ def test_decode_mode_choice():
     assert decode_mode("compile", cpu) == "compile" and decode_mode("eager", cuda) is False
     with pytest.raises(ValueError, match=r"generator.decode='cudagraph' needs a CUDA device.*'eager'"):
         decode_mode("cudagraph", cpu)
+
+
+def test_gate_up_is_stacked_automatically_only_while_its_copies_are_small():
+    """The automatic choice stacks gate|up up to GATE_UP_AUTO_BYTES of copies (the 1.1B shape's
+    1.07 GB in bf16, not Llama-3-8B's 7.5 GB); "qkv" never, True always."""
+    from rollout.stacked import GATE_UP_AUTO_BYTES, stacks_gate_up
+    shape_1b = 16 * 2 * 2048 * 8192 * 2
+    llama_8b = 32 * 2 * 4096 * 14336 * 2
+    assert shape_1b / 1e9 == pytest.approx(1.07, abs=0.01) and llama_8b / 1e9 == pytest.approx(7.52, abs=0.01)
+    assert stacks_gate_up(None, shape_1b) and not stacks_gate_up(None, llama_8b)
+    assert stacks_gate_up(None, GATE_UP_AUTO_BYTES) and not stacks_gate_up(None, GATE_UP_AUTO_BYTES + 1)
+    assert stacks_gate_up(True, llama_8b) and not stacks_gate_up("qkv", 1)

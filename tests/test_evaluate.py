@@ -133,7 +133,7 @@ def test_generation_config_eos_ids_end_training_and_evaluation_completions(setup
 
 def _evaluator(cfg, model, tok, rewards, pack=False, stack=None, **kw):
     rollout_engine = Engine(model, num_slots=cfg.generator.num_slots, max_len=64, pack_weights=pack,
-                            stack_qkv=stack)
+                            stack_weights=stack)
     return build_eval(cfg, rollout_engine, tok, rewards, **kw)
 
 
@@ -147,10 +147,10 @@ def test_periodic_eval_scores_greedy_completions_like_a_plain_forward_loop(setup
     assert ev.engine.num_slots == 5  # at most generator.num_slots: the 12 prompts in 3 rounds
     # the rollout engine's packed and stacked weights, shared (no third copy of the weights)
     assert (ev.engine.packed_weights is not None) == pack
-    assert (ev.engine.stacked_qkv is not None) == bool(stack)
+    assert (ev.engine.stacked_weights is not None) == bool(stack)
     if stack:  # shared, not a copy of its own
-        main = Engine(model, num_slots=2, max_len=64, stack_qkv=True)
-        assert build_eval(cfg, main, tok, rewards, writer=False).engine.stacked_qkv is main.stacked_qkv
+        main = Engine(model, num_slots=2, max_len=64, stack_weights=True)
+        assert build_eval(cfg, main, tok, rewards, writer=False).engine.stacked_weights is main.stacked_weights
     recs = [ev.maybe_run(v) for v in range(9)]
     assert [v for v, r in enumerate(recs) if r] == [0, 3, 6, 7]  # every 3rd, and the final one
     items, _, encode = load_eval_items(cfg, tok)

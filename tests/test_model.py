@@ -183,9 +183,9 @@ def test_bad_seq_parents_name_the_entry(tmp_path, parents, why):
                                              ("flex", False), ("flex", True)])
 def test_kv_cache_decode_equals_full_forward(family, tmp_path, kernel, stacked):
     """Prefill rows of different prompt lengths in one batch, then decode one token at a time,
-    with each attention kernel over the cache and with the q|k|v weights stacked (flex: eager
-    FlexAttention, its reference implementation; the engine compiles it)."""
-    from rollout.stacked import StackedQKV
+    with each attention kernel over the cache and with the q|k|v and gate|up weights stacked
+    (flex: eager FlexAttention, its reference implementation; the engine compiles it)."""
+    from rollout.stacked import StackedWeights
     tiny.save_hf(family, tmp_path)
     model = load_pretrained(tmp_path, dtype="float32").eval()
     prompt_lens, steps, total = [3, 7, 5], 6, 16
@@ -193,7 +193,10 @@ def test_kv_cache_decode_equals_full_forward(family, tmp_path, kernel, stacked):
     with torch.no_grad():
         ref = model(full)  # [3, total, V]
         cache = KVCache.for_model(model, num_slots=4, max_len=total)
-        cache.kernel, cache.qkv = kernel, StackedQKV(model).per_layer if stacked else None
+        cache.kernel = kernel
+        if stacked:
+            stacks = StackedWeights(model)
+            cache.qkv, cache.gate_up = stacks.qkv, stacks.gate_up
         slots = torch.tensor([2, 0, 3])  # rows live in arbitrary cache slots
         T = max(prompt_lens)
         pos = torch.arange(T).expand(3, T)  # right-padded prefill; padding is overwritten later

@@ -75,15 +75,27 @@ def test_memory_hand_computed():
 
 
 def test_stacked_copy_bytes_are_what_the_engine_stacks():
-    """The stacked q|k|v copies the planner counts (biases too) are the bytes StackedQKV holds."""
-    from rollout.stacked import StackedQKV
+    """The stacked q|k|v and gate|up copies the planner counts (biases too) are the bytes
+    StackedWeights holds."""
+    from rollout.stacked import StackedWeights
     args = ModelArgs(vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=3,
                      num_heads=4, num_kv_heads=2, attention_bias=True)
     wl = cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16")
     model = Transformer(args).to(torch.bfloat16)
-    real = sum(t.numel() * t.element_size() for w, b, _ in StackedQKV(model).per_layer for t in (w, b))
+    real = sum(t.numel() * t.element_size() for t in StackedWeights(model).tensors())
     assert cm.stacked_copy_bytes(args, cm.gpu_cluster("h100", 1), wl, 1) == real
     assert cm.stacked_copy_bytes(args, cm.cpu_cluster(3, 2), wl, 1) == 0  # CPU: not stacked
+    qkv = sum(t.numel() * t.element_size() for t in StackedWeights(model, gate_up=False).tensors())
+    wl_qkv = cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16", stack_weights="qkv")
+    assert qkv < real and cm.stacked_copy_bytes(args, cm.gpu_cluster("h100", 1), wl_qkv, 1) == qkv
+    wl_all = cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16", stack_weights="all")
+    assert cm.stacked_copy_bytes(args, cm.cpu_cluster(3, 2), wl_all, 1) == real  # forced: CPU too
+    wl_off = cm.Workload(8, 8, 16, 32, gen_dtype="bfloat16", stack_weights="off")
+    assert cm.stacked_copy_bytes(args, cm.gpu_cluster("h100", 1), wl_off, 1) == 0
+    # Llama-3-8B: gate|up's 7.52 GB of copies are over the automatic limit, stacked only on "all"
+    wl8 = cm.Workload(512, 16, 512, 2048, gen_dtype="bfloat16", stack_weights="all")
+    gate_up = 32 * 2 * 14336 * 4096 * 2
+    assert cm.stacked_copy_bytes(L8B, cm.gpu_cluster("h100", 1), wl8, 1) == 32 * 4096 * 6144 * 2 + gate_up
 
 
 def test_packed_copies_count_in_cpu_generator_memory():
