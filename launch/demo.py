@@ -34,11 +34,13 @@ def held_out_accuracy(model_dir: Path, cfg) -> float:
     from rollout.data import load_held_out
     from rollout.evaluate import accuracy
     from rollout.rewards import resolve_reward
+    from rollout.worker import stop_token_ids
 
     items = load_held_out(cfg.data, dataclasses.replace(cfg.eval, source="", num_prompts=400))
     model = load_pretrained(model_dir, dtype="float32").eval()
-    return accuracy(model, load_tokenizer(model_dir), items, resolve_reward(cfg.reward.fn),
-                    cfg.generator.max_new_tokens)
+    tok = load_tokenizer(model_dir)
+    return accuracy(model, tok, items, resolve_reward(cfg.reward.fn), cfg.generator.max_new_tokens,
+                    chat_template=cfg.data.chat_template, stop_token_ids=stop_token_ids(cfg, tok))
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.data import render_prompt
 from rollout.engine import Engine, Request, SamplingParams
 from trainer.checkpointing import truncate_steps
 
@@ -34,8 +35,11 @@ def greedy_rewards(engine: Engine, items, prompt_ids, score, max_new_tokens: int
 
 @torch.no_grad()
 def accuracy(model, tokenizer, items, reward_fn, max_new_tokens: int, num_slots: int = 64,
-             max_len: int = 256) -> float:
-    """Mean reward of greedy completions (exact match: the fraction solved)."""
+             max_len: int = 256, chat_template: bool = False, stop_token_ids=None) -> float:
+    """Mean reward of greedy completions (exact match: the fraction solved). The prompts are
+    rendered as training renders them (`rollout.data.render_prompt`, data.chat_template); the
+    completions stop on `stop_token_ids` (a run's: `rollout.worker.stop_token_ids`), by default
+    the tokenizer's EOS ids."""
     if not items:
         raise ValueError("accuracy needs at least one held-out prompt")
     engine = Engine(model, num_slots=num_slots, max_len=max_len)
@@ -43,9 +47,9 @@ def accuracy(model, tokenizer, items, reward_fn, max_new_tokens: int, num_slots:
     def score(its, done):
         return [reward_fn(it, tokenizer.decode(c.completion_ids), c.completion_ids)
                 for it, c in zip(its, done)]
-    _, rewards = greedy_rewards(engine, items, [tokenizer.encode(it.prompt, add_bos=True)
-                                                for it in items], score, max_new_tokens,
-                                stop_token_ids=tokenizer.stop_ids)
+    prompt_ids = [render_prompt(it, tokenizer, chat_template) for it in items]
+    stops = tokenizer.stop_ids if stop_token_ids is None else stop_token_ids
+    _, rewards = greedy_rewards(engine, items, prompt_ids, score, max_new_tokens, stops)
     return sum(rewards) / len(rewards)
 
 

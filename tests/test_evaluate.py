@@ -1,5 +1,6 @@
 """Held-out evaluation (config `eval`): which prompts, the greedy scores against a plain forward
 loop, the records a run keeps (eval.jsonl, TensorBoard), and what a resumed run redoes."""
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -179,6 +180,28 @@ def test_accuracy_is_the_same_score(setup):
             for it in items]
     want = sum(digit_sum_reward(it, "", c) for it, c in zip(items, done)) / len(items)
     assert accuracy(model, tok, items, digit_sum_reward, 4, num_slots=5) == pytest.approx(want)
+
+
+def test_accuracy_renders_prompts_as_training_does(setup):
+    """With chat_template=True the prompts go through the tokenizer's chat template
+    (`render_prompt`, as data.chat_template has training render them), and the completions stop
+    on the ids given: the same score as greedy decoding of those ids by hand."""
+    from model.tokenizer import HFTokenizer
+    from rollout.data import render_prompt
+    cfg, model, tok, _ = setup
+    hf = copy.deepcopy(tok.hf)  # the fixture's tokenizer stays as it is
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}={% endif %}")
+    chat = HFTokenizer(hf)
+    items = load_held_out(cfg.data, cfg.eval)
+    rendered = [render_prompt(it, chat, chat_template=True) for it in items]
+    assert rendered[0] != chat.encode(items[0].prompt, add_bos=True)  # the template's "=" too
+    stops = {5, *model.args.eos_ids}
+    done = [_greedy_by_hand(model, ids, 4, stops) for ids in rendered]
+    want = sum(digit_sum_reward(it, "", c) for it, c in zip(items, done)) / len(items)
+    got = accuracy(model, chat, items, digit_sum_reward, 4, num_slots=5, chat_template=True,
+                   stop_token_ids=sorted(stops))
+    assert got == pytest.approx(want)
 
 
 def test_a_resumed_run_redoes_the_records_from_its_version(setup):
