@@ -108,7 +108,8 @@ def math_fallback(gold: str, completion: str) -> float:
     """Math equivalence without math_verify (the documented fallback).
 
     1. The completion's final answer is, in order of preference: the content of the last
-       `\\boxed{...}`, a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
+       `\\boxed{...}` (none if that box is never closed: the completion was cut off inside
+       it, as math_verify reads it too), a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
        in the text is not one), the last `<answer>X</answer>`, else its last number. The gold
        answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
     2. Both are normalised: `$`, spaces and thousands separators (a comma or `\\,` before three
@@ -135,9 +136,9 @@ def math_fallback(gold: str, completion: str) -> float:
 
 def extract_final_answer(text: str, last_number: bool = True) -> str | None:
     """The final answer written in `text` (see `math_fallback` step 1), or None."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
+    start = text.rfind("\\boxed{")
+    if start >= 0:  # unbalanced: cut off inside the box ("\\boxed{46" of "\\boxed{465}"), none
+        return _boxed_at(text, start)
     for pattern in (_HASHES_RE, _ANSWER_TAG_RE):
         found = pattern.findall(text)
         if found:
@@ -148,11 +149,8 @@ def extract_final_answer(text: str, last_number: bool = True) -> str | None:
     return None
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (braces balanced), or None if absent or unbalanced."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
+def _boxed_at(text: str, start: int) -> str | None:
+    """Content of the \\boxed{...} at `start` (braces balanced), or None if unbalanced."""
     depth, i = 0, start + len("\\boxed")
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)

@@ -36,7 +36,8 @@ def test_exact_match():
     ("Natalia sold 48/2 = 24 clips.\n#### 72", "72", 1.0),  # GSM8K-style gold
     ("46", "45, no wait, 47", 0.0),
     ("46", "no number here", 0.0),
-    ("46", "\\boxed{46", 1.0),           # unbalanced box: the last number is the answer
+    ("46", "\\boxed{46", 0.0),           # cut off inside the box (of "\\boxed{465}"?): no
+    ("46", "46, so \\boxed{4", 0.0),      # answer, not the last number (math_verify: 0 too)
     ("46", "\\boxed{47", 0.0),
     ("yes", "\\boxed{Yes}", 1.0),        # non-numeric: normalised string match
     ("46", "", 0.0),
@@ -83,6 +84,7 @@ GSM8K_GOLD = "She sold 48 / 2 = 24 clips in May.\nIn all she sold 48 + 24 = 72 c
     ("yes", "\\boxed{Yes}", 1.0),   # words compare as strings, not as products of symbols
     ("Paris", "\\boxed{Rome}", 0.0),
     ("46", "", 0.0),
+    ("46", "\\boxed{46", 0.0),  # cut off inside the box: as the fallback reads it
 ])
 def test_math_reward_with_math_verify(gold, completion, expected):
     assert math_reward(_item(gold), completion, []) == expected
