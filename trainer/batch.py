@@ -193,11 +193,6 @@ class PackedBatch:
         parents = check_parents(self.seq_parents_S, len(self.seq_lens_S))
         return packed_positions(self.seq_lens_S, self.num_tokens, parents)[1][0]
 
-    @property
-    def cu_seqlens_S1(self) -> Tensor:
-        """int32 [S + 1] cumulative lengths, the varlen-attention convention."""
-        return torch.nn.functional.pad(torch.cumsum(self.seq_lens_S, 0), (1, 0)).to(torch.int32)
-
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
 
