@@ -296,8 +296,8 @@ def stacked_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) 
     `rollout.stacked.GATE_UP_AUTO_BYTES`). Llama-3-8B in bf16: q|k|v 32 * 4096 * (4096 + 2 *
     1024) * 2 B = 1.61 GB; gate|up 32 * 4096 * 2 * 14336 * 2 B = 7.52 GB, "all" only. On CPU
     counted for "all" only: the automatic choice stacks there with the compiled decode step,
-    which the Workload does not name (the copies of the small models run on CPU are MBs: 0.1 GB
-    for SmolLM2-135M in bf16)."""
+    which the Workload does not name (the copies of the small models run on CPU are small: 0.14 GB
+    for SmolLM2-135M in bf16: 33 MB q|k|v, 106 MB gate|up)."""
     from rollout.stacked import stacks_gate_up
     if gen_tp > 1 or wl.stack_weights == "off" or (cl.shared_cores and wl.stack_weights != "all"):
         return 0.0
