@@ -14,7 +14,8 @@ Memory per rank (feasible iff <= mem_headroom * gpu_mem)
                       with activation checkpointing: micro_batch_tokens * (L*cb*h + a + V*(cb+8))
   generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*kv_bytes*slots*max_len
             (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`);
-            plus the engine's weight copies: oneDNN-packed on CPU, stacked q|k|v and gate|up on GPUs at tp 1
+            plus the engine's weight copies: oneDNN-packed on CPU, stacked q|k|v (and
+            gate|up up to 2 GiB) on GPUs at tp 1
   colocated ranks hold both.
 Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
   T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
