@@ -915,18 +915,16 @@ def _stacked_weights(model: torch.nn.Module, device: torch.device, choice, compi
     if choice not in (None, True, False, "qkv"):
         raise ValueError(f"stack_weights={choice!r}; choose None (automatic), 'qkv', True, False "
                          "or another engine's stacked_weights")
-    ok = stacked.stackable(model)
-    if choice is True and not ok:
+    qkv_ok, gate_up_ok = (stacked.stackable(model, g) for g in (stacked.QKV, stacked.GATE_UP))
+    if choice is True and not (qkv_ok and gate_up_ok):
         raise ValueError("stack_weights=True: this model's q/k/v or gate/up projections cannot be "
                          "stacked (tensor-parallel shards, mixed dtypes or biases); leave "
                          "stack_weights=None (generator.stack_weights='auto')")
     auto = choice is None or choice == "qkv"
-    if not (ok and ((device.type == "cuda" or compiled) if auto else choice)):
+    if not (qkv_ok and ((device.type == "cuda" or compiled) if auto else choice)):
         return None
-    mlp = model.model.layers[0].mlp
-    gate_up_bytes = len(model.model.layers) * sum(p.weight.numel() * p.weight.element_size()
-                                                   for p in (mlp.gate_proj, mlp.up_proj))
-    return stacked.StackedWeights(model, gate_up=stacked.stacks_gate_up(choice, gate_up_bytes))
+    gate_up = gate_up_ok and stacked.stacks_gate_up(choice, stacked.gate_up_bytes(model))
+    return stacked.StackedWeights(model, gate_up=gate_up)
 
 
 def _compaction_moves(slot_info: list) -> tuple[list[int], list[int]]:

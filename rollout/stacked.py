@@ -41,21 +41,25 @@ def _modules(layer: nn.Module, group: tuple) -> list[nn.Module]:
     return [getattr(getattr(layer, owner), n) for n in names]
 
 
-def stackable(model: nn.Module) -> bool:
-    """Whether every layer's q/k/v and gate/up projections are plain tensors (not DTensor
-    shards), each group of one dtype and device, with biases on all of a group or none."""
+def stackable(model: nn.Module, group: tuple = QKV) -> bool:
+    """Whether every layer's projections of `group` (QKV, GATE_UP) are plain tensors (not
+    DTensor shards) of one dtype and device, with biases on all of them or none."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         return False
     for layer in layers:
-        for group in (QKV, GATE_UP):
-            mods = _modules(layer, group)
-            ws = [m.weight for m in mods]
-            if (any(hasattr(w, "to_local") for w in ws)
-                    or len({(w.dtype, w.device) for w in ws}) != 1
-                    or len({m.bias is None for m in mods}) != 1):
-                return False
+        mods = _modules(layer, group)
+        ws = [m.weight for m in mods]
+        if (any(hasattr(w, "to_local") for w in ws) or len({(w.dtype, w.device) for w in ws}) != 1
+                or len({m.bias is None for m in mods}) != 1):
+            return False
     return True
+
+
+def gate_up_bytes(model: nn.Module) -> int:
+    """Bytes the stacked gate|up copies of `model` take."""
+    return sum(m.weight.numel() * m.weight.element_size()
+               for layer in model.model.layers for m in _modules(layer, GATE_UP))
 
 
 class StackedWeights:

@@ -533,6 +533,12 @@ def test_stacked_weights_samples_alike_and_follows_in_place_updates(folders):
         mixed = load(folders)
         mixed.model.layers[0].self_attn.k_proj.to(torch.bfloat16)
         Engine(mixed, num_slots=2, max_len=16, stack_weights=True)
+    mixed_mlp = load(folders)
+    mixed_mlp.model.layers[0].mlp.up_proj.to(torch.bfloat16)  # q|k|v can still be stacked
+    auto = Engine(mixed_mlp, num_slots=2, max_len=16, compile_decode="compile").stacked_weights
+    assert auto.qkv and auto.gate_up is None
+    with pytest.raises(ValueError, match="stack_weights=True: .*q/k/v or gate/up"):
+        Engine(mixed_mlp, num_slots=2, max_len=16, stack_weights=True)
     with pytest.raises(ValueError, match="decode_attention='flex' needs the compiled decode step"):
         Engine(model, num_slots=2, max_len=16, decode_attention="flex")
     with pytest.raises(ValueError, match="unknown decode attention kernel 'fast'"):
