@@ -148,9 +148,12 @@ class GeneratorWorker:
 
     def _cut(self) -> dict:
         """This replica's half of a consistent checkpoint: everything it shipped is already on its
-        way (sent before this reply), the rest is the cursor and the prompts in flight."""
-        return {"cursor": self.prompts.state_dict(), "started": self.started,
-                "inflight": [[p.item.id, p.index] for p in self.pending.values()]}
+        way (sent before this reply), the rest is the cursor and the prompts in flight, those
+        still waiting to be regenerated after a resume included (a cut before they are admitted
+        again would otherwise lose them, and a run resumed from it reuse their start indices)."""
+        inflight = [[p.item.id, p.index] for p in self.pending.values()]
+        return {"cursor": self.prompts.state_dict(), "started": self.started + len(self._redo),
+                "inflight": inflight + [[item.id, index] for item, index in self._redo]}
 
     def _swap(self, version: int) -> None:
         maybe_kill(dist.get_rank() if dist.is_initialized() else 0, version)
