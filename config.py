@@ -191,7 +191,7 @@ class RunConfig:
     """Identity and location of the run."""
     name: str = _f("tandem", "Run name.")
     dir: str = _f("", "Run directory; '' = derived: runs/<name>.")
-    seed: int = _f(0, "Global seed, added to the section seeds.")
+    seed: int = _f(0, "Global seed, added to data.seed, generator.seed and trainer.seed when the config is resolved (a seed sweep varies this one key); the run's saved config.toml holds the sums and run.seed = 0.")
     dry_run: bool = _f(False, "Build everything, print the plan, and exit before training.")
 
 
@@ -288,6 +288,9 @@ class Config:
             cfg.model.ref_path = cfg.model.path
         if not cfg.run.dir:
             cfg.run.dir = os.path.join("runs", cfg.run.name)
+        for section in (cfg.data, g, t):  # folded in once: resolving again adds nothing
+            section.seed += cfg.run.seed
+        cfg.run.seed = 0
         return cfg
 
     def to_toml(self) -> str:

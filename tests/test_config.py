@@ -302,6 +302,18 @@ def test_resolve_split_derives_and_is_idempotent():
     assert r.resolve(16) == r
 
 
+def test_run_seed_is_added_to_every_section_seed_once(tmp_path):
+    """run.seed (a sweep's one key) moves the data, generator and trainer seeds; the resolved
+    config holds the sums, so resolving again, or rerunning its saved TOML, changes nothing."""
+    base = load_config(None, ["--data.seed=3", "--generator.seed=5"]).resolve(3)
+    r = load_config(None, ["--data.seed=3", "--generator.seed=5", "--run.seed=7"]).resolve(3)
+    assert (r.data.seed, r.generator.seed, r.trainer.seed) == (10, 12, 7)
+    assert (base.data.seed, base.generator.seed, base.trainer.seed) == (3, 5, 0)
+    assert r.run.seed == 0 and r.resolve(3) == r
+    r.save(str(tmp_path / "config.toml"))
+    assert load_config(str(tmp_path / "config.toml")).resolve(3) == r
+
+
 def test_resolve_colocated_and_explicit_values_are_kept():
     r = load_config(None, ["--parallel.mode=colocated", "--parallel.gen_tp=2", "--parallel.trainer_tp=4",
                            "--run.dir=/tmp/x", "--algo.buffer_capacity=100"]).resolve(8)
