@@ -163,7 +163,7 @@ class EvalConfig:
     """Held-out evaluation during training: greedy completions of the current policy, scored by the reward."""
     every_steps: int = _f(0, "Evaluate the policy of every N-th version (0 = off), on generator replica 0 when it takes those weights; also version 0 (before training) and the final one. Results: <run.dir>/eval.jsonl, TensorBoard under <run.dir>/tb/eval, one console line. Training pauses on that replica meanwhile, so an evaluation must finish within parallel.timeout_s.", ge=0)
     num_prompts: int = _f(200, "Held-out prompts per evaluation.", ge=1)
-    source: str = _f("", "Held-out prompts: like data.source (same fields and chat template); '' = data.source's. A task, given here or derived, is read from its held-out part: a synthetic task's items from index 500000 on (training draws from index 0), a reasoning_gym task's under seed data.seed + 500000 (most tasks seed item i by seed + i: training's items from 500000 on); a file needs an explicit eval.source.")
+    source: str = _f("", "Held-out prompts: like data.source (same fields and chat template); '' = data.source's. A task, given here or derived, is read from its held-out part: a synthetic task's items from index 500000 on (training draws from index 0), a reasoning_gym task's under seed data.seed + 500000 (most tasks seed item i by seed + i: training's items from 500000 on); a file needs an explicit eval.source. data.task_options and synthetic_digits apply when it is data.source's own task; another task runs with its defaults.")
     max_new_tokens: int = _f(0, "Completion length limit of an evaluation; 0 = generator.max_new_tokens.", ge=0)
 
 

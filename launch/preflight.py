@@ -30,6 +30,11 @@ def preflight(cfg, dims):
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"tokenizer of {cfg.model.path} has {tok.vocab_size} tokens but the model's "
                          f"vocab_size is {args.vocab_size}: they do not belong together")
+    bad = [t for t in cfg.generator.stop_token_ids if not 0 <= t < args.vocab_size]
+    if bad:
+        raise ConfigError(f"generator.stop_token_ids has {bad}, outside the model's vocabulary "
+                          f"[0, {args.vocab_size}): no token could ever stop on them; use ids of "
+                          f"this model's tokenizer")
     B = cfg.trainer.prompts_per_step
     if B < dims.gen_dp or B < dims.trainer_fsdp:
         raise ConfigError(f"trainer.prompts_per_step={B} must be >= gen_dp={dims.gen_dp} and "

@@ -129,23 +129,39 @@ def load_held_out(data, ev) -> list[PromptItem]:
                          f"{HELD_OUT_START} training prompts, or set eval.source")
     if kind == "reasoning_gym":
         seed += HELD_OUT_START
-    # data's task options go with a task of data's kind (a file takes none)
-    same_kind_task = is_task and kind == data.source.partition(":")[0]
+    if not is_task and source == data.source:
+        logger.warning("eval.source is data.source (%s): the held-out score is taken on training "
+                       "prompts", source)
+    # data's task options go with data's own task only (another task has its own parameters; a
+    # file takes none)
     try:
         return load_prompts(source, prompt_field=data.prompt_field,
                             messages_field=data.messages_field, answer_field=data.answer_field,
                             num_prompts=ev.num_prompts, seed=seed,
                             start=HELD_OUT_START if kind == "synthetic" else 0,
-                            **(task_options(data) if same_kind_task else {}))
+                            **(task_options(data) if is_task and source == data.source else {}))
     except ValueError as e:
         if ev.source:  # the loader's message speaks of data.source
             raise ValueError(f"eval.source={ev.source!r}: {e}") from None
         raise
 
 
+_LOADER_KEYS = {"seed": "data.seed", "num_prompts": "data.num_prompts", "start": None,
+                "prompt_field": "data.prompt_field", "messages_field": "data.messages_field",
+                "answer_field": "data.answer_field", "source": "data.source"}
+
+
 def task_options(data) -> dict:
     """The task parameters of `config.DataConfig` data: a synthetic task's digits, then
-    data.task_options (which may override them)."""
+    data.task_options (which may override them). Keys that the loader itself takes are refused:
+    data.task_options={seed=5} used to crash the loader, and {start=500000} made training draw
+    the held-out items."""
+    taken = sorted(set(data.task_options) & set(_LOADER_KEYS))
+    if taken:
+        fixes = [f"{k}: set by {_LOADER_KEYS[k]}" if _LOADER_KEYS[k] else f"{k}: the loader's own"
+                 for k in taken]
+        raise ValueError(f"data.task_options has key(s) {taken} that are not task parameters "
+                         f"({'; '.join(fixes)}); remove them from data.task_options")
     digits = {"digits": data.synthetic_digits} if data.source.startswith("synthetic:") else {}
     return {**digits, **data.task_options}
 
@@ -177,9 +193,14 @@ def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) ->
 
 
 def _read_jsonl(path: Path) -> Iterable[tuple[str, object]]:
-    """Yield ("file:line", record) for every non-blank line."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    """Yield ("file:line", record) for every non-blank line (UTF-8, a leading BOM allowed)."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -218,10 +239,13 @@ def _record_to_item(record, index: int, where: str, path: Path,
     if messages is not None:
         _check_messages(messages, where, messages_field)
     answer = record.get(answer_field)
-    if answer is None:
+    if answer_field not in record:
         raise ValueError(f"{where}: record lacks answer field {answer_field!r} (its keys: "
                          f"{sorted(record)}); set data.answer_field to the name this file uses")
-    if not isinstance(answer, (str, int, float)):
+    if answer is None:
+        raise ValueError(f"{where}: answer field {answer_field!r} is null; give every prompt its "
+                         f"answer (a string or a number), or leave the record out")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: answer field {answer_field!r} must be a string or a number, "
                          f"got {type(answer).__name__}")
     extra = {k: v for k, v in record.items() if k not in fields}
@@ -271,18 +295,40 @@ def render_prompt(item: PromptItem, tokenizer, chat_template: bool) -> list[int]
     return ids
 
 
+def _where(item: PromptItem) -> str:
+    """Where a prompt came from, for errors: its file:line, else its source and index."""
+    return item.meta.get("where") or f"{item.meta.get('source', 'prompts')} item {item.id}"
+
+
+def _encoded(item: PromptItem, encode_fn: Callable[[PromptItem], list[int]]) -> list[int]:
+    try:
+        ids = encode_fn(item)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a template or tokenizer error, whatever its type
+        raise ValueError(f"{_where(item)}: the prompt could not be rendered "
+                         f"({type(e).__name__}: {str(e)[:200]}); fix the record, or "
+                         "data.chat_template if the template cannot take its turns") from e
+    if not ids:
+        raise ValueError(f"{_where(item)}: the prompt renders to no tokens (empty text, and this "
+                         "tokenizer adds no BOS); drop the record or give it a prompt")
+    return ids
+
+
 def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], list[int]],
                      max_prompt_len: int) -> tuple[list[PromptItem], int]:
     """Drop prompts longer than `max_prompt_len` tokens; returns (kept, number skipped).
 
     Skips are logged as one warning with the count. If nothing fits, that is a configuration
-    error, and the message says how long the shortest prompt is.
+    error, and the message says how long the shortest prompt is. A prompt that cannot be rendered
+    (a chat template refusing its turns, text the tokenizer rejects) or renders to no tokens at
+    all (an empty prompt without BOS; the engine needs one) is an error naming its record.
     """
     if not items:
         raise ValueError("filter_by_length got no prompts; check data.source and data.num_prompts")
     kept, shortest = [], None
     for item in items:
-        n = len(encode_fn(item))
+        n = len(_encoded(item, encode_fn))
         shortest = n if shortest is None else min(shortest, n)
         if n <= max_prompt_len:
             kept.append(item)

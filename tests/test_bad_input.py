@@ -76,6 +76,8 @@ def _case(name, tmp_path, good_model):
         "flex_without_compile": ([m, "--generator.decode_attention=flex"],
                                  ["generator.decode_attention='flex' needs the compiled decode step",
                                   "generator.decode='compile'"]),
+        "stop_ids_outside_vocab": ([m, "--generator.stop_token_ids=[-5, 999999]"],
+                                   ["generator.stop_token_ids has [-5, 999999]", "vocabulary"]),
         # the preset evaluates every 100 steps: a file dataset has no held-out part of its own
         "eval_without_held_out": ([m, f"--data.source={prompts}"],
                                   ["eval.every_steps=100", "prompts.jsonl", "set eval.source"]),
@@ -86,7 +88,7 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "impossible_layout", "tp_vs_heads", "missing_model", "corrupt_model", "unsupported_arch",
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
          "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda",
-         "flex_without_compile", "eval_without_held_out"]
+         "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab"]
 
 
 # Each case runs train_rl.main in this process (a fresh interpreter per case cost ~5-9 s of

@@ -79,12 +79,23 @@ def test_load_jsonl_prompts_and_messages(tmp_path):
     ([{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}],
        "answer": "2"}], r"p\.jsonl:1: messages field 'messages' ends with an assistant turn"),
     ([{"prompt": "x", "answer": ["1"]}], r"p\.jsonl:1: answer field 'answer' must be"),
+    ([{"prompt": "x", "answer": True}], r"p\.jsonl:1: answer field 'answer' must be"),
+    ([{"prompt": "x", "answer": None}], r"p\.jsonl:1: answer field 'answer' is null"),
     (["", "  "], r"p\.jsonl' has no records.*'prompt'.*'answer'"),
 ])
 def test_load_jsonl_errors_name_file_line_and_field(tmp_path, records, pattern):
     path = _jsonl(tmp_path / "p.jsonl", records)
     with pytest.raises(ValueError, match=pattern):
         load_prompts(path)
+
+
+def test_load_jsonl_reads_a_bom_and_names_the_line_of_bytes_not_utf8(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": "2"}\n')
+    assert [it.prompt for it in load_prompts(str(path))] == ["x", "y"]  # a BOM (Windows editors)
+    path.write_bytes(b'{"prompt": "x", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\); save"):
+        load_prompts(str(path))
 
 
 def test_load_source_errors(tmp_path):
@@ -158,6 +169,13 @@ def test_role_passes_task_options_to_the_task(tmp_path):
     with pytest.raises(ValueError, match=r"takes no task parameters, got \['digits'\]; leave "
                                          r"data.task_options empty for files"):
         load_items(cfg, tok)
+    # the loader's own keys are not task parameters: {seed=5} crashed it, {start=500000} made
+    # training draw the held-out items
+    for options, words in (('{"seed": 5}', r"\['seed'\].*seed: set by data.seed"),
+                           ('{"start": 500000}', r"\['start'\].*start: the loader's own")):
+        cfg = load_config(None, ["--data.source=synthetic:addition", f"--data.task_options={options}"])
+        with pytest.raises(ValueError, match="data.task_options has key.*" + words):
+            load_items(cfg, tok)
 
 
 # ------------------------------------------------------------------------------ source/sharding
@@ -222,6 +240,25 @@ def test_filter_by_length_counts_and_warns(caplog):
     assert "skipped 2 of 6 prompts" in caplog.text
     with pytest.raises(ValueError, match="max_prompt_len=0.*shortest has 1.*at least 1"):
         filter_by_length(items, encode, max_prompt_len=0)
+
+
+def test_filter_by_length_names_a_record_that_renders_to_nothing_or_fails(tmp_path):
+    """An empty prompt of a tokenizer without BOS became 0 tokens, passed the length filter and
+    crashed the generator when drawn; a template error was a traceback naming no record."""
+    items = load_prompts(_jsonl(tmp_path / "p.jsonl", [{"prompt": "ab", "answer": "1"},
+                                                       {"prompt": "", "answer": "2"}]))
+    encode = lambda it: list(range(len(it.prompt)))  # noqa: E731
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: the prompt renders to no tokens"):
+        filter_by_length(items, encode, max_prompt_len=8)
+
+    def template(it):
+        raise RuntimeError("Conversation roles must alternate user/assistant")
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: the prompt could not be rendered "
+                                         r"\(RuntimeError: Conversation roles must alternate"):
+        filter_by_length(items, template, max_prompt_len=8)
+    synthetic = [PromptItem(id=3, prompt="", messages=None, answer="", meta={"source": "s:t"})]
+    with pytest.raises(ValueError, match="s:t item 3: the prompt renders to no tokens"):
+        filter_by_length(synthetic, encode, max_prompt_len=8)
 
 
 def test_render_prompt():

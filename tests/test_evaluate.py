@@ -52,6 +52,25 @@ def test_held_out_prompts_are_the_tasks_far_items_or_eval_source(tmp_path):
         load_held_out(cfg.data, cfg.eval)
 
 
+def test_eval_of_another_task_takes_its_defaults_and_of_the_training_file_warns(tmp_path, caplog):
+    """data's task options go with data's own task only: another synthetic task got training's
+    digits (and another reasoning_gym task options it does not take); evaluating on the training
+    file is said in a warning."""
+    cfg = load_config(TINY, ["--eval.num_prompts=3", "--eval.source=synthetic:reverse",
+                             "--data.synthetic_digits=2"])
+    reverse = make_task("reverse", seed=cfg.data.seed)  # its default 4 digits, not training's 2
+    assert [it.prompt for it in load_held_out(cfg.data, cfg.eval)] == [
+        reverse[HELD_OUT_START + i]["prompt"] for i in range(3)]
+    cfg = load_config(TINY, ["--eval.num_prompts=3", "--data.synthetic_digits=4"])
+    assert all(len(it.prompt.split("+")[0]) == 4 for it in load_held_out(cfg.data, cfg.eval))
+    f = tmp_path / "train.jsonl"
+    f.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    cfg = load_config(TINY, [f"--data.source={f}", f"--eval.source={f}"])
+    with caplog.at_level("WARNING", logger="tandem.data"):
+        assert len(load_held_out(cfg.data, cfg.eval)) == 1
+    assert "eval.source is data.source" in caplog.text and "training prompts" in caplog.text
+
+
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                     reason="reasoning_gym not installed (optional)")
 @pytest.mark.parametrize("task, given", [("basic_arithmetic", False), ("leg_counting", False),
