@@ -510,8 +510,8 @@ class Engine:
         self._copies.invalidate()
 
     def add_requests(self, requests: Sequence[Request]) -> None:
-        """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate."""
-        now = time.perf_counter()
+        """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate,
+        and then queues none of them."""
         for r in requests:
             n_prompt = len(r.prompt_ids)
             if not 1 <= n_prompt <= self.max_len - 1:
@@ -519,6 +519,8 @@ class Engine:
                     f"request {r.request_id!r}: prompt has {n_prompt} tokens; the engine's "
                     f"max_len={self.max_len} allows 1..{self.max_len - 1} (room for >= 1 new token); "
                     "filter long prompts in the data layer or raise max_len")
+        now = time.perf_counter()
+        for r in requests:
             seed = r.params.seed
             if seed is None:
                 seed = mix32(self.seed) << 32 | mix32(self._n_requests + 0x5BD1E995)

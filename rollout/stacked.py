@@ -68,7 +68,7 @@ class StackedWeights:
     gate_up`), or None with `gate_up=False` (q|k|v only: the benches' A/B)."""
 
     def __init__(self, model: nn.Module, gate_up: bool = True):
-        self._sources = []  # per stack: ([weights], [biases] or None, the stacked entry)
+        self._sources = []  # per stack: (its modules, the stacked entry)
         groups = {"qkv": QKV, "gate_up": GATE_UP} if gate_up else {"qkv": QKV}
         stacks: dict[str, list] = {name: [] for name in groups}
         with torch.no_grad():
@@ -76,23 +76,25 @@ class StackedWeights:
                 for name, group in groups.items():
                     mods = _modules(layer, group)
                     ws = [m.weight for m in mods]
-                    bs = None if mods[0].bias is None else [m.bias for m in mods]
-                    entry = (torch.cat(ws), None if bs is None else torch.cat(bs),
-                             [w.shape[0] for w in ws])
+                    bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
+                    entry = (torch.cat(ws), bias, [w.shape[0] for w in ws])
                     stacks[name].append(entry)
-                    self._sources.append((ws, bs, entry))
+                    self._sources.append((mods, entry))
         self.qkv, self.gate_up = stacks["qkv"], stacks.get("gate_up")
-        # what the stamps read, listed once: `refresh` runs before every engine step
-        self._tensors: list[Tensor] = [t for ws, bs, _ in self._sources for t in ws + (bs or [])]
+        # the modules, listed once: `refresh` runs before every engine step; it reads their
+        # parameters anew each time, since a weight swap may replace them (load_state_dict with
+        # assign=True, a new nn.Parameter)
+        self._modules: list[nn.Module] = [m for mods, _ in self._sources for m in mods]
         self._stamp = self._stamps()
         self.refills = 0  # refreshes that copied (tests check that an unchanged model copies none)
 
     def tensors(self) -> list[Tensor]:
         """The stacked copies (weights and biases), for memory accounting."""
-        return [t for _, _, (w, b, _) in self._sources for t in (w, b) if t is not None]
+        return [t for _, (w, b, _) in self._sources for t in (w, b) if t is not None]
 
     def _stamps(self) -> tuple:
-        return tuple((t._version, t.data_ptr()) for t in self._tensors)
+        return tuple((t._version, t.data_ptr()) for m in self._modules
+                     for t in (m.weight, m.bias) if t is not None)
 
     @torch.inference_mode()  # the copies may have been made under it (inference tensors)
     def refresh(self, force: bool = False) -> None:
@@ -100,9 +102,9 @@ class StackedWeights:
         stamp = self._stamps()
         if not force and stamp == self._stamp:
             return
-        for ws, bs, (w, b, _) in self._sources:
-            torch.cat(ws, out=w)
-            if bs is not None:
-                torch.cat(bs, out=b)
+        for mods, (w, b, _) in self._sources:
+            torch.cat([m.weight for m in mods], out=w)
+            if b is not None:
+                torch.cat([m.bias for m in mods], out=b)
         self._stamp = stamp
         self.refills += 1

@@ -12,6 +12,7 @@ import torch
 from model import load_pretrained
 from rollout.engine import Engine, Request, SamplingParams, _warm_up
 from rollout.sampling import BLOCK, hashed_uniform, mix32, process_logits, sample, stream_key
+from rollout.stacked import StackedWeights
 from tests import tiny
 
 PROMPT_LENS = [3, 9, 5, 14, 1, 7]
@@ -424,6 +425,15 @@ def test_stop_tokens_max_new_tokens_and_max_len(folders):
     assert c.completion_ids == free.completion_ids[:4]
     with pytest.raises(ValueError, match="prompt has 10 tokens.*max_len=10 allows 1..9"):
         engine.add_requests([Request("long", list(range(10)))])
+    # a refused request in a list leaves none of it queued (the ones before it used to run with
+    # the next call, and shift the seeds of later requests)
+    with pytest.raises(ValueError, match="request 'long': prompt has 10 tokens"):
+        engine.generate([Request("ok", p[:5], sp), Request("long", list(range(10)), sp)])
+    assert not engine.has_work()
+    twin = Engine(model, num_slots=2, max_len=10)  # the same history without the refused call
+    twin.generate([Request("x", p, sp)])
+    again = Request("b", p[:5], SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True))
+    assert engine.generate([again])[0].completion_ids == twin.generate([again])[0].completion_ids
 
 
 def test_n_samples_share_one_prefill_and_differ(folders):
@@ -543,6 +553,36 @@ def test_stacked_weights_samples_alike_and_follows_in_place_updates(folders):
         Engine(model, num_slots=2, max_len=16, decode_attention="flex")
     with pytest.raises(ValueError, match="unknown decode attention kernel 'fast'"):
         Engine(model, num_slots=2, max_len=16, decode_attention="fast")
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_stacked_weights_follow_replaced_parameters(folders, gate_up):
+    """A swap that replaces the parameters (load_state_dict with assign=True: new tensors) is
+    computed with: the stacked copies read the modules' current weights, not the tensors they
+    were made from (they kept the old q|k|v and gate|up beside the new other weights)."""
+    model, new = load(folders), load(folders, ("llama3", 1))
+    sp = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=5, seed=2, ignore_eos=True)
+    ps = prompts([4, 9])
+    engine = Engine(model, num_slots=2, max_len=40,
+                    stack_weights=StackedWeights(model, gate_up=gate_up))
+    engine.generate(requests(ps, sp))
+
+    def apply():
+        model.load_state_dict(new.state_dict(), assign=True)
+        model.tie_weights()
+    engine.load_weights(apply, version=1)
+    ref, _ = run(new, 2, sp, ps, stack_weights=False)
+    got = engine.generate(requests(ps, sp))
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    for a, b in zip(got, ref):
+        assert max(abs(x - y) for x, y in zip(a.logp, b.logp)) <= 1e-5
+    with torch.no_grad():  # and in-place updates of the new tensors are seen after it
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(2.0)
+            layer.self_attn.q_proj.weight.mul_(0.5)
+    ref, _ = run(model, 2, sp, ps, stack_weights=False)
+    got = engine.generate(requests(ps, sp))
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
 
 
 @pytest.mark.slow
