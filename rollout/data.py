@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,11 @@ def _record_to_item(record, index: int, where: str, path: Path,
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: answer field {answer_field!r} must be a string or a number, "
                          f"got {type(answer).__name__}")
+    if isinstance(answer, float):  # a JSON number: 2.0 is the number 2 (exact_match reads "2")
+        if not math.isfinite(answer):
+            raise ValueError(f"{where}: answer field {answer_field!r} is {answer}; give a finite "
+                             f"number or a string")
+        answer = int(answer) if answer.is_integer() else answer
     extra = {k: v for k, v in record.items() if k not in fields}
     meta = {"source": str(path), "where": where, "record": extra}
     return PromptItem(id=index, prompt=prompt, messages=messages, answer=str(answer), meta=meta)

@@ -81,12 +81,20 @@ def test_load_jsonl_prompts_and_messages(tmp_path):
     ([{"prompt": "x", "answer": ["1"]}], r"p\.jsonl:1: answer field 'answer' must be"),
     ([{"prompt": "x", "answer": True}], r"p\.jsonl:1: answer field 'answer' must be"),
     ([{"prompt": "x", "answer": None}], r"p\.jsonl:1: answer field 'answer' is null"),
+    (['{"prompt": "x", "answer": NaN}'], r"p\.jsonl:1: answer field 'answer' is nan; give a finite"),
     (["", "  "], r"p\.jsonl' has no records.*'prompt'.*'answer'"),
 ])
 def test_load_jsonl_errors_name_file_line_and_field(tmp_path, records, pattern):
     path = _jsonl(tmp_path / "p.jsonl", records)
     with pytest.raises(ValueError, match=pattern):
         load_prompts(path)
+
+
+def test_numeric_answers_read_as_numbers(tmp_path):
+    """A JSON number has no format of its own: 2.0 is the integer 2 (exact_match compares text)."""
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": 2.0}, {"prompt": "b", "answer": 7},
+                                         {"prompt": "c", "answer": 0.25}, {"prompt": "d", "answer": "2.0"}])
+    assert [it.answer for it in load_prompts(path)] == ["2", "7", "0.25", "2.0"]
 
 
 def test_load_jsonl_reads_a_bom_and_names_the_line_of_bytes_not_utf8(tmp_path):
