@@ -278,8 +278,12 @@ class Config:
         return self
 
     def resolve(self, world_size: int) -> "Config":
-        """Return a copy with every derived value filled in and the layout checked. Idempotent."""
+        """Return a copy with every derived value filled in and the layout checked. Idempotent.
+        The keys it fills (DERIVED) remember the value they were given, which `to_toml` writes
+        back, so that a saved config derives them again when reused (another run.name, another
+        world size) instead of pinning this run's folder and layout."""
         cfg = copy.deepcopy(self).validate()
+        given = {key: _get(cfg, key) for key in DERIVED}
         _resolve_layout(cfg.parallel, world_size)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
         if a.buffer_capacity == 0:
@@ -291,15 +295,28 @@ class Config:
         for section in (cfg.data, g, t):  # folded in once: resolving again adds nothing
             section.seed += cfg.run.seed
         cfg.run.seed = 0
+        derived = dict(getattr(self, "_derived", {}))  # a resolved config's, resolved again
+        for key, value in given.items():
+            if _get(cfg, key) != value:
+                derived.setdefault(key, value)
+        cfg._derived = derived  # not a field: equality compares the values only
         return cfg
 
     def to_toml(self) -> str:
-        """The config as TOML, each key preceded by its help text. None is written as ""."""
+        """The config as TOML, each key preceded by its help text. None is written as "". A key
+        `resolve` derived is written as it was given (0, "": derive it), its derived value in a
+        comment."""
         lines = ["# tandem config, written by config.py (None is written as \"\")."]
+        derived = getattr(self, "_derived", {})
         for section, sec in ((f.name, getattr(self, f.name)) for f in fields(self)):
             lines += ["", f"[{section}]"]
             for f in fields(sec):
-                lines += [f"# {f.metadata['help']}", f"{f.name} = {_toml_value(getattr(sec, f.name))}"]
+                value, key = getattr(sec, f.name), f"{section}.{f.name}"
+                lines.append(f"# {f.metadata['help']}")
+                if key in derived:
+                    lines.append(f"# derived for this run: {_toml_value(value)}")
+                    value = derived[key]
+                lines.append(f"{f.name} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
 
     def save(self, path: str) -> None:
@@ -539,6 +556,16 @@ def _toml_value(v) -> str:
     esc = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
     return '"' + "".join(esc.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
                          for c in v) + '"'
+
+
+# the keys Config.resolve fills in from others (or from the world size)
+DERIVED = ("parallel.generator_ranks", "parallel.gen_dp", "parallel.trainer_fsdp",
+           "algo.buffer_capacity", "model.ref_path", "run.dir")
+
+
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def _resolve_layout(p: ParallelConfig, world: int) -> None:

@@ -268,12 +268,34 @@ def test_validate_catches_hand_built_bad_values():
 def test_save_load_round_trip(tmp_path):
     cfg = load_config(TINY, ["--generator.stop_token_ids=2,7", "--run.name=we\"ird\\name\tä",
                              "--trainer.lr=3.3e-7", "--parallel.timeout_s=1e30"])
+    path = str(tmp_path / "run" / "config.toml")
     for c in (cfg, cfg.resolve(3)):
-        path = str(tmp_path / "run" / "config.toml")
         c.save(path)
-        assert load_config(path) == c
+        assert load_config(path).resolve(3) == c.resolve(3)
         assert Config.from_dict(c.to_dict()) == c
+    cfg.save(path)
+    assert load_config(path) == cfg
     assert not [p for p in os.listdir(tmp_path / "run") if ".tmp" in p]
+
+
+def test_a_saved_config_derives_its_derived_keys_again(tmp_path):
+    """The run's saved config.toml, used as the base of another run, pinned the first run's
+    folder (a sweep from it found "already completed" and trained nothing), its layout and its
+    buffer size: the keys resolve derives are saved as given, their values in comments."""
+    r = load_config(TINY, ["--run.name=first"]).resolve(3)
+    path = str(tmp_path / "config.toml")
+    r.save(path)
+    text = open(path).read()
+    assert f'# derived for this run: "{os.path.join("runs", "first")}"\ndir = ""' in text
+    again = load_config(path, ["--run.name=second", "--algo.max_staleness=4"]).resolve(5)
+    assert again.run.dir == os.path.join("runs", "second")
+    t, g = again.trainer, again.generator
+    assert again.algo.buffer_capacity == t.prompts_per_step * g.n_samples * 5
+    assert again.parallel.trainer_fsdp == 5 - again.parallel.generator_ranks
+    assert load_config(path).resolve(3) == r  # and it reproduces the run itself
+    given = load_config(TINY, ["--run.dir=/tmp/x", "--parallel.trainer_fsdp=2"]).resolve(3)
+    given.save(path)
+    assert 'dir = "/tmp/x"' in open(path).read() and load_config(path).parallel.trainer_fsdp == 2
 
 
 def test_saved_file_is_commented_and_none_is_empty_string(tmp_path):
