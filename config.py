@@ -271,6 +271,7 @@ class Config:
             raise ConfigError(f"model.compute_dtype='float32' cannot compute wider than the parameters "
                               f"(model.dtype={m.dtype!r}); set --model.dtype=float32 or "
                               "--model.compute_dtype=auto")
+        _check_table_values(self.data.task_options, "data.task_options")
         ranks = self.logging.log_rank.replace(" ", "")
         if ranks != "all" and not all(r.isdigit() for r in ranks.split(",")):
             raise ConfigError(f"logging.log_rank={self.logging.log_rank!r} is invalid: use 'all' or "
@@ -556,6 +557,22 @@ def _toml_value(v) -> str:
     esc = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
     return '"' + "".join(esc.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
                          for c in v) + '"'
+
+
+def _check_table_values(value, where: str) -> None:
+    """A dict option's values must be what a saved config.toml can hold again: strings, numbers,
+    booleans, lists and tables (JSON's null came back as "", a TOML date could not be written)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_table_values(v, f"{where}[{k!r}]")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_table_values(v, f"{where}[{i}]")
+    elif not isinstance(value, (str, int, float)):
+        what = "null" if value is None else type(value).__name__
+        raise ConfigError(f"{where} is {what}, which a saved config.toml cannot hold (TOML has "
+                          "strings, numbers, booleans, lists and tables); leave the key out for "
+                          "the task's default, or give the value as a string")
 
 
 # the keys Config.resolve fills in from others (or from the world size)

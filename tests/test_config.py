@@ -67,6 +67,13 @@ def test_task_options_table_from_toml_and_json_from_the_command_line(tmp_path):
     assert 'task_options = {allow_negation = false, "x y" = 2.5}' in open(saved).read()
     assert load_config(saved) == cfg
     assert load_config(None, ["--data.task_options="]).data.task_options == {}
+    # what a saved config cannot hold again: JSON's null (it came back as ""), a TOML date
+    with pytest.raises(ConfigError, match=r"data.task_options\['tasks'\]\[1\] is null, which a "
+                                          r"saved config.toml cannot hold.*leave the key out"):
+        load_config(None, ['--data.task_options={"tasks": ["a", null]}'])
+    path.write_text("[data]\ntask_options = {start = 1979-05-27}\n")
+    with pytest.raises(ConfigError, match=r"data.task_options\['start'\] is date"):
+        load_config(str(path))
     with pytest.raises(ConfigError, match=r"data.task_options='\{digits: 2\}' is not a JSON "
                                           r"object .*--data.task_options='\{\"max_digits\": 1\}'"):
         load_config(None, ["--data.task_options={digits: 2}"])
