@@ -519,12 +519,17 @@ def _coerce(raw, tp, key: str, text: bool = False):
                 raw = json.loads(raw) if raw.strip() else {}
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{key}={raw!r} is not a JSON object ({e.msg}); write it as "
-                                  f"--{key}='{{\"max_digits\": 1}}'") from None
+                                  f"--{key}='{{\"max_digits\":1}}'") from None
         if isinstance(raw, dict) and all(isinstance(k, str) for k in raw):
             return raw
     elif origin is list:
         if text and isinstance(raw, str):
-            raw = [p.strip().strip("'\"") for p in raw.strip().strip("[]").split(",") if p.strip()]
+            s = raw.strip()
+            if s.startswith("[") != s.endswith("]") or "[" in s[1:-1] or "]" in s[1:-1]:
+                raise ConfigError(f"{key}={raw!r} is not a list: write it as --{key}=1,2 or "
+                                  f"--{key}=[1,2]")
+            raw = [p.strip().strip("'\"") for p in s.removeprefix("[").removesuffix("]").split(",")
+                   if p.strip()]
         if isinstance(raw, list):
             return [_coerce(x, args[0], key, text) for x in raw]
     elif isinstance(raw, str) and text and tp is not str:

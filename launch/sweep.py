@@ -17,6 +17,7 @@ SLURM_ARRAY_TASK_ID, and prints (or, with --submit, runs) the `sbatch --array` c
 """
 import argparse
 import itertools
+import json
 import os
 import re
 import shlex
@@ -30,6 +31,7 @@ sys.path.insert(0, ROOT)  # run as a script from anywhere: config.py lives in th
 from config import ConfigError, int_at_least, load_config, parse_cli  # noqa: E402
 
 RUN_LOCAL = os.path.join("launch", "run_local.sh")
+SBATCH = os.path.join("launch", "tandem.sbatch")
 
 
 @dataclass
@@ -39,11 +41,27 @@ class Run:
 
 
 def parse_grid_arg(text: str) -> tuple[str, list[str]]:
-    """"trainer.lr=1e-4,3e-4" -> ("trainer.lr", ["1e-4", "3e-4"])."""
+    """"trainer.lr=1e-4,3e-4" -> ("trainer.lr", ["1e-4", "3e-4"]). Commas inside brackets or
+    braces belong to one value: "stop_token_ids=[1,2],[3]" is two values, as is a list of JSON
+    objects for a table key."""
     key, eq, values = text.removeprefix("--").partition("=")
     if not eq or "." not in key or not values.strip():
         raise ValueError(f"--grid {text!r} must look like section.key=v1,v2,... (e.g. trainer.lr=1e-4,3e-4)")
-    return key.strip(), [v.strip() for v in values.split(",")]
+    return key.strip(), [v.strip() for v in _top_level_split(values, text)]
+
+
+def _top_level_split(text: str, where: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(c, 0)
+        if depth < 0:
+            break
+        if c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"--grid {where!r}: unbalanced brackets or braces")
+    return parts + [text[start:]]
 
 
 def load_grid_file(path: str) -> list[tuple[str, list[str]]]:
@@ -67,24 +85,46 @@ def _text(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, list):  # list-typed fields take comma-separated values
-        return ",".join(_text(x) for x in v)
+        return "[" + ",".join(_text(x) for x in v) + "]"
+    if isinstance(v, dict):  # table-typed fields take a JSON object
+        return json.dumps(v, separators=(",", ":"))
     return str(v)
 
 
 def _slug(text: str) -> str:
+    text = re.sub(r"^-(?=[0-9.])", "m", text)  # -1 -> m1: a name unlike 1's
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-") or "x"
 
 
-def expand(grid: list[tuple[str, list[str]]], prefix: str, common: list[str] = ()) -> list[Run]:
-    """Cartesian product of the grid, in order, each with a unique sanitised run name."""
+def _same_values(key: str, values: list[str], config: str | None) -> list[str]:
+    """The grid's values that mean the same setting as an earlier one (1e-4 and 0.0001)."""
+    seen, repeats = [], []
+    for v in values:
+        setting = v
+        if config is not None:
+            try:
+                setting = _get(load_config(config, [f"--{key}={v}"]), key)
+            except ConfigError:
+                pass  # validate() reports it with the run's name
+        (repeats.append(v) if setting in seen else seen.append(setting))
+    return repeats
+
+
+def expand(grid: list[tuple[str, list[str]]], prefix: str, common: list[str] = (),
+           config: str | None = None) -> list[Run]:
+    """Cartesian product of the grid, in order, each with a unique sanitised run name. With
+    `config`, values are compared as the settings they make (1e-4 repeats 0.0001)."""
     keys = [k.replace("-", "_") for k, _ in grid]
     for key, (raw, values) in zip(keys, grid):
         if keys.count(key) > 1:
             raise ValueError(f"grid key {key!r} is given more than once; list all its values in one --grid")
-        if key == "run.name":
-            raise ValueError("run.name is set per run by the sweep; use --name-prefix instead")
-        if len(set(values)) != len(values):
-            raise ValueError(f"grid key {key!r} repeats a value: {values}; each run must differ")
+        if key in ("run.name", "run.dir"):
+            raise ValueError(f"{key} is set per run by the sweep (run.name, its folder "
+                             "runs/<run.name>); use --name-prefix instead")
+        repeats = _same_values(key, values, config)
+        if repeats:
+            raise ValueError(f"grid key {key!r} repeats a value: {repeats} in {values}; each run "
+                             "must differ")
         bad = [v for v in values if not v or re.search(r"\s", v)]
         if bad:  # the sweep file is whitespace-separated (launch/tandem.sbatch splits it)
             raise ValueError(f"grid values of {key!r} must be non-empty and contain no whitespace: {bad!r}")
@@ -94,14 +134,19 @@ def expand(grid: list[tuple[str, list[str]]], prefix: str, common: list[str] = (
     combos = list(itertools.product(*(values for _, values in grid)))
     names = [_slug(prefix) + "".join(f"_{_slug(lab)}-{_slug(v)}" for lab, v in zip(labels, combo))
              for combo in combos]
-    # Sanitising can map different values to one name ("a/b", "a:b"): number the clashes.
-    names = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    # Sanitising can map different values to one name ("a/b", "a:b"): number the clashes, until
+    # no two names (numbered ones included) are alike.
+    while len(set(names)) < len(names):
+        names = [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
     return [Run(name, [*common, *(f"--{k}={v}" for k, v in zip(keys, combo)), f"--run.name={name}"])
             for name, combo in zip(names, combos)]
 
 
 def validate(config: str, runs: list[Run], world_size: int | None = None) -> None:
-    """Load every run's config (and resolve its layout if the world size is known); raise ConfigError."""
+    """Load every run's config (and resolve its layout if the world size is known); raise
+    ConfigError. Two runs in one folder (a run.dir given to all) are refused: the second would
+    find the first's steps done and train nothing."""
+    folders: dict[str, str] = {}
     for run in runs:
         try:
             cfg = load_config(config, run.overrides)
@@ -109,11 +154,38 @@ def validate(config: str, runs: list[Run], world_size: int | None = None) -> Non
                 cfg.resolve(world_size)
         except ConfigError as e:
             raise ConfigError(f"run {run.name}: {e}") from None
+        folder = os.path.normpath(cfg.run.dir or os.path.join("runs", cfg.run.name))
+        if folder in folders:
+            raise ConfigError(f"runs {folders[folder]} and {run.name} would share the run folder "
+                              f"{folder}: leave run.dir unset (each run gets runs/<run.name>)")
+        folders[folder] = run.name
 
 
-def local_command(config: str, run: Run, nproc: int | None) -> list[str]:
-    env = [f"CONFIG={config}"] + ([f"NPROC={nproc}"] if nproc else [])
-    return [*env, RUN_LOCAL, *run.overrides]
+def _get(cfg, key: str):
+    section, name = key.split(".", 1)
+    return getattr(getattr(cfg, section), name)
+
+
+def shell_env(*pairs: tuple[str, str]) -> list[str]:
+    """VAR=value words that a shell still reads as assignments when quoted (shlex.join would
+    quote the whole word, and bash would run it as a command)."""
+    return [f"{k}={shlex.quote(v)}" for k, v in pairs]
+
+
+def local_command(config: str, run: Run, nproc: int | None) -> str:
+    """The shell line that runs `run` (from the repository root)."""
+    env = shell_env(("CONFIG", config), *([("NPROC", str(nproc))] if nproc else []))
+    return " ".join([*env, shlex.join([RUN_LOCAL, *run.overrides])])
+
+
+def check_sweep_file_words(runs: list[Run]) -> None:
+    """launch/tandem.sbatch splits a sweep line at whitespace: no override may hold any."""
+    for run in runs:
+        bad = [o for o in run.overrides if re.search(r"\s", o)]
+        if bad:
+            raise ValueError(f"--slurm: override(s) {bad} hold whitespace, which the sweep file "
+                             "cannot carry; write them without spaces (e.g. "
+                             "--data.task_options={\"max_digits\":1})")
 
 
 def write_sweep_file(path: str, runs: list[Run]) -> None:
@@ -127,7 +199,7 @@ def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool)
     env = {**os.environ, "CONFIG": config, **({"NPROC": str(nproc)} if nproc else {})}
     failed = []
     for i, run in enumerate(runs):
-        print(f"[sweep {i + 1}/{len(runs)}] {shlex.join(local_command(config, run, nproc))}", flush=True)
+        print(f"[sweep {i + 1}/{len(runs)}] {local_command(config, run, nproc)}", flush=True)
         rc = subprocess.run(["bash", RUN_LOCAL, *run.overrides], cwd=ROOT, env=env).returncode
         if rc:
             failed.append(f"{run.name} (exit {rc})")
@@ -154,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--slurm", action="store_true", help="write a sweep file for an sbatch job array")
     ap.add_argument("--nproc", type=int_at_least(1), help="--local: ranks per run (default: run_local.sh derives it)")
     ap.add_argument("--keep-going", action="store_true", help="--local: continue after a failed run")
-    ap.add_argument("--sbatch", default=os.path.join("launch", "tandem.sbatch"), help="--slurm: batch script")
+    ap.add_argument("--sbatch", default=SBATCH, help="--slurm: batch script")
     ap.add_argument("--sweep-file", help="--slurm: where to write the overrides (default runs/sweeps/<prefix>.txt)")
     ap.add_argument("--max-concurrent", type=int_at_least(1), help="--slurm: array throttle (--array=0-N%%K)")
     ap.add_argument("--submit", action="store_true", help="--slurm: call sbatch instead of printing it")
@@ -167,27 +239,35 @@ def main(argv: list[str] | None = None) -> int:
         grid = [parse_grid_arg(g) for g in args.grid] + (load_grid_file(args.grid_file) if args.grid_file else [])
         if not grid:
             raise ValueError("nothing to sweep: give --grid section.key=v1,v2 or --grid-file FILE")
+        # the runs start in the repository root: paths given from elsewhere are made absolute
+        args.config = os.path.abspath(args.config)
         prefix = args.name_prefix or load_config(args.config, common).run.name
-        runs = expand(grid, prefix, common)
+        runs = expand(grid, prefix, common, args.config)
         validate(args.config, runs, args.nproc if args.local else None)
+        if args.slurm:
+            check_sweep_file_words(runs)
     except (ValueError, OSError, tomllib.TOMLDecodeError) as e:  # ConfigError is a ValueError
         ap.error(str(e))
 
     if args.dry_run:
+        print(f"# from {ROOT}")
         for run in runs:
-            print(shlex.join(local_command(args.config, run, args.nproc)))
+            print(local_command(args.config, run, args.nproc))
         return 0
     if args.local:
         return run_local(args.config, runs, args.nproc, args.keep_going)
     sweep_file = os.path.abspath(args.sweep_file or os.path.join(ROOT, "runs", "sweeps", f"{_slug(prefix)}.txt"))
     write_sweep_file(sweep_file, runs)
     array = f"--array=0-{len(runs) - 1}" + (f"%{args.max_concurrent}" if args.max_concurrent else "")
-    cmd = ["sbatch", array, args.sbatch]
-    print(f"# {len(runs)} runs, overrides in {sweep_file}")
-    print(shlex.join([f"SWEEP_FILE={sweep_file}", f"CONFIG={args.config}", *cmd]))
+    sbatch = os.path.join(ROOT, args.sbatch) if args.sbatch == SBATCH else os.path.abspath(args.sbatch)
+    cmd = ["sbatch", array, sbatch]
+    print(f"# {len(runs)} runs, overrides in {sweep_file}; submit from the repository root (the "
+          "job runs where it was submitted from)")
+    print(" ".join(["cd", shlex.quote(ROOT), "&&",
+                    *shell_env(("SWEEP_FILE", sweep_file), ("CONFIG", args.config)), shlex.join(cmd)]))
     if args.submit:  # sbatch exports the caller's environment to the job by default
         env = {**os.environ, "SWEEP_FILE": sweep_file, "CONFIG": args.config}
-        return subprocess.run(cmd, env=env).returncode
+        return subprocess.run(cmd, env=env, cwd=ROOT).returncode
     return 0
 
 

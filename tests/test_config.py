@@ -75,7 +75,7 @@ def test_task_options_table_from_toml_and_json_from_the_command_line(tmp_path):
     with pytest.raises(ConfigError, match=r"data.task_options\['start'\] is date"):
         load_config(str(path))
     with pytest.raises(ConfigError, match=r"data.task_options='\{digits: 2\}' is not a JSON "
-                                          r"object .*--data.task_options='\{\"max_digits\": 1\}'"):
+                                          r"object .*--data.task_options='\{\"max_digits\":1\}'"):
         load_config(None, ["--data.task_options={digits: 2}"])
     with pytest.raises(ConfigError, match=r"data.task_options=\[1\] has the wrong type: expected "
                                           r"a table \(on the command line a JSON object\)"):

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from config import ConfigError
+from config import ConfigError, load_config
 from launch import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +56,63 @@ def test_names_are_sanitised_and_unique():
     assert names[0].startswith("my-sweep_source-a-b.jsonl")
 
 
+def test_names_keep_signs_and_stay_unique_after_numbering():
+    assert [r.name for r in sweep.expand([("generator.seed", ["-1", "1"])], "sw")] == [
+        "sw_seed-m1", "sw_seed-1"]  # -1 was named like 1 (and a later 1 ran in its folder)
+    names = [r.name for r in sweep.expand([("data.source", ["a/b", "a:b", "a-b_0"])], "p")]
+    assert len(set(names)) == 3  # "a-b_0" is what numbering made of "a/b"
+
+
+def test_grid_values_with_commas_inside_brackets_and_tables(tmp_path):
+    """A list or JSON value holds commas: it was cut at each one (three runs for two lists)."""
+    assert sweep.parse_grid_arg("generator.stop_token_ids=[1,2],[3]") == (
+        "generator.stop_token_ids", ["[1,2]", "[3]"])
+    key, values = sweep.parse_grid_arg('data.task_options={"max_digits":1,"x":[1,2]},{"max_digits":2}')
+    assert values == ['{"max_digits":1,"x":[1,2]}', '{"max_digits":2}']
+    with pytest.raises(ValueError, match="unbalanced"):
+        sweep.parse_grid_arg("generator.stop_token_ids=[1,2")
+    runs = sweep.expand([("generator.stop_token_ids", ["[1,2]", "[3]"])], "sw")
+    assert [load_config(TINY, r.overrides).generator.stop_token_ids for r in runs] == [[1, 2], [3]]
+    with pytest.raises(ConfigError, match=r"stop_token_ids='\[1' is not a list"):
+        load_config(TINY, ["--generator.stop_token_ids=[1"])
+    grid = tmp_path / "grid.toml"  # a table key in a grid file: JSON on the command line
+    grid.write_text('[grid]\n"data.task_options" = [{max_digits = 1}, {max_digits = 2}]\n'
+                    '"generator.stop_token_ids" = [[1, 2], [3]]\n')
+    g = sweep.load_grid_file(str(grid))
+    assert g == [("data.task_options", ['{"max_digits":1}', '{"max_digits":2}']),
+                 ("generator.stop_token_ids", ["[1,2]", "[3]"])]
+    cfgs = [load_config(TINY, r.overrides) for r in sweep.expand(g, "sw")]
+    assert [(c.data.task_options, c.generator.stop_token_ids) for c in cfgs][-1] == (
+        {"max_digits": 2}, [3])
+
+
+def test_sweep_refuses_runs_that_would_share_a_folder_or_a_setting(tmp_path):
+    runs = sweep.expand([("trainer.lr", ["1e-4", "3e-4"])], "sw", ["--run.dir=/tmp/one"])
+    with pytest.raises(ConfigError, match="would share the run folder /tmp/one"):
+        sweep.validate(TINY, runs)
+    with pytest.raises(ValueError, match=r"repeats a value: \['0.0001'\]"):
+        sweep.expand([("trainer.lr", ["1e-4", "0.0001"])], "sw", config=TINY)
+    with pytest.raises(ValueError, match="run.dir is set per run"):
+        sweep.expand([("run.dir", ["a", "b"])], "sw")
+
+
+def test_slurm_refuses_an_override_with_whitespace(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4,3e-4", '--data.task_options={"max_digits": 1}',
+                    "--slurm", "--sweep-file", str(tmp_path / "s.txt")])
+    assert "hold whitespace, which the sweep file cannot carry" in capsys.readouterr().err
+    assert not (tmp_path / "s.txt").exists()
+
+
+def test_relative_paths_from_another_folder(tmp_path, monkeypatch, capsys):
+    """The runs start in the repository root: a config path relative to the caller's folder
+    reached run_local.sh as the same relative path there (not found)."""
+    shutil.copy(os.path.join(ROOT, TINY), tmp_path / "my.toml")
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main(["--config", "my.toml", "--grid", "trainer.lr=1e-4", "--dry-run"]) == 0
+    assert f"CONFIG={tmp_path / 'my.toml'} launch/run_local.sh" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("grid, match", [
     ([("trainer.lr", ["1", "2"]), ("trainer.lr", ["3"])], "more than once"),
     ([("trainer.lr", ["1", "1"])], "repeats a value"),
@@ -90,10 +147,10 @@ def test_unknown_key_fails_before_anything_runs(capsys, tmp_path):
 def test_dry_run_prints_commands(capsys):
     assert sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4,3e-4", "--grid", "algo.max_staleness=0,1,4",
                        "--name-prefix", "sw", "--generator.n_samples=4", "--dry-run"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 6
-    assert lines[0] == (f"CONFIG={TINY} launch/run_local.sh --generator.n_samples=4 --trainer.lr=1e-4 "
-                        "--algo.max_staleness=0 --run.name=sw_lr-1e-4_max_staleness-0")
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header == f"# from {sweep.ROOT}" and len(lines) == 6
+    assert lines[0] == (f"CONFIG={os.path.abspath(TINY)} launch/run_local.sh --generator.n_samples=4 "
+                        "--trainer.lr=1e-4 --algo.max_staleness=0 --run.name=sw_lr-1e-4_max_staleness-0")
     assert lines[5].endswith("--trainer.lr=3e-4 --algo.max_staleness=4 --run.name=sw_lr-3e-4_max_staleness-4")
 
 
@@ -104,7 +161,7 @@ def test_grid_file_and_default_prefix(tmp_path, capsys):
     assert sweep.load_grid_file(str(grid)) == [
         ("trainer.lr", ["0.0001", "0.0003"]), ("algo.loss", ["aipo", "ppo"]), ("parallel.compile", ["true"])]
     assert sweep.main(["--config", TINY, "--grid-file", str(grid), "--dry-run"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()[1:]
     assert len(out) == 4 and out[1].endswith("--run.name=tiny_cpu_lr-0.0001_loss-ppo_compile-true")
 
 
@@ -115,7 +172,8 @@ def test_slurm_writes_one_override_line_per_run(tmp_path, capsys):
     assert sweep_file.read_text() == ("--trainer.lr=1e-4 --run.name=sw_lr-1e-4\n"
                                       "--trainer.lr=3e-4 --run.name=sw_lr-3e-4\n")
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == f"SWEEP_FILE={sweep_file} CONFIG={TINY} sbatch --array=0-1%2 launch/tandem.sbatch"
+    assert out[-1] == (f"cd {sweep.ROOT} && SWEEP_FILE={sweep_file} CONFIG={os.path.abspath(TINY)} "
+                       f"sbatch --array=0-1%2 {os.path.join(sweep.ROOT, 'launch', 'tandem.sbatch')}")
 
 
 @pytest.mark.parametrize("keep_going, started, rc", [(False, 1, 1), (True, 3, 1)])
@@ -255,3 +313,5 @@ def test_sbatch_sweep_overrides_function(slurm, tmp_path):
     assert "not a task index" in call("x").stderr
     proc, args = _sbatch(slurm, SWEEP_FILE=str(sweep_file), SLURM_ARRAY_TASK_ID="5", SLURM_ARRAY_JOB_ID="1")
     assert proc.returncode != 0 and args is None                 # no torchrun without the task's overrides
+    proc, args = _sbatch(slurm, SWEEP_FILE=str(sweep_file))      # no array: it ran without the file
+    assert proc.returncode != 0 and args is None and "is no array job" in proc.stderr
