@@ -44,11 +44,19 @@ def held_out_accuracy(model_dir: Path, cfg) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from config import load_config
+    from config import ConfigError, load_config, parse_cli
     os.chdir(ROOT)
     if not any(a.startswith("--run.dir") for a in argv):  # a fresh run, not a resumed one
         argv = [*argv, f"--run.dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"]
-    cfg = load_config(CONFIG, argv).resolve(3)
+    try:  # the overrides as train_rl.py reads them ("--a.b=v" or "--a.b v"), checked here first
+        path, overrides, flags = parse_cli(argv)
+        if path or flags:
+            raise ConfigError(f"the demo runs {CONFIG} and takes --section.key=value overrides "
+                              f"only; got {'--config ' + path if path else sorted(flags)}")
+        cfg = load_config(CONFIG, overrides).resolve(3)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t0 = time.time()
     model_dir = Path(cfg.model.path)
     if not (model_dir / "config.json").is_file():

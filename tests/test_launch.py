@@ -315,3 +315,15 @@ def test_sbatch_sweep_overrides_function(slurm, tmp_path):
     assert proc.returncode != 0 and args is None                 # no torchrun without the task's overrides
     proc, args = _sbatch(slurm, SWEEP_FILE=str(sweep_file))      # no array: it ran without the file
     assert proc.returncode != 0 and args is None and "is no array job" in proc.stderr
+
+
+def test_demo_reports_a_bad_override_in_one_line(capsys, monkeypatch):
+    """launch/demo.py (make demo) read its arguments unlike train_rl.py ("--a.b v" failed) and
+    answered a bad one with a traceback."""
+    from launch import demo
+    monkeypatch.chdir(ROOT)  # demo.main changes to the repository root; restored after
+    assert demo.main(["--trainer.lrr", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: override 'trainer.lrr=1': unknown key") and err.count("\n") == 1
+    assert demo.main(["--config", "x.toml"]) == 2
+    assert "takes --section.key=value overrides only" in capsys.readouterr().err

@@ -60,3 +60,16 @@ def test_the_trainers_waiting_line_says_when_a_generator_is_evaluating():
     assert waiting_line(99, 8, [2, 3], 0, (2, 100, 50.0), now=125.0) == (
         "step 100: waiting for 8 prompt groups from generator ranks [2, 3] (0 buffered; generator "
         "rank 2 has been evaluating v100 for 1m15s (eval.every_steps))")
+
+
+def test_a_start_drops_the_steps_an_earlier_attempt_logged_after_it(tmp_path):
+    """A fresh start in a folder whose earlier run left metrics (and no checkpoint) appended its
+    steps 1, 2 after the old 1, 2, 3; a resume from step 2 keeps steps 1-2 only."""
+    from config import load_config
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--logging.tensorboard=false"])
+    old = [json.dumps({"step": s, "loss": 0.5}) for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    for start, kept in ((2, [1, 2]), (0, [])):
+        path.write_text("\n".join(old) + "\n")
+        MetricsLogger.from_config(cfg, start).close()
+        assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == kept

@@ -36,9 +36,15 @@ class MetricsLogger:
         self._first_s: float | None = None  # the first step's time: it waits for the start-up
 
     @classmethod
-    def from_config(cls, cfg, purge_step: int | None = None) -> "MetricsLogger":
+    def from_config(cls, cfg, start_step: int = 0) -> "MetricsLogger":
+        """The run's logger, starting after `start_step` (a resumed checkpoint's, else 0): the
+        steps logged after it by an earlier attempt in this folder are dropped from
+        metrics.jsonl and TensorBoard, since they are done again (a fresh start over a run
+        without a checkpoint used to append its steps 1, 2, ... after the old ones)."""
+        from trainer.checkpointing import truncate_steps
         lg = cfg.logging
-        return cls(cfg.run.dir, lg.tensorboard, lg.console_every, purge_step=purge_step,
+        truncate_steps(Path(cfg.run.dir) / "metrics.jsonl", start_step)
+        return cls(cfg.run.dir, lg.tensorboard, lg.console_every, purge_step=start_step + 1,
                    total_steps=cfg.trainer.max_steps if lg.progress else None)
 
     def log(self, metrics: dict) -> None:

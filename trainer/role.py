@@ -49,8 +49,7 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     path = resume_path(cfg)  # the same on every rank: they all read the run directory
     logger = None
     if owner:
-        purge = read_extra(path)["step"] + 1 if path is not None else None
-        logger = MetricsLogger.from_config(cfg, purge_step=purge)
+        logger = MetricsLogger.from_config(cfg, read_extra(path)["step"] if path is not None else 0)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
                            logger, ref, tokenizer=tokenizer)

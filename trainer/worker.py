@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -87,9 +86,8 @@ class TrainerWorker:
     def resume(self, path) -> None:
         """Restore from a checkpoint (collective over the trainer mesh), then hand the generators
         the restored weights: they wait for this version before generating again."""
-        checkpointing.load(self, path)
+        checkpointing.load(self, path)  # metrics.jsonl was cut back to this step (MetricsLogger)
         if self.is_owner:
-            checkpointing.truncate_steps(Path(self.cfg.run.dir) / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
         self._push_weights()
 
