@@ -409,8 +409,9 @@ def resolve_config(argv: list[str]) -> Config:
     if unknown:
         raise ConfigError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}; "
                           f"valid: --config FILE, --dry-run, --section.key=value, --help")
-    if flags.get("dry_run"):
-        overrides.append("run.dry_run=true")
+    if "dry_run" in flags:  # --dry-run, or --dry-run=VALUE as run.dry_run reads it
+        value = flags["dry_run"]
+        overrides.append("run.dry_run=" + ("true" if value is True else value))
     cfg = load_config(path, overrides)
     if cfg.run.dry_run and "WORLD_SIZE" not in os.environ:
         return cfg  # launch.dry_run derives the world size from the config's degrees, then resolves

@@ -165,8 +165,12 @@ def _eval_kv_bytes(cfg, args, dims) -> float:
 
 def main(argv=None) -> int:
     from config import load_config, parse_cli
-    path, overrides, _ = parse_cli(sys.argv[1:] if argv is None else argv)
     try:
+        path, overrides, flags = parse_cli(sys.argv[1:] if argv is None else argv)
+        unknown = set(flags) - {"dry_run"}
+        if unknown:
+            raise ValueError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}"
+                             "; valid: --config FILE, --section.key=value")
         return dry_run(load_config(path, overrides))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

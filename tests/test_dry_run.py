@@ -97,3 +97,20 @@ def test_dry_run_rejects_heads_that_tp_cannot_split(monkeypatch):
     cfg = load_config(CONFIG, ["--parallel.trainer_tp=16", "--parallel.trainer_fsdp=32"])
     with pytest.raises(ValueError, match="trainer_tp=16 does not divide"):
         dry_run(cfg)
+
+
+def test_dry_run_command_lines_read_their_flags(monkeypatch, capsys):
+    """`python -m launch.dry_run FILE` (no --config) was a traceback; --dry-run=false still made a
+    dry run."""
+    from config import resolve_config
+    from launch.dry_run import main
+    assert main([CONFIG]) == 2
+    assert capsys.readouterr().err.startswith("error: unexpected argument 'configs/example_1024.toml'")
+    assert main(["--config", CONFIG, "--fast"]) == 2
+    assert "unknown flag(s) ['--fast']" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    tiny = ["--config", "configs/tiny_cpu.toml"]
+    assert not resolve_config([*tiny, "--dry-run=false"]).run.dry_run
+    assert resolve_config([*tiny, "--dry-run"]).run.dry_run
+    with pytest.raises(ConfigError, match="run.dry_run='maybe' has the wrong type"):
+        resolve_config([*tiny, "--dry-run=maybe"])
