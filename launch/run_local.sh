@@ -34,7 +34,8 @@ if [[ -z "${NPROC:-}" ]]; then
 import math, sys
 from config import ConfigError, load_config, parse_cli
 try:
-    cfg = load_config(sys.argv[1], parse_cli(sys.argv[2:])[1])
+    path, overrides, _ = parse_cli(sys.argv[2:])  # a --config among the arguments wins, as in train_rl.py
+    cfg = load_config(path or sys.argv[1], overrides)
     p = cfg.parallel
     trainer = p.trainer_tp * (p.trainer_fsdp or 2)
     if p.mode == "split":

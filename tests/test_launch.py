@@ -238,6 +238,7 @@ def test_run_local_all_ranks_fixed_port(fake_python):
     ([], "3"),                                                   # the tiny demo: 1 generator + 2 trainers
     (["--parallel.trainer_fsdp=4", "--parallel.generator_ranks=2"], "6"),
     (["--parallel.mode=colocated", "--parallel.gen_tp=2", "--parallel.gen_dp=2"], "4"),
+    (["--config", "configs/example_multinode.toml"], "24"),      # the config train_rl.py reads: 16 + 4 x 2
 ])
 def test_run_local_derives_nproc_from_config(fake_python, overrides, nproc):
     proc, args = _run_local(fake_python, overrides, LOG_RANK="1,2")
