@@ -88,13 +88,20 @@ class ParallelDims:
             self._fail(f"trainer_fsdp*trainer_tp={self.trainer_fsdp * self.trainer_tp} != trainer ranks="
                        f"{self.trainer_ranks}", "choose trainer_tp dividing the trainer ranks")
 
-    def check_model(self, num_heads: int, num_kv_heads: int, tied_embeddings: bool = False) -> None:
-        """TP shards whole heads: every tp degree must divide both head counts."""
+    def check_model(self, num_heads: int, num_kv_heads: int, tied_embeddings: bool = False,
+                    intermediate_size: int = 0) -> None:
+        """TP shards whole heads and the MLP's intermediate size evenly: every tp degree must
+        divide both head counts and intermediate_size (an uneven split passed here and then
+        broke every forward: the row-parallel down projection assumes equal shards)."""
         for name, tp in (("trainer_tp", self.trainer_tp), ("gen_tp", self.gen_tp)):
-            if num_heads % tp or num_kv_heads % tp:
-                self._fail(f"{name}={tp} does not divide num_heads={num_heads} and "
-                           f"num_kv_heads={num_kv_heads}", f"pick {name} from "
-                           f"{[d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and num_heads % d == 0]}")
+            sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
+            if intermediate_size:
+                sizes["intermediate_size"] = intermediate_size
+            if any(n % tp for n in sizes.values()):
+                fits = [d for d in range(1, num_kv_heads + 1) if not any(n % d for n in sizes.values())]
+                self._fail(f"{name}={tp} does not divide "
+                           + " and ".join(f"{k}={v}" for k, v in sizes.items()),
+                           f"pick {name} from {fits}")
             if tp > 1 and tied_embeddings:
                 self._fail(f"{name}={tp} with tied input/output embeddings is not supported",
                            f"set {name}=1 (tied models are small) or untie the embeddings")

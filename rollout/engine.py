@@ -99,10 +99,12 @@ def decode_mode(choice: str, device: torch.device) -> bool | str:
 CPP_WRAPPER_MAX_LAYERS = 8
 
 
-def compile_options(device: torch.device, num_layers: int) -> dict:
+def compile_options(device: torch.device, num_layers: int, sharded: bool = False) -> dict:
     """inductor's options for the compiled decode step (CPP_WRAPPER_MAX_LAYERS). On CUDA the step
-    is replayed as a CUDA graph, which has no per-call wrapper cost to save."""
-    small = device.type == "cpu" and num_layers <= CPP_WRAPPER_MAX_LAYERS
+    is replayed as a CUDA graph, which has no per-call wrapper cost to save. A tensor-parallel
+    model (`sharded`) keeps the Python wrapper: the C++ one cannot lower its collectives (the
+    first step failed with "arg type Any is not yet supported by custom_op_wrapper")."""
+    small = device.type == "cpu" and num_layers <= CPP_WRAPPER_MAX_LAYERS and not sharded
     return {"cpp_wrapper": True} if small else {}
 
 
@@ -473,7 +475,8 @@ class Engine:
             # that one graph serves every later length (dynamic=True, every size symbolic from
             # the start, compiled longer and ran slower on CPU: BENCHMARKS.md "Generation")
             self._body = torch.compile(self._decode_body, dynamic=None,
-                                       options=compile_options(device, model.args.num_layers))
+                                       options=compile_options(device, model.args.num_layers,
+                                                               _has_dtensor(model)))
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = self._param_pointers()
@@ -810,7 +813,9 @@ class Engine:
             self.stats.recompute_tokens += sum(lengths[order[c]] for c in chunk)
 
     def _param_pointers(self) -> list[int]:
-        return [p.data_ptr() for p in self.model.parameters()]
+        # a DTensor's own data_ptr() is 0: its local shard's says whether it was replaced
+        return [(p.to_local() if hasattr(p, "to_local") else p).data_ptr()
+                for p in self.model.parameters()]
 
 
 def _time_decode_packing(model: torch.nn.Module, cache: KVCache, packed: PackedLinears) -> dict:

@@ -347,6 +347,7 @@ def test_compiled_step_wrapper_is_cpp_only_for_small_models_on_cpu():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert compile_options(cpu, CPP_WRAPPER_MAX_LAYERS) == {"cpp_wrapper": True}
     assert compile_options(cpu, 30) == {} and compile_options(cuda, 2) == {}
+    assert compile_options(cpu, 2, sharded=True) == {}  # TP: its collectives need Python's
 
 
 @pytest.mark.slow
