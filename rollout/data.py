@@ -194,21 +194,29 @@ def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) ->
 
 
 def _read_jsonl(path: Path) -> Iterable[tuple[str, object]]:
-    """Yield ("file:line", record) for every non-blank line (UTF-8, a leading BOM allowed)."""
+    """Yield ("file:line", record) for every non-blank line (UTF-8, a leading BOM allowed; lines
+    end in \\n, \\r\\n or \\r). Read as bytes, so that a byte that is not UTF-8 is named by line."""
+    lineno = 0
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
-                                 f"{e.start + 1}); save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
-                                 f"every line of a .jsonl file must be one JSON object") from e
+        for chunk in f:  # split at \\n: a file whose lines end in \\r alone is one chunk
+            for raw in chunk.splitlines():
+                lineno += 1
+                yield from _jsonl_record(path, lineno, raw)
+
+
+def _jsonl_record(path: Path, lineno: int, raw: bytes) -> Iterable[tuple[str, object]]:
+    try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                         f"{e.start + 1}); save the file as UTF-8") from None
+    if not line.strip():
+        return
+    try:
+        yield f"{path}:{lineno}", json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                         f"every line of a .jsonl file must be one JSON object") from e
 
 
 def _read_parquet(path: Path) -> Iterable[tuple[str, object]]:

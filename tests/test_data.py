@@ -101,6 +101,9 @@ def test_load_jsonl_reads_a_bom_and_names_the_line_of_bytes_not_utf8(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": "2"}\n')
     assert [it.prompt for it in load_prompts(str(path))] == ["x", "y"]  # a BOM (Windows editors)
+    for end in (b"\r\n", b"\r"):  # Windows and old Mac line ends, a blank line between
+        path.write_bytes(end.join([b'{"prompt": "x", "answer": "1"}', b"", b'{"prompt": "y", "answer": "2"}']))
+        assert [it.meta["where"][-2:] for it in load_prompts(str(path))] == [":1", ":3"]
     path.write_bytes(b'{"prompt": "x", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\); save"):
         load_prompts(str(path))
