@@ -352,8 +352,9 @@ def test_compiled_step_wrapper_is_cpp_only_for_small_models_on_cpu():
 
 @pytest.mark.slow
 def test_compiled_decode_matches_eager(folders):
-    """compile_decode=True (torch.compile of the decode step; + a CUDA graph on CUDA) samples the
-    same tokens with the same log-probs as the eager step (here on CPU, inductor's C++ code)."""
+    """compile_decode=True (torch.compile of the decode step; + a CUDA graph on CUDA; q|k|v and
+    gate|up stacked) samples the same tokens with the same log-probs as the eager step (here on
+    CPU, inductor's C++ code)."""
     from torch._inductor.utils import run_and_get_code
     model = load(folders)
     sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
@@ -361,6 +362,7 @@ def test_compiled_decode_matches_eager(folders):
     ref, _ = run(model, 2, sp, ps)
     torch._dynamo.reset()  # dynamo caches by code object: count only this engine's compilations
     engine = Engine(model, num_slots=2, max_len=48, compile_decode=True)
+    assert engine.stacked_weights.gate_up is not None  # the reference runs one matmul a projection
     got, codes = run_and_get_code(engine.generate, requests(ps, sp))
     assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
     for a, b in zip(got, ref):
