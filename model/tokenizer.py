@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -89,6 +90,13 @@ class Tokenizer:
         """Write the tokenizer files into folder `path` (created if needed)."""
         raise NotImplementedError
 
+    def _save_generation_config(self, folder: Path) -> None:
+        """Copy the source folder's generation_config.json along (its extra EOS ids are part of
+        `stop_ids`; an export without it stopped only on EOS, as HF generate would too)."""
+        src = Path(self.path) / "generation_config.json" if self.path else None
+        if src is not None and src.is_file() and src.resolve() != (folder / src.name).resolve():
+            shutil.copyfile(src, folder / src.name)
+
     # hooks
     def _encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -144,6 +152,7 @@ class HFTokenizer(Tokenizer):
         folder.mkdir(parents=True, exist_ok=True)
         self.hf.save_pretrained(str(folder))
         _portable_tokenizer_class(folder / "tokenizer_config.json")
+        self._save_generation_config(folder)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -230,6 +239,7 @@ class SentencePieceTokenizer(Tokenizer):
         if self.chat_template:
             config["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        self._save_generation_config(folder)
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,

@@ -89,12 +89,14 @@ def test_bpe_chat_template_matches_transformers(tmp_path):
 
 
 def test_hf_save_round_trip(tmp_path):
-    ours = load_tokenizer(_bpe_folder(tmp_path / "src"))
+    ours = load_tokenizer(_bpe_folder(tmp_path / "src", generation_eos=[3, 1]))
     ours.save(tmp_path / "dst")
     again = load_tokenizer(tmp_path / "dst")
     text = ours.apply_chat_template(MESSAGES)
     assert again.apply_chat_template(MESSAGES) == text
     assert again.encode(text) == ours.encode(text) and again.vocab_size == ours.vocab_size
+    # generation_config.json travels along: an export (hf_final) kept only EOS as a stop id
+    assert again.stop_ids == ours.stop_ids == [3, 1]
 
 
 @pytest.fixture(scope="module")
