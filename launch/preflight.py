@@ -17,6 +17,7 @@ def preflight(cfg, dims):
     from model.tokenizer import load_tokenizer
     from rollout.rewards import resolve_reward
     from rollout.role import load_eval_items, load_items
+    from trainer.checkpointing import check_resume
 
     if not cfg.model.path:
         raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
@@ -47,6 +48,7 @@ def preflight(cfg, dims):
     if cfg.eval.every_steps:
         load_eval_items(cfg, tok)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
+    check_resume(cfg)
     _check_writable(Path(cfg.run.dir))
     return tok
 

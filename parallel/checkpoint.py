@@ -45,7 +45,7 @@ def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def _complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, dir) of every finished checkpoint under root, oldest first."""
     root = Path(root)
     if not root.is_dir():
@@ -60,7 +60,7 @@ def _complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The finished checkpoint with the highest step under `root`, or None (a missing root too)."""
-    found = _complete_checkpoints(root)
+    found = complete_checkpoints(root)
     return found[-1][1] if found else None
 
 
@@ -70,7 +70,7 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an integer >= 1 (the checkpoint just saved is always "
                          f"kept), got {keep_last!r}")
-    doomed = [d for _, d in _complete_checkpoints(root)[:-keep_last]]
+    doomed = [d for _, d in complete_checkpoints(root)[:-keep_last]]
     for d in doomed:
         shutil.rmtree(d)
     return doomed

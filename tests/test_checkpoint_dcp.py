@@ -44,6 +44,35 @@ def test_prune_keeps_newest_and_leaves_tmp_alone(tmp_path):
         prune_checkpoints(tmp_path, keep_last=0)
 
 
+def test_a_start_below_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """resume=never, or an older checkpoint, in a folder holding an earlier run's later
+    checkpoints: pruning deleted the new run's checkpoint (the old ones had higher steps) and a
+    later 'auto' resume took the old run's. Refused before any process group; and a resume
+    value that names no finished checkpoint ('none') is refused there too."""
+    from config import load_config
+    from trainer.checkpointing import EXTRA_FILE, check_resume
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        (root / f"step_{step:06d}" / ".metadata").write_text("")
+        (root / f"step_{step:06d}" / EXTRA_FILE).write_text(json.dumps({"step": step}))
+    cfg = lambda resume: load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}",  # noqa: E731
+                                                               f"--checkpoint.resume={resume}"])
+    check_resume(cfg("auto"))  # the latest: nothing later
+    check_resume(cfg(str(root / "step_000006")))
+    with pytest.raises(ValueError, match=r"resume='never' starts this run at step 0, but .* holds "
+                                         r"later checkpoints of an earlier run \(step_000006 and 2 "
+                                         r"more\).*new --run.dir"):
+        check_resume(cfg("never"))
+    with pytest.raises(ValueError, match=r"at step 4, .*\(step_000006\)"):
+        check_resume(cfg(str(root / "step_000004")))
+    with pytest.raises(ValueError, match="checkpoint.resume='none' is not a finished checkpoint"):
+        check_resume(cfg("none"))
+    empty = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path / 'new'}",
+                                                  "--checkpoint.resume=never"])
+    check_resume(empty)
+
+
 def test_rng_state_survives_json():
     torch.manual_seed(3)
     random.seed(4)

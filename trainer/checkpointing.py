@@ -21,7 +21,8 @@ import json
 import time
 from pathlib import Path
 
-from parallel.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
+from parallel.checkpoint import (checkpoint_dir, complete_checkpoints, latest_checkpoint,
+                                 prune_checkpoints)
 
 EXTRA_FILE = "extra.json"
 
@@ -43,6 +44,22 @@ def resume_path(cfg) -> Path | None:
         raise ValueError(f"checkpoint.resume={mode!r} is not a finished checkpoint folder (no .metadata); "
                          f"latest under {checkpoint_root(cfg)}: {latest_checkpoint(checkpoint_root(cfg))}")
     return path
+
+
+def check_resume(cfg) -> None:
+    """Before any process group (launch/preflight.py): checkpoint.resume names a usable choice,
+    and the run folder holds no checkpoint later than where this run starts. An earlier run's
+    later checkpoints would outrank this run's: pruning keeps the highest steps (it deleted the
+    one just saved) and an 'auto' resume would take them, mixing two runs in one folder."""
+    start = resume_path(cfg)  # raises for a path that is not a finished checkpoint
+    step = 0 if start is None else read_extra(start)["step"]
+    later = [d for s, d in complete_checkpoints(checkpoint_root(cfg)) if s > step]
+    if later:
+        raise ValueError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r} starts this run at step {step}, but "
+            f"{checkpoint_root(cfg)} holds later checkpoints of an earlier run ({later[-1].name}"
+            f"{f' and {len(later) - 1} more' if len(later) > 1 else ''}), which would outrank "
+            "this run's; pass a new --run.dir, or move those checkpoints away")
 
 
 COMPLETE_FILE = "COMPLETE"

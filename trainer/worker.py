@@ -142,12 +142,14 @@ class TrainerWorker:
                 self.link.send(leader, Msg.WEIGHTS_READY, self.version)
 
     def _maybe_save(self) -> None:
-        c = self.cfg.checkpoint
-        if c.every_steps and self.step % c.every_steps == 0 and self.step < self.cfg.trainer.max_steps:
-            checkpointing.save(self, self.step)
+        # the export first: a crash between the two then resumes from an earlier checkpoint and
+        # exports this step again (exported after the checkpoint, a crash in between lost it)
         checkpointing.maybe_export_hf(self.cfg, self.model, self.step,
                                       self.tokenizer if self.is_owner else None,
                                       self.meshes.trainer_group)
+        c = self.cfg.checkpoint
+        if c.every_steps and self.step % c.every_steps == 0 and self.step < self.cfg.trainer.max_steps:
+            checkpointing.save(self, self.step)
 
     def _stop(self) -> None:
         """The stop that the owner announced (launch/preemption.py): a checkpoint of the last
