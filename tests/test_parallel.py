@@ -60,6 +60,10 @@ def test_tp_must_divide_heads():
     with pytest.raises(ValueError, match=r"trainer_tp=2 does not divide num_heads=8 and num_kv_heads=4 "
                                          r"and intermediate_size=63.*pick trainer_tp from \[1\]"):
         dims.check_model(num_heads=8, num_kv_heads=4, intermediate_size=63)
+    # Qwen3's per-head q/k norms under trainer TP: each rank's copy got its own heads' gradient
+    with pytest.raises(ValueError, match=r"trainer_tp=2 with per-head q/k norms.*trainer_tp=1"):
+        dims.check_model(num_heads=8, num_kv_heads=4, qk_norm=True)
+    ParallelDims(8, "split", 4, 2, 2, 4, 1).check_model(num_heads=8, num_kv_heads=4, qk_norm=True)
 
 
 def test_duplicate_gpu_in_one_mesh_is_refused_by_uuid():
