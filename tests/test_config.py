@@ -67,22 +67,22 @@ def test_task_options_table_from_toml_and_json_from_the_command_line(tmp_path):
     assert 'task_options = {allow_negation = false, "x y" = 2.5}' in open(saved).read()
     assert load_config(saved) == cfg
     assert load_config(None, ["--data.task_options="]).data.task_options == {}
-    # what a saved config cannot hold again: JSON's null (it came back as ""), a TOML date
-    with pytest.raises(ConfigError, match=r"data.task_options\['tasks'\]\[1\] is null, which a "
-                                          r"saved config.toml cannot hold.*leave the key out"):
-        load_config(None, ['--data.task_options={"tasks": ["a", null]}'])
-    path.write_text("[data]\ntask_options = {start = 1979-05-27}\n")
-    with pytest.raises(ConfigError, match=r"data.task_options\['start'\] is date"):
-        load_config(str(path))
-    with pytest.raises(ConfigError, match=r"data.task_options='\{digits: 2\}' is not a JSON "
-                                          r"object .*--data.task_options='\{\"max_digits\":1\}'"):
-        load_config(None, ["--data.task_options={digits: 2}"])
-    with pytest.raises(ConfigError, match=r"data.task_options=\[1\] has the wrong type: expected "
-                                          r"a table \(on the command line a JSON object\)"):
-        load_config(None, ["--data.task_options=[1]"])
-    path.write_text("[data]\ntask_options = 3\n")
-    with pytest.raises(ConfigError, match=r"c.toml: data.task_options=3 has the wrong type"):
-        load_config(str(path))
+    # bad values, from the command line or the file; the first two are what a saved config
+    # cannot hold again: JSON's null (it came back as ""), a TOML date
+    for given, pattern in [
+        ('{"tasks": ["a", null]}', r"data.task_options\['tasks'\]\[1\] is null, which a saved "
+                                   r"config.toml cannot hold.*leave the key out"),
+        ("{start = 1979-05-27}", r"data.task_options\['start'\] is date"),
+        ("{digits: 2}", r"data.task_options='\{digits: 2\}' is not a JSON object .*"
+                        r"--data.task_options='\{\"max_digits\":1\}'"),
+        ("[1]", r"data.task_options=\[1\] has the wrong type: expected a table \(on the command "
+                r"line a JSON object\)"),
+        ("3", r"c.toml: data.task_options=3 has the wrong type"),
+    ]:
+        in_file = given.startswith("{") and "=" in given or given == "3"
+        path.write_text(f"[data]\ntask_options = {given}\n")
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(str(path)) if in_file else load_config(None, [f"--data.task_options={given}"])
 
 
 def test_tiny_cpu_preset_loads_and_resolves_on_3_ranks():
