@@ -284,7 +284,7 @@ class Config:
         back, so that a saved config derives them again when reused (another run.name, another
         world size) instead of pinning this run's folder and layout."""
         cfg = copy.deepcopy(self).validate()
-        given = {key: _get(cfg, key) for key in DERIVED}
+        given = {key: value_of(cfg, key) for key in DERIVED}
         _resolve_layout(cfg.parallel, world_size)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
         if a.buffer_capacity == 0:
@@ -298,7 +298,7 @@ class Config:
         cfg.run.seed = 0
         derived = dict(getattr(self, "_derived", {}))  # a resolved config's, resolved again
         for key, value in given.items():
-            if _get(cfg, key) != value:
+            if value_of(cfg, key) != value:
                 derived.setdefault(key, value)
         cfg._derived = derived  # not a field: equality compares the values only
         return cfg
@@ -586,7 +586,8 @@ DERIVED = ("parallel.generator_ranks", "parallel.gen_dp", "parallel.trainer_fsdp
            "algo.buffer_capacity", "model.ref_path", "run.dir")
 
 
-def _get(cfg: Config, key: str):
+def value_of(cfg: Config, key: str):
+    """The value of the key "section.name" in `cfg`."""
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
 

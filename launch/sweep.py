@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere: config.py lives in the repo root
-from config import ConfigError, int_at_least, load_config, parse_cli  # noqa: E402
+from config import ConfigError, int_at_least, load_config, parse_cli, value_of  # noqa: E402
 
 RUN_LOCAL = os.path.join("launch", "run_local.sh")
 SBATCH = os.path.join("launch", "tandem.sbatch")
@@ -103,7 +103,7 @@ def _same_values(key: str, values: list[str], config: str | None) -> list[str]:
         setting = v
         if config is not None:
             try:
-                setting = _get(load_config(config, [f"--{key}={v}"]), key)
+                setting = value_of(load_config(config, [f"--{key}={v}"]), key)
             except ConfigError:
                 pass  # validate() reports it with the run's name
         (repeats.append(v) if setting in seen else seen.append(setting))
@@ -159,11 +159,6 @@ def validate(config: str, runs: list[Run], world_size: int | None = None) -> Non
             raise ConfigError(f"runs {folders[folder]} and {run.name} would share the run folder "
                               f"{folder}: leave run.dir unset (each run gets runs/<run.name>)")
         folders[folder] = run.name
-
-
-def _get(cfg, key: str):
-    section, name = key.split(".", 1)
-    return getattr(getattr(cfg, section), name)
 
 
 def shell_env(*pairs: tuple[str, str]) -> list[str]:

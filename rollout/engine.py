@@ -479,7 +479,7 @@ class Engine:
                                                                _has_dtensor(model)))
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
-        self._param_ptrs = self._param_pointers()
+        self._param_ptrs = _param_pointers(self.model)
         # pack_trial: the automatic choice's timings, for the logs (None if none was timed)
         packed, self.pack_trial = _choose_packing(model, self.cache, device, pack_weights,
                                                   use_compile)
@@ -571,9 +571,9 @@ class Engine:
             raise ValueError(f"kv_policy={policy!r}; choose one of {KV_POLICIES}")
         apply_fn()
         self.version = version
-        if self._param_pointers() != self._param_ptrs:  # parameters replaced, not copied into
+        if _param_pointers(self.model) != self._param_ptrs:  # parameters replaced, not copied into
             self._graphs.clear()
-            self._param_ptrs = self._param_pointers()
+            self._param_ptrs = _param_pointers(self.model)
         if policy == "recompute":
             with torch.inference_mode(), self._copies.active():
                 self._recompute()
@@ -812,10 +812,12 @@ class Engine:
             self._prefill_forward(self.st.tokens[rows, :T], rows)
             self.stats.recompute_tokens += sum(lengths[order[c]] for c in chunk)
 
-    def _param_pointers(self) -> list[int]:
-        # a DTensor's own data_ptr() is 0: its local shard's says whether it was replaced
-        return [(p.to_local() if hasattr(p, "to_local") else p).data_ptr()
-                for p in self.model.parameters()]
+
+
+def _param_pointers(model: torch.nn.Module) -> list[int]:
+    """Where the parameters' data lives: a change says they were replaced, not copied into (a
+    DTensor's own data_ptr() is 0: its local shard's is read)."""
+    return [(p.to_local() if hasattr(p, "to_local") else p).data_ptr() for p in model.parameters()]
 
 
 def _time_decode_packing(model: torch.nn.Module, cache: KVCache, packed: PackedLinears) -> dict:
