@@ -271,6 +271,15 @@ class Config:
             raise ConfigError(f"model.compute_dtype='float32' cannot compute wider than the parameters "
                               f"(model.dtype={m.dtype!r}); set --model.dtype=float32 or "
                               "--model.compute_dtype=auto")
+        if self.parallel.compile and self.parallel.trainer_tp > 1:
+            # Measured with torch 2.13: compiling TP's DTensor layers fails in the backward of the
+            # first recompile with a dynamic token count (RecursionError inside dynamo's proxy
+            # tracing, at the run's second step), with or without activation checkpointing.
+            raise ConfigError(f"parallel.compile=true with parallel.trainer_tp="
+                              f"{self.parallel.trainer_tp} is not supported: torch.compile of the "
+                              "tensor-parallel layers fails on the packed batches' changing token "
+                              "counts; set --parallel.compile=false, or --parallel.trainer_tp=1 "
+                              "(shard with trainer_fsdp)")
         _check_table_values(self.data.task_options, "data.task_options")
         ranks = self.logging.log_rank.replace(" ", "")
         if ranks != "all" and not all(r.isdigit() for r in ranks.split(",")):

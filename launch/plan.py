@@ -96,15 +96,14 @@ def resolve_model(spec: str) -> ModelArgs:
 
 
 # ----- search ---------------------------------------------------------------------------------------
-def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False,
-               trainer: bool = False) -> list[int]:
+def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False) -> list[int]:
     """TP degrees that shard whole heads and the intermediate size evenly and keep a TP group
     inside a node (on a single host, e.g. CPU ranks, any degree up to the rank count does): the
-    ones `ParallelDims.check_model` accepts, for the `trainer`'s mesh or the generator's."""
+    ones `ParallelDims.check_model` accepts."""
     return [d for d in range(1, gpus_per_node + 1) if (one_host or gpus_per_node % d == 0)
             and args.num_heads % d == 0 and args.num_kv_heads % d == 0
             and args.intermediate_size % d == 0
-            and (d == 1 or not (args.tie_word_embeddings or trainer and args.qk_norm))]
+            and (d == 1 or not args.tie_word_embeddings)]
 
 
 def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
@@ -114,7 +113,6 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
     if unknown:
         raise ValueError(f"unknown placement mode(s) {sorted(unknown)}; choose from 'split', 'colocated'")
     tps = tp_degrees(args, gpus_per_node, one_host)
-    trainer_tps = tp_degrees(args, gpus_per_node, one_host, trainer=True)
     for mode in modes:
         gens = range(1, world) if mode == "split" else [world]
         for g in gens:
@@ -123,7 +121,7 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
                 aligned = one_host or (world - g) % gtp == 0  # TP groups must not straddle nodes
                 if g % gtp or not aligned or g // gtp > prompts_per_step:
                     continue
-                for ttp in trainer_tps:
+                for ttp in tps:
                     if t % ttp or t // ttp > prompts_per_step:
                         continue
                     for ac in (False, True):

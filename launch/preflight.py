@@ -26,7 +26,7 @@ def preflight(cfg, dims):
     with torch.device("meta"):
         check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
-                     args.intermediate_size, args.qk_norm)
+                     args.intermediate_size)
     _check_device_choices(cfg)
     tok = load_tokenizer(cfg.model.path)
     if tok.vocab_size > args.vocab_size:

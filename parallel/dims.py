@@ -89,7 +89,7 @@ class ParallelDims:
                        f"{self.trainer_ranks}", "choose trainer_tp dividing the trainer ranks")
 
     def check_model(self, num_heads: int, num_kv_heads: int, tied_embeddings: bool = False,
-                    intermediate_size: int = 0, qk_norm: bool = False) -> None:
+                    intermediate_size: int = 0) -> None:
         """TP shards whole heads and the MLP's intermediate size evenly: every tp degree must
         divide both head counts and intermediate_size (an uneven split passed here and then
         broke every forward: the row-parallel down projection assumes equal shards)."""
@@ -105,10 +105,6 @@ class ParallelDims:
             if tp > 1 and tied_embeddings:
                 self._fail(f"{name}={tp} with tied input/output embeddings is not supported",
                            f"set {name}=1 (tied models are small) or untie the embeddings")
-        if self.trainer_tp > 1 and qk_norm:  # each TP rank's q/k norm weights get the gradient
-            # of its own heads only, and nothing reduces it: the copies drift apart (seen: 0.02)
-            self._fail(f"trainer_tp={self.trainer_tp} with per-head q/k norms (Qwen3) is not "
-                       "supported yet", "set trainer_tp=1 (shard with trainer_fsdp)")
 
     # ----- the rank map ------------------------------------------------------------------
     @property

@@ -7,6 +7,8 @@ TP (Megatron-style, no sequence parallelism):
   embed_tokens    RowwiseParallel  -> vocab-sharded lookup, all-reduced to a replicated output
   lm_head         ColwiseParallel  -> vocab-sharded logits, gathered to replicated logits
   norms           replicated
+  q/k norms       (Qwen3, trainer only) replicated DTensors over the rank's heads (`_HeadNorm`),
+                  so that their gradient, a partial sum over each rank's heads, is all-reduced
 FSDP2 shards every parameter on dim 0 over the `fsdp` axis (after TP on the same 2-D mesh).
 Gradients are *summed* over fsdp ranks (divide factor 1): the trainer normalises its loss by the
 global token count itself, so gradient accumulation and data parallelism equal one big batch.
@@ -18,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
 from model import Transformer
@@ -27,8 +30,9 @@ from parallel.dims import resolve_fsdp_units
 from parallel.layout import local_box
 
 
-def tp_plan(model: Transformer) -> dict:
-    """Module FQN -> ParallelStyle; keyed by the same names as the HF checkpoint."""
+def tp_plan(model: Transformer, grads: bool = False) -> dict:
+    """Module FQN -> ParallelStyle; keyed by the same names as the HF checkpoint. `grads`: the
+    plan of a trainer, whose per-head q/k norms (Qwen3) need their gradients reduced over TP."""
     plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
@@ -40,13 +44,24 @@ def tp_plan(model: Transformer) -> dict:
             plan[p + name] = ColwiseParallel()
         plan[p + "self_attn.o_proj"] = RowwiseParallel()
         plan[p + "mlp.down_proj"] = RowwiseParallel()
+        if grads and model.args.qk_norm:
+            plan[p + "self_attn.q_norm"] = plan[p + "self_attn.k_norm"] = _head_norm()
     return plan
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def _head_norm() -> SequenceParallel:
+    """A q/k RMSNorm (over head_dim) applied to each TP rank's own heads, [B, T, H_local, D]: its
+    weight is one Replicate DTensor and its input is marked sharded on the head axis, so autograd
+    all-reduces the weight's gradient (each rank's is the sum over its heads only; a plain
+    replicated weight got just that, and the ranks' copies drifted apart). Megatron's treatment of
+    sequence-parallel norms, applied to heads instead of tokens; forward values are unchanged."""
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, grads: bool = False) -> None:
     if model.args.tie_word_embeddings:
         raise ValueError("tensor parallelism with tied embeddings is not supported; set tp=1")
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, tp_plan(model, grads))
 
 
 def apply_ac(model: Transformer) -> None:
@@ -139,7 +154,7 @@ def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_chec
     want = compute_dtype(compute, mesh.device_type, param_dtype)
     cast = want if want != param_dtype else None
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], grads=True)
     if activation_checkpointing:
         apply_ac(model)
     if compile:

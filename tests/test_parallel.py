@@ -60,10 +60,6 @@ def test_tp_must_divide_heads():
     with pytest.raises(ValueError, match=r"trainer_tp=2 does not divide num_heads=8 and num_kv_heads=4 "
                                          r"and intermediate_size=63.*pick trainer_tp from \[1\]"):
         dims.check_model(num_heads=8, num_kv_heads=4, intermediate_size=63)
-    # Qwen3's per-head q/k norms under trainer TP: each rank's copy got its own heads' gradient
-    with pytest.raises(ValueError, match=r"trainer_tp=2 with per-head q/k norms.*trainer_tp=1"):
-        dims.check_model(num_heads=8, num_kv_heads=4, qk_norm=True)
-    ParallelDims(8, "split", 4, 2, 2, 4, 1).check_model(num_heads=8, num_kv_heads=4, qk_norm=True)
 
 
 def test_duplicate_gpu_in_one_mesh_is_refused_by_uuid():
@@ -171,7 +167,7 @@ def _close(a, b, rtol=1e-5):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp,tp,family", [(2, 1, "llama3"), (1, 2, "qwen2"), (2, 2, "qwen2"),
-                                            (2, 1, "tied")])
+                                            (2, 1, "tied"), (1, 2, "qwen3"), (2, 2, "qwen3")])
 def test_sharded_training_matches_single_process(tmp_path, fsdp, tp, family):
     tiny.save_hf(family, tmp_path)
     ref_loss, ref_grads, ref_logits = _reference(tmp_path)
@@ -453,6 +449,29 @@ def test_compiled_layers_train_packed_batches_without_recompiling(tmp_path, chec
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] > graphs[0] > 0  # the second token count compiles it symbolic ...
     assert graphs[-1] == graphs[1]  # ... and that serves every later packing
+
+
+def _compiled_tp_worker(rank, world, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+    from model.hf_io import load_model_args
+    from parallel.sharding import build_model, parallelize_trainer
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("fsdp", "tp"))
+    model = build_model(load_model_args(folder), torch.device("cpu"), torch.float32, path=folder,
+                        parallelize=lambda m: parallelize_trainer(m, mesh, compile=True))
+    for lens in ([9, 5, 7], [6, 12, 4, 3]):  # the second token count recompiles it dynamic
+        ids = torch.arange(sum(lens)) % tiny.VOCAB
+        model(ids, seq_lens=torch.tensor(lens)).float().logsumexp(-1).mean().backward()
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(raises=Exception, strict=True,
+                   reason="torch 2.13: compiled TP (DTensor) layers fail to recompile with a dynamic "
+                          "token count (RecursionError in dynamo's proxy tracing); config.py refuses "
+                          "parallel.compile with trainer_tp > 1 until this passes")
+def test_compiled_tp_layers_fail_on_a_second_token_count(tmp_path):
+    tiny.save_hf("llama3", tmp_path)
+    run_ranks(_compiled_tp_worker, 2, str(tmp_path), timeout=240)
 
 
 def test_pin_malloc_keeps_freed_host_memory_for_reuse():

@@ -620,7 +620,7 @@ def test_plan_warns_when_the_profile_is_of_other_hardware(tmp_path, capsys):
 
 def test_placements_are_those_the_runtime_accepts():
     """The search proposed TP degrees that preflight refuses (ParallelDims.check_model): an
-    intermediate size the degree does not divide, and trainer TP for per-head q/k norms."""
+    intermediate size the degree does not divide."""
     from launch.plan import placements, tp_degrees
     from parallel.dims import ParallelDims
     odd = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=90, num_layers=2,
@@ -628,11 +628,11 @@ def test_placements_are_those_the_runtime_accepts():
     assert tp_degrees(odd, 8) == [1, 2]  # 90 = 2 x 45: 4 and 8 divide the heads, not 90
     qwen3 = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=8, num_kv_heads=4, qk_norm=True)
-    assert tp_degrees(qwen3, 8) == [1, 2, 4] and tp_degrees(qwen3, 8, trainer=True) == [1]
+    assert tp_degrees(qwen3, 8) == [1, 2, 4]  # per-head q/k norms train under TP too
     for args in (odd, qwen3):
         for p in placements(args, 8, 8, 64):
             trainers = 8 - p.generator_ranks if p.mode == "split" else 8
             dims = ParallelDims(8, p.mode, p.generator_ranks, p.gen_tp, p.generator_ranks // p.gen_tp,
                                 trainers // p.trainer_tp, p.trainer_tp)
             dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
-                             args.intermediate_size, args.qk_norm)
+                             args.intermediate_size)

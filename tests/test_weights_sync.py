@@ -10,8 +10,8 @@ from tests.dist import run_ranks
 GEN_DTYPE = torch.bfloat16
 
 
-def _setup(rank, folder, n_trainer, gen_tp=1, device="cpu", gen_dtype=GEN_DTYPE):
-    """Trainer ranks [0, n_trainer) with FSDP, generator ranks after them with dp x tp; returns
+def _setup(rank, folder, n_trainer, gen_tp=1, device="cpu", gen_dtype=GEN_DTYPE, trainer_tp=1):
+    """Trainer ranks [0, n_trainer) with fsdp x tp, generator ranks after them with dp x tp; returns
     this rank's model, the weight-sync plan, the weights group and the trainer group."""
     from torch.distributed.device_mesh import DeviceMesh
     from model.hf_io import load_model_args
@@ -20,7 +20,7 @@ def _setup(rank, folder, n_trainer, gen_tp=1, device="cpu", gen_dtype=GEN_DTYPE)
 
     world = dist.get_world_size()
     gen = list(range(n_trainer, world))
-    tmesh = DeviceMesh("cpu", torch.arange(n_trainer).view(n_trainer, 1), mesh_dim_names=("fsdp", "tp"))
+    tmesh = DeviceMesh("cpu", torch.arange(n_trainer).view(-1, trainer_tp), mesh_dim_names=("fsdp", "tp"))
     gmesh = DeviceMesh("cpu", torch.tensor(gen).view(-1, gen_tp), mesh_dim_names=("dp", "tp"))
     tgroup, ggroup = dist.new_group(list(range(n_trainer))), dist.new_group(gen)
     wgroup = dist.new_group(backend="gloo")
@@ -45,11 +45,11 @@ def _loc(p):
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
-def _sync_worker(rank, world, folder, n_trainer, gen_tp):
+def _sync_worker(rank, world, folder, n_trainer, gen_tp, trainer_tp=1):
     from parallel.layout import local_box
     from weights_sync.sync import WeightReceiver, WeightSender
 
-    model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp)
+    model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp, trainer_tp=trainer_tp)
     out = {}
     # one sender/receiver for both versions: they must follow in-place updates of the shards
     if rank < n_trainer:
@@ -83,10 +83,14 @@ def _sync_worker(rank, world, folder, n_trainer, gen_tp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,n_trainer,gen_tp", [(3, 2, 1), (4, 2, 2), (4, 3, 1), (4, 2, 1)])
-def test_generator_shards_bitwise_equal_trainer_slices(tmp_path, world, n_trainer, gen_tp):
-    tiny.save_hf("qwen2", tmp_path)
-    results = run_ranks(_sync_worker, world, str(tmp_path), n_trainer, gen_tp, timeout=240)
+@pytest.mark.parametrize("world,n_trainer,gen_tp,trainer_tp,family", [
+    (3, 2, 1, 1, "qwen2"), (4, 2, 2, 1, "qwen2"), (4, 3, 1, 1, "qwen2"), (4, 2, 1, 1, "qwen2"),
+    (4, 2, 2, 2, "qwen3")])  # trainer TP: q/k norms are Replicate DTensors there, plain here
+def test_generator_shards_bitwise_equal_trainer_slices(tmp_path, world, n_trainer, gen_tp,
+                                                       trainer_tp, family):
+    tiny.save_hf(family, tmp_path)
+    results = run_ranks(_sync_worker, world, str(tmp_path), n_trainer, gen_tp, trainer_tp,
+                        timeout=240)
     trainer0 = results[0]
     for res in results[n_trainer:]:
         for version in (1, 2):
