@@ -261,11 +261,20 @@ class Config:
         if a.advantage == "rloo" and g.n_samples < 2:
             raise ConfigError(f"algo.advantage='rloo' needs generator.n_samples >= 2, got {g.n_samples} "
                               "(set --generator.n_samples=4 or --algo.advantage=group_mean)")
-        step = t.prompts_per_step * g.n_samples
-        if 0 < a.buffer_capacity < step:
-            raise ConfigError(f"algo.buffer_capacity={a.buffer_capacity} cannot hold one step of "
-                              f"prompts_per_step*n_samples = {t.prompts_per_step}*{g.n_samples} = {step} samples "
-                              f"(set --algo.buffer_capacity to >= {step}, or 0 to derive it)")
+        # The staleness gate lets the generators deliver max_staleness + 1 steps of groups before
+        # the trainer takes the next batch, and trainer rank 0's own thread puts them into the
+        # buffer: a smaller one waits there for room that only that thread's take() could make.
+        # Colocated mode generates each step on-policy and has no buffer: one step bounds it.
+        split = self.parallel.mode == "split"
+        ahead = a.max_staleness + 1 if split else 1
+        need = t.prompts_per_step * g.n_samples * ahead
+        if 0 < a.buffer_capacity < need:
+            rule = (f"prompts_per_step*n_samples*(max_staleness+1) = {t.prompts_per_step}*{g.n_samples}*{ahead}"
+                    if split else f"prompts_per_step*n_samples = {t.prompts_per_step}*{g.n_samples}")
+            raise ConfigError(f"algo.buffer_capacity={a.buffer_capacity} cannot hold what the generators "
+                              f"may deliver before the trainer takes a batch: {rule} = {need} samples "
+                              f"(parallel.mode={self.parallel.mode!r}); set --algo.buffer_capacity to "
+                              f">= {need}, or 0 to derive it")
         m = self.model
         if m.compute_dtype == "float32" and m.dtype != "float32":
             raise ConfigError(f"model.compute_dtype='float32' cannot compute wider than the parameters "

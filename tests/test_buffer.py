@@ -104,6 +104,41 @@ def test_eta_zero_trains_only_current_version():
     assert buf.stats()["dropped_stale"] == 0
 
 
+@pytest.mark.parametrize("B,n,eta,gen_dp", [(2, 2, 1, 1), (3, 2, 2, 2), (5, 1, 0, 3), (4, 3, 3, 3)])
+def test_the_smallest_capacity_config_accepts_holds_all_the_gate_lets_in(B, n, eta, gen_dp):
+    """Trainer rank 0 puts the generators' groups into its buffer from its own thread, the one
+    that takes (TrainerWorker._on_message): a full buffer there waits for room that nothing can
+    make, and the run dies. The generator replicas run as far ahead as their staleness gate
+    allows (rollout/worker.py) before each take; the smallest algo.buffer_capacity that
+    Config.validate accepts must still hold all of it (one step's worth did not)."""
+    import types
+    from config import ConfigError, load_config
+    from rollout.worker import replica_share
+    from trainer.link import Message, Msg
+    from trainer.worker import TrainerWorker
+
+    def accepted(capacity):
+        try:
+            return load_config(None, [f"--trainer.prompts_per_step={B}", f"--generator.n_samples={n}",
+                                      f"--algo.max_staleness={eta}", f"--algo.buffer_capacity={capacity}"])
+        except ConfigError:
+            return None
+    cfg = next(c for c in map(accepted, range(1, 1000)) if c is not None)
+    cfg.parallel.timeout_s = 0.01  # a put that has to wait fails the test at once
+    owner = types.SimpleNamespace(cfg=cfg, buffer=OffPolicyBuffer(cfg.algo.buffer_capacity, eta, B, n))
+    shares = [replica_share(B, gen_dp, r) for r in range(gen_dp)]
+    started = [0] * gen_dp
+    for version in range(6):  # the generators hold this version's weights, as early as can be
+        for r, share in enumerate(shares):
+            groups = []
+            while staleness_gate_allows(started[r] + 1, version, share, eta):
+                started[r] += 1
+                groups.append(make_group(f"{r}-{started[r]}", version, n).to_dict())
+            TrainerWorker._on_message(owner, Message(Msg.TRAJECTORIES, version, 1 + r, groups))
+        assert len(owner.buffer) == (eta + 1) * B  # the gate's whole window was delivered
+        assert owner.buffer.try_take(B, version) is not None
+
+
 def test_take_drops_stale_and_returns_oldest_fresh_first():
     buf = OffPolicyBuffer(capacity_samples=20, max_staleness=1, batch_groups=2, group_size=2)
     for pid, v in [(1, 5), (2, 3), (3, 4), (4, 6), (5, 4)]:

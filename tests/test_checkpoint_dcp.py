@@ -73,6 +73,41 @@ def test_a_start_below_an_earlier_runs_checkpoints_is_refused(tmp_path):
     check_resume(empty)
 
 
+def test_a_crash_while_writing_the_complete_marker_or_the_metrics_leaves_the_old_file(
+        tmp_path, monkeypatch):
+    """COMPLETE and a resume's cut of metrics.jsonl are written to a temporary file, then
+    renamed: written in place, a crash between the truncation and the write left an empty
+    COMPLETE, on which every relaunch failed (JSONDecodeError), or lost the logged steps."""
+    import pathlib
+
+    from config import load_config
+    from trainer.checkpointing import (already_complete_line, completed_steps, mark_complete,
+                                       truncate_steps)
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--trainer.max_steps=8"])
+    metrics = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3))
+    metrics.write_text(rows)
+    mark_complete(cfg, 4)  # an earlier, shorter run in this folder
+    write_text = pathlib.Path.write_text
+
+    def crash(path, text, *args, **kwargs):  # opens (truncates) the file, half writes it, dies
+        write_text(path, text[:len(text) // 2], *args, **kwargs)
+        raise OSError("killed while writing")
+    monkeypatch.setattr(pathlib.Path, "write_text", crash)
+    with pytest.raises(OSError, match="killed"):
+        mark_complete(cfg, 8)
+    with pytest.raises(OSError, match="killed"):
+        truncate_steps(metrics, 1)
+    monkeypatch.undo()
+    assert completed_steps(cfg) == 4 and already_complete_line(cfg) is None  # 4 < 8: train on
+    assert metrics.read_text() == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["COMPLETE", "metrics.jsonl"]
+    mark_complete(cfg, 8)
+    truncate_steps(metrics, 1)
+    assert completed_steps(cfg) == 8 and "already completed 8 steps" in already_complete_line(cfg)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1]
+
+
 def test_rng_state_survives_json():
     torch.manual_seed(3)
     random.seed(4)

@@ -248,8 +248,17 @@ def test_invalid_values_name_value_and_fix(item, expected):
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match=r"rloo' needs generator.n_samples >= 2, got 1.*--generator.n_samples"):
         load_config(None, ["--algo.advantage=rloo", "--generator.n_samples=1"])
-    with pytest.raises(ConfigError, match=r"buffer_capacity=10 cannot hold one step.*8\*4 = 32"):
+    with pytest.raises(ConfigError, match=r"buffer_capacity=10 cannot hold.*8\*4\*2 = 64 samples.*>= 64"):
         load_config(None, ["--algo.buffer_capacity=10"])
+    # one step is not enough: the staleness gate lets the generators deliver max_staleness + 1
+    # steps before the trainer takes a batch (trainer/worker.py puts them in from its own thread)
+    with pytest.raises(ConfigError, match=r"buffer_capacity=32 cannot hold.*8\*4\*3 = 96 samples"):
+        load_config(None, ["--algo.buffer_capacity=32", "--algo.max_staleness=2"])
+    assert load_config(None, ["--algo.buffer_capacity=96", "--algo.max_staleness=2"])
+    # colocated mode generates each step on-policy, with no buffer: one step is its bound
+    with pytest.raises(ConfigError, match=r"buffer_capacity=10 cannot hold.*8\*4 = 32 samples"):
+        load_config(None, ["--algo.buffer_capacity=10", "--parallel.mode=colocated"])
+    assert load_config(None, ["--algo.buffer_capacity=32", "--parallel.mode=colocated"])
     with pytest.raises(ConfigError, match=r"compute_dtype='float32' cannot compute wider.*"
                                           r"model.dtype='bfloat16'.*--model.dtype=float32"):
         load_config(None, ["--model.dtype=bfloat16", "--model.compute_dtype=float32"])

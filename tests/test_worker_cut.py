@@ -1,6 +1,7 @@
 """A generator replica's checkpoint cut (rollout/worker.py `_cut`) and its resume: every prompt
 that was in flight is regenerated with its own start index (and so its seed), also when the cut
-is taken while a resumed run has not yet admitted them again."""
+is taken while a resumed run has not yet admitted them again. And the trainer's side of a resume:
+its first step warms up like a fresh run's (trainer/worker.py)."""
 import concurrent.futures
 import types
 
@@ -76,3 +77,100 @@ def test_a_cut_before_the_resumed_prompts_are_admitted_keeps_them(model):
     third._admit()
     assert _admitted(third)[:4] == inflight
     assert third.started == 4  # then new prompts from start index 4 on
+
+
+# ----- the trainer's side: a resumed process warms up like a fresh one -------------------------
+class _TrainerLink:
+    """Generator leaders that ship one batch of groups for each version the trainer is at
+    (`deliver`), or nothing; every wait is an empty slice of the fake clock `now`."""
+
+    def __init__(self, worker, now, deliver=True):
+        self.worker, self.now, self.deliver, self.sent = worker, now, deliver, []
+
+    def poll(self):
+        if not self.deliver or len(self.worker.buffer):
+            return []
+        from trainer.batch import Group, Trajectory
+        v, cfg = self.worker.version, self.worker.cfg
+        groups = [Group(f"{v}-{p}", [Trajectory(f"{v}-{p}", j, [1, 2 + p], [3, 4 + j], [-1.0, -1.5],
+                                                [v, v], float(j), "stop")
+                                     for j in range(cfg.generator.n_samples)])
+                  for p in range(cfg.trainer.prompts_per_step)]
+        return [Message(Msg.TRAJECTORIES, v, 0, [g.to_dict() for g in groups])]
+
+    def wait_for(self, types, what, timeout_s=None, **kw):
+        self.now[0] += timeout_s
+        raise TimeoutError(what)
+
+    def send(self, dst, kind, version, payload=None):
+        self.sent.append((kind, version))
+
+    def flush(self):
+        pass
+
+
+def _resumed_trainer(rank, world, folder, run_dir):
+    """A trainer resumed at step 3 (its schedule there): the first batch wait, then two steps."""
+    import torch
+    from config import load_config
+    from model import load_pretrained
+    from parallel.dims import ParallelDims
+    from parallel.mesh import build_meshes
+    from trainer import worker as W
+    from trainer.metrics import MetricsLogger
+    from trainer.optim import build_optimizer, build_scheduler
+    start = 3
+    cfg = load_config(None, ["--parallel.mode=colocated", "--trainer.prompts_per_step=2",
+                             "--generator.n_samples=2", "--algo.max_staleness=0",
+                             f"--trainer.max_steps={start + 2}", "--trainer.warmup_steps=10",
+                             "--trainer.lr=1e-3", "--parallel.timeout_s=7",
+                             "--parallel.warmup_timeout_s=900", "--logging.progress=false",
+                             "--logging.tensorboard=false", f"--run.dir={run_dir}"]).resolve(1)
+    meshes = build_meshes(ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
+    shortened, current = [], {}
+    real_shorten = meshes.shorten_timeouts
+    meshes.shorten_timeouts = lambda s: shortened.append((s, current["w"].step)) or real_shorten(s)
+    model = load_pretrained(folder, dtype="float32")
+    opt = build_optimizer(model, cfg.trainer)
+    sched = build_scheduler(opt, cfg.trainer)
+    for _ in range(start):  # where checkpointing.load leaves the schedule
+        opt.step()
+        sched.step()
+    used = []  # the lr of each update, as the optimizer applies it
+    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    sender = ns(push=lambda v: None, wait_sent=lambda: None, close=lambda: None)
+    now = [0.0]
+    W.time = ns(monotonic=lambda: now[0], perf_counter=W.time.perf_counter)  # the fake clock
+
+    def trainer(deliver):
+        logger = MetricsLogger(run_dir, tensorboard=False) if deliver else None
+        current["w"] = w = W.TrainerWorker(cfg, meshes, model, opt, sched, sender, None,
+                                           start_step=start, logger=logger)
+        w.link = _TrainerLink(w, now, deliver)
+        return w
+    try:
+        trainer(deliver=False)._collect()
+    except TimeoutError as e:
+        first_wait = str(e)
+    trainer(deliver=True).run()
+    current["w"].logger.close()
+    return {"first_wait": first_wait, "shortened": shortened, "used": used}
+
+
+def test_a_resumed_trainer_warms_up_like_a_fresh_one(tmp_path):
+    """A resumed trainer's first batch waits for the generators' start-up (model load, compile,
+    the in-flight prompts regenerated) as at step 0: parallel.warmup_timeout_s, not timeout_s;
+    after its first step its process groups' timeouts are shortened to timeout_s (once). And
+    each step's logged lr is the one its update used, not the scheduler's next one."""
+    import json
+
+    from tests.dist import run_ranks
+    from tests.rl_model import make_rl_model
+    folder = make_rl_model(tmp_path / "m")
+    out = run_ranks(_resumed_trainer, 1, folder, str(tmp_path / "run"), timeout=300)[0]
+    assert "waited 900s for 2 prompt groups at version 3" in out["first_wait"]
+    assert out["shortened"] == [(7.0, 3)]  # after the first step of this process, before step 4
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 5]
+    used = out["used"]  # in the warm-up: each step's lr differs from the next one's
+    assert len(used) == 2 and used[0] < used[1] and [r["lr"] for r in rows] == used

@@ -18,6 +18,7 @@ regenerated from the restored cursor. So every prompt is trained exactly once, n
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -67,7 +68,18 @@ COMPLETE_FILE = "COMPLETE"
 
 def mark_complete(cfg, steps: int) -> None:
     """Written by the trainer's owner rank once the run has trained `steps` steps and exported."""
-    Path(cfg.run.dir, COMPLETE_FILE).write_text(json.dumps({"steps": steps}) + "\n")
+    write_atomic(Path(cfg.run.dir, COMPLETE_FILE), json.dumps({"steps": steps}) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` all at once: a crash midway leaves the old file (or none), never
+    a truncated one that every relaunch would then fail to read."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def is_complete(cfg) -> bool:
@@ -197,7 +209,7 @@ def truncate_steps(f: Path, last_step: int) -> None:
     if not f.is_file():
         return
     keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    f.write_text("".join(line + "\n" for line in keep))
+    write_atomic(f, "".join(line + "\n" for line in keep))
 
 
 def maybe_export_hf(cfg, model, step: int, tokenizer, group) -> None:

@@ -94,7 +94,6 @@ class ColocatedWorker:
             res = train_step(self.t_model, self.opt, self.sched, mine, self.cfg, self.dp_group,
                              self.meshes.device, self.version, self.ref_model)
             self.nonfinite.check(res)
-            lr = self.sched.get_last_lr()[0]
             self.version += 1
             self.step += 1
             maybe_export_hf(self.cfg, self.t_model, self.step,
@@ -103,7 +102,7 @@ class ColocatedWorker:
             self._reshard()
             stats = reduce_stats(res.stats, self.dp_group)
             if self.logger is not None:
-                self.logger.log(step_metrics(self.step, self.version, groups, stats, res, lr,
+                self.logger.log(step_metrics(self.step, self.version, groups, stats, res,
                                              time.perf_counter() - t0, time.perf_counter() - t1,
                                              self.nonfinite.total))
             if evaluator is not None:  # after the step's metrics: its time is in eval.jsonl

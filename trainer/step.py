@@ -8,6 +8,7 @@ micro-batches; a rank with fewer pads with a zero-weighted copy of one of its ow
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class StepResult:
     stats: dict  # summed over this rank's tokens (reduce across dp ranks before dividing)
     grad_norm: float
     skipped: bool  # non-finite loss or gradient norm: the update was not applied
+    lr: float = math.nan  # the learning rate of this step's update (read before the scheduler steps)
 
 
 class NonFiniteGuard:
@@ -142,11 +144,12 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     finite = bool(torch.isfinite(torch.tensor(grad_norm)))
     if before_update is not None:
         before_update()
+    lr = optimizer.param_groups[0]["lr"]  # this update's: scheduler.step() sets the next one's
     if finite:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(stats, grad_norm, skipped=not finite)
+    return StepResult(stats, grad_norm, skipped=not finite, lr=lr)
 
 
 def _sync_on_last(model, last: bool) -> None:

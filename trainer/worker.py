@@ -42,9 +42,12 @@ def broadcast_json(obj, src: int, group) -> object:
 
 
 def waiting_line(step: int, B: int, leaders: list[int], buffered: int,
-                 evaluating: tuple[int, int, float] | None, now: float | None = None) -> str:
-    """The heartbeat of trainer rank 0 while it waits for a step's batch."""
-    why = "; the first batch includes the generators' start-up" if step == 0 else ""
+                 evaluating: tuple[int, int, float] | None, now: float | None = None,
+                 first: bool | None = None) -> str:
+    """The heartbeat of trainer rank 0 while it waits for a step's batch; `first`: the first
+    batch of this process (default: of the run), also after a resume."""
+    first = step == 0 if first is None else first
+    why = "; the first batch includes the generators' start-up" if first else ""
     if evaluating is not None:
         rank, version, since = evaluating
         now = time.monotonic() if now is None else now
@@ -69,6 +72,8 @@ class TrainerWorker:
         self.opt, self.sched, self.sender, self.link = optimizer, scheduler, sender, link
         self.logger, self.ref_model, self.tokenizer = logger, ref_model, tokenizer
         self.step, self.version = start_step, start_step
+        # this process's first step waits for the generators' start-up, a resumed one's too
+        self.warm = False
         self.dp_group = meshes.trainer["fsdp"].get_group()
         self.dp_rank, self.dp = meshes.trainer.get_coordinate()[0], meshes.dims.trainer_fsdp
         self.is_owner = meshes.rank == meshes.dims.trainer_rank_list[0]
@@ -116,10 +121,10 @@ class TrainerWorker:
                          self.meshes.device, self.version, self.ref_model,
                          before_update=self.sender.wait_sent)
         self._check_finite(res)
-        if self.step == 0:
+        if not self.warm:
             self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
+            self.warm = True
         t_train = time.perf_counter() - t0 - t_wait
-        lr = self.sched.get_last_lr()[0]
         # The version advances even when a non-finite step was skipped, so a synchronous
         # generator (waiting for v+1) is never left hanging; the weights are simply unchanged.
         self.version += 1
@@ -132,7 +137,7 @@ class TrainerWorker:
         t_sync = time.perf_counter() - t1
         stats = reduce_stats(res.stats, self.dp_group)
         if self.is_owner and self.logger is not None:
-            m = self._metrics(groups, stats, res, lr, time.perf_counter() - t0, t_sync)
+            m = self._metrics(groups, stats, res, time.perf_counter() - t0, t_sync)
             self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
 
     def _push_weights(self) -> None:
@@ -192,7 +197,7 @@ class TrainerWorker:
     def _collect(self) -> list[Group] | None:
         """B groups from the buffer, waiting for the generators; None once a stop is asked for."""
         B, timeout = self.cfg.trainer.prompts_per_step, self.cfg.parallel.timeout_s
-        if self.step == 0:
+        if not self.warm:
             timeout = max(timeout, self.cfg.parallel.warmup_timeout_s)  # compile, first prefill
         deadline = time.monotonic() + timeout
         beat = Heartbeat(lambda: self._waiting_line(B), enabled=self.cfg.logging.progress)
@@ -218,7 +223,8 @@ class TrainerWorker:
             self._on_message(m)
 
     def _waiting_line(self, B: int) -> str:
-        return waiting_line(self.step, B, self.leaders, len(self.buffer), self.evaluating)
+        return waiting_line(self.step, B, self.leaders, len(self.buffer), self.evaluating,
+                            first=not self.warm)
 
     def _on_message(self, m) -> None:
         if m.type == Msg.TRAJECTORIES:  # a list of whole groups
@@ -247,8 +253,8 @@ class TrainerWorker:
         self.nonfinite.check(res)
         self.nonfinite_total = self.nonfinite.total
 
-    def _metrics(self, groups, s, res, lr, dt, t_sync) -> dict:
-        m = step_metrics(self.step, self.version, groups, s, res, lr, dt, t_sync, self.nonfinite_total)
+    def _metrics(self, groups, s, res, dt, t_sync) -> dict:
+        m = step_metrics(self.step, self.version, groups, s, res, dt, t_sync, self.nonfinite_total)
         m.update({"generator_sync_s": self.acks.get(self.version - 1, 0.0),
                   "generator_version": max(self.acks, default=0),
                   "buffer_groups": len(self.buffer),
