@@ -3,6 +3,7 @@ atomic swap, and timeouts that name the peer and the version."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests import tiny
 from tests.dist import run_ranks
@@ -85,7 +86,8 @@ def _sync_worker(rank, world, folder, n_trainer, gen_tp, trainer_tp=1):
 @pytest.mark.slow
 @pytest.mark.parametrize("world,n_trainer,gen_tp,trainer_tp,family", [
     (3, 2, 1, 1, "qwen2"), (4, 2, 2, 1, "qwen2"), (4, 3, 1, 1, "qwen2"), (4, 2, 1, 1, "qwen2"),
-    (4, 2, 2, 2, "qwen3")])  # trainer TP: q/k norms are Replicate DTensors there, plain here
+    (4, 2, 2, 2, "qwen3"),  # trainer TP: q/k norms are Replicate DTensors there, plain here
+    (3, 2, 1, 1, "tied")])  # the head moves once, as the embedding (transfer_specs)
 def test_generator_shards_bitwise_equal_trainer_slices(tmp_path, world, n_trainer, gen_tp,
                                                        trainer_tp, family):
     tiny.save_hf(family, tmp_path)
@@ -125,3 +127,157 @@ def _timeout_worker(rank, world, folder, silent_side):
 def test_missing_peer_times_out_naming_peer_and_version(tmp_path, silent_side):
     tiny.save_hf("llama3", tmp_path)
     run_ranks(_timeout_worker, 3, str(tmp_path), silent_side, timeout=120)
+
+
+def _replicated(specs, ranks):
+    from parallel.layout import Layout
+    return Layout.from_placements(specs, ranks, (len(ranks),), ("dp",),
+                                  {s.name: [("replicate",)] for s in specs}, replica_axis="dp")
+
+
+def _specs(named):
+    from parallel.layout import ParamSpec
+    return [ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named]
+
+
+def test_transfer_specs_refuses_generator_params_the_trainer_lacks():
+    from weights_sync.sync import transfer_specs
+    trainer = _specs([("embed.weight", torch.empty(8, 4)), ("value_head.weight", torch.empty(1, 4))])
+    generator = _specs([("embed.weight", torch.empty(8, 4, dtype=GEN_DTYPE)),
+                        ("lm_head.weight", torch.empty(8, 4, dtype=GEN_DTYPE)),
+                        ("norm.weight", torch.empty(4, dtype=GEN_DTYPE))])
+    with pytest.raises(ValueError, match=r"\['lm_head.weight', 'norm.weight'\]"):
+        transfer_specs(_replicated(trainer, [0]), _replicated(generator, [1]))
+    # trainer-only params stay behind
+    got = transfer_specs(_replicated(trainer, [0]), _replicated(generator[:1], [1]))
+    assert [s.name for s in got] == ["embed.weight"]
+
+
+def test_transfer_specs_of_a_tied_model_move_the_shared_weight_once(tmp_path):
+    """Both sides enumerate parameters alike: a tied head is the embedding, listed once."""
+    from model.hf_io import load_model_args
+    from model.transformer import Transformer
+    from weights_sync.sync import transfer_specs
+    tiny.save_hf("tied", tmp_path)
+    args = load_model_args(str(tmp_path))
+    assert args.tie_word_embeddings
+    model = Transformer(args)
+    trainer = _specs(model.named_parameters())
+    generator = _specs((n, t.to(GEN_DTYPE)) for n, t in model.named_parameters())
+    got = [s.name for s in transfer_specs(_replicated(trainer, [0]), _replicated(generator, [1]))]
+    assert got == [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in got and got.count("model.embed_tokens.weight") == 1
+
+
+class _CountCopies(TorchDispatchMode):
+    """Elements written by every op run under it: fresh outputs and in-place copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ret = func._schema.returns
+        if func is torch.ops.aten.copy_.default:
+            self.numel += args[0].numel()
+        elif ret and ret[0].alias_info is None and isinstance(out, torch.Tensor):
+            self.numel += out.numel()  # not a view: allocated and written
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fill_sends_exactly_the_box_slices_copying_each_element_once(dtype):
+    """Every bucket size (ranges cutting rows, packing several boxes): the buckets concatenate to
+    the boxes' row-major slices, and filling copies each element once (flattening a whole
+    non-contiguous box per bucket was quadratic)."""
+    from parallel.layout import Box
+    from weights_sync.stream import Segment, buckets, fill, messages, stream_numel
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"col": torch.randn(6, 10, generator=gen), "cube": torch.randn(3, 4, 5, generator=gen),
+               "vec": torch.randn(12, generator=gen), "rows": torch.randn(6, 10, generator=gen)}
+    boxes = [("col", Box((1, 2), (4, 5))), ("cube", Box((0, 1, 1), (3, 2, 3))),
+             ("vec", Box((2,), (7,))), ("rows", Box((2, 0), (3, 10))), ("col", Box((0, 7), (6, 1)))]
+    segs, start = [], 0
+    for name, box in boxes:
+        segs.append(Segment(name, box, start, box.numel))
+        start += box.numel
+    total = stream_numel(segs)
+    want = torch.cat([tensors[n][b.slices()].reshape(-1) for n, b in boxes]).to(dtype)
+    for bucket_numel in range(1, total + 1):
+        for ranges in (buckets(total, bucket_numel), messages(segs, bucket_numel, 4)):
+            bucket, sent = torch.empty(bucket_numel, dtype=dtype), []
+            with _CountCopies() as copies:
+                for lo, hi in ranges:
+                    fill(bucket, lo, hi, segs, tensors)
+                    sent.append(bucket[:hi - lo].clone())
+            assert torch.equal(torch.cat(sent), want), bucket_numel
+            assert copies.numel == 2 * total, (bucket_numel, copies.numel)  # fill + the clone
+
+
+def _two_peer_plan(trainer, generator):
+    """A 4x4 fp32 param from trainer ranks `trainer` (rows sharded) to generator ranks
+    `generator` (each a replica holding it whole): every trainer rank sends to every generator."""
+    from parallel.layout import Layout, ParamSpec
+    from weights_sync.plan import plan
+    specs = [ParamSpec("w", (4, 4), "float32")]
+    src = Layout.from_placements(specs, trainer, (len(trainer),), ("fsdp",), {"w": [("shard", 0)]})
+    dst = Layout.from_placements(specs, generator, (len(generator), 1), ("dp", "tp"),
+                                 {"w": [("replicate",), ("replicate",)]}, replica_axis="dp")
+    return plan(src, dst, specs)
+
+
+def _holder(rank, p):
+    """A module holding this rank's shard of the plan's one param."""
+    box = p.src.boxes.get(rank, p.dst.boxes.get(rank))["w"]
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.randn(box.sizes))
+    return m
+
+
+def _deadline_worker(rank, world, timeout_s, slow_s, grace_s):
+    """Each side's peers are served in plan order: the first one posts its half `slow_s` late
+    (alive, within timeout_s), the second never does. The version's waits share one deadline,
+    so the error comes after timeout_s (not slow_s + timeout_s) and names the silent peer."""
+    import time
+    from weights_sync.sync import VersionThread, WeightReceiver, WeightSender
+    VersionThread.JOIN_GRACE_S = grace_s  # < slow_s: a budget per peer would lose to join
+    out = {}
+    # 1. sender rank 0 -> generator ranks 1 (slow) and 2 (silent)
+    p, group = _two_peer_plan([0], [1, 2]), dist.new_group(backend="gloo")
+    slow, silent = list(p.sends_from(0))
+    if rank == 0:
+        sender = WeightSender(_holder(0, p), p, 0, torch.float32, group, timeout_s=timeout_s)
+        sender.push(3)
+        with pytest.raises(TimeoutError, match=rf"generator rank {silent} to receive version 3") as e:
+            sender.wait_sent()
+        assert f"rank {slow}" not in str(e.value), str(e.value)  # it received in time
+    elif rank == slow:
+        recv = WeightReceiver(_holder(rank, p), p, rank, group, timeout_s=timeout_s)
+        time.sleep(slow_s)  # a slow generator (busy decoding), not synchronisation
+        recv.receive(3)()
+    dist.barrier()
+    # 2. generator rank 2 <- trainer ranks 0 (slow) and 1 (silent)
+    p, group = _two_peer_plan([0, 1], [2]), dist.new_group(backend="gloo")
+    slow, silent = list(p.recvs_to(2))
+    if rank == 2:
+        recv = WeightReceiver(_holder(2, p), p, 2, group, timeout_s=timeout_s)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"weights version 4 from trainer rank {silent}"):
+            recv.receive(4)
+        out["recv_s"] = time.monotonic() - t0
+    elif rank == slow:
+        sender = WeightSender(_holder(rank, p), p, rank, torch.float32, group, timeout_s=timeout_s)
+        time.sleep(slow_s)
+        sender.push(4)
+        sender.wait_sent()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_version_waits_share_one_deadline_and_name_the_silent_peer():
+    timeout_s, slow_s = 3.0, 2.0
+    results = run_ranks(_deadline_worker, 3, timeout_s, slow_s, 1.0, timeout=120)
+    # a budget per source would wait slow_s + timeout_s = 5 s
+    assert results[2]["recv_s"] < timeout_s + slow_s / 2, results[2]["recv_s"]

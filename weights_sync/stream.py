@@ -48,9 +48,29 @@ def fill(bucket: torch.Tensor, lo: int, hi: int, segs: list[Segment], tensors: d
         a, b = max(lo, seg.start), min(hi, seg.start + seg.numel)
         if a >= b:
             continue
-        view = tensors[seg.param][seg.box.slices()]
-        flat = view.reshape(-1)  # a copy only when the box is not contiguous in the shard
-        bucket[a - lo:b - lo].copy_(flat[a - seg.start:b - seg.start])
+        at = a - lo
+        for piece in _flat_range(tensors[seg.param][seg.box.slices()], a - seg.start, b - seg.start):
+            bucket[at:at + piece.numel()].view(piece.shape).copy_(piece)
+            at += piece.numel()
+
+
+def _flat_range(view: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
+    """Views of `view` whose row-major concatenation is `view.reshape(-1)[a:b]`, copying nothing.
+    Flattening a box that is not contiguous in its shard (a column block) copies the whole box:
+    once per bucket, that was quadratic in the box size. Here: a partial first row, the full rows
+    between, a partial last row (the partial rows recursively, for boxes of 3+ dims)."""
+    if view.is_contiguous() or view.dim() <= 1:
+        return [view.reshape(-1)[a:b]]  # a view in both cases
+    row = view[0].numel()
+    first, last = -(-a // row), b // row  # the full rows are [first, last)
+    if first > last:  # [a, b) lies inside row `last`
+        return _flat_range(view[last], a - last * row, b - last * row)
+    out = _flat_range(view[first - 1], a - (first - 1) * row, row) if a % row else []
+    if last > first:
+        out.append(view[first:last])
+    if b % row:
+        out += _flat_range(view[last], 0, b - last * row)
+    return out
 
 
 def scatter(flat: torch.Tensor, segs: list[Segment], tensors: dict) -> None:

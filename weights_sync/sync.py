@@ -59,9 +59,13 @@ class PeerLost(ConnectionError, TimeoutError):
     weights will never come), so callers that handle a missing peer by its timeout still do."""
 
 
-def _wait(work, timeout_s: float, what: str) -> None:
+def _wait(work, deadline: float, timeout_s: float, what: str) -> None:
+    """Wait for `work` until `deadline` (time.monotonic()), the end of the version's budget of
+    `timeout_s`: every wait of one version shares it, so a slow peer served first cannot push a
+    later one's timeout past `VersionThread.join`'s (which then raced the thread, see there)."""
+    left = max(1e-3, deadline - time.monotonic())  # past the deadline: a poll, not a 0 s wait
     try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
+        work.wait(timeout=timedelta(seconds=left))
     except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
         if "Timed out" in str(e) or "timed out" in str(e):
             raise TimeoutError(f"weight sync timed out after {timeout_s:.0f}s waiting for {what} ({e})") from None
@@ -72,11 +76,12 @@ class VersionThread:
     """One version in flight in a background thread: `start` it (after the previous one is done),
     `join` it before the parameters change. The thread's exception is re-raised by `join`.
 
-    `join(timeout_s)` waits JOIN_GRACE_S longer than the thread's own waits (which use the same
-    timeout_s): a missing peer then surfaces as the thread's error naming that peer, after the
-    thread has ended. Joining for exactly timeout_s raced them: the caller could tear the process
-    group down while the thread still sat in a gloo wait, and the process aborted (SIGABRT,
-    "terminate called without an active exception"; tests/test_weights_sync.py)."""
+    `join(timeout_s)` waits JOIN_GRACE_S longer than the thread's own waits, which share one
+    deadline of timeout_s per version (not timeout_s per peer): a missing peer then surfaces as
+    the thread's error naming that peer, after the thread has ended. Joining first raced them:
+    the caller got an error naming no peer in particular and could tear the process group down
+    while the thread still sat in a gloo wait, and the process aborted (SIGABRT, "terminate
+    called without an active exception"; tests/test_weights_sync.py)."""
 
     JOIN_GRACE_S = 5.0
 
@@ -147,9 +152,10 @@ class WeightSender:
 
     def _stream_all(self, version: int) -> None:
         t0, nbytes = time.perf_counter(), 0
+        deadline = time.monotonic() + self.timeout_s  # one budget for all peers of the version
         with torch.no_grad():
             for dst, segs in self.peers.items():
-                nbytes += self._stream(dst, segs, version)
+                nbytes += self._stream(dst, segs, version, deadline)
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
@@ -166,7 +172,7 @@ class WeightSender:
             out.append((lo, hi, view))
         return out
 
-    def _stream(self, dst: int, segs, version: int) -> int:
+    def _stream(self, dst: int, segs, version: int, deadline: float) -> int:
         # A one-element header carries the version, so a receiver can never apply bytes of a
         # version other than the one it was told about (NCCL has no message tags to tell them apart).
         header = torch.tensor([version], dtype=torch.int64, device=self.device)
@@ -181,12 +187,12 @@ class WeightSender:
             k = filled % 2
             filled += 1
             if pending[k] is not None:
-                _wait(pending[k], self.timeout_s, what)
+                _wait(pending[k], deadline, self.timeout_s, what)
             stream.fill(pool[k], lo, hi, segs, self.tensors)
             pending[k] = dist.isend(pool[k][:hi - lo], dst, group=self.group, tag=TAG_WEIGHTS)
         for w in (*works, *pending):
             if w is not None:
-                _wait(w, self.timeout_s, what)
+                _wait(w, deadline, self.timeout_s, what)
         return stream.stream_numel(segs) * torch.empty((), dtype=self.dtype).element_size()
 
     def close(self) -> None:
@@ -234,8 +240,9 @@ class WeightReceiver:
 
     def finish(self, ticket):
         version, t0, heads, works = ticket
+        deadline = time.monotonic() + self.timeout_s  # one budget for all sources of the version
         for src, w in works:
-            _wait(w, self.timeout_s, f"weights version {version} from trainer rank {src}")
+            _wait(w, deadline, self.timeout_s, f"weights version {version} from trainer rank {src}")
         for src, h in heads.items():
             if int(h) != version:
                 raise RuntimeError(f"generator rank {self.rank} expected weights version {version} "
@@ -400,6 +407,15 @@ def plan_between_meshes(model, group, is_src_leader: bool, is_dst_leader: bool):
 
 
 def transfer_specs(src, dst):
-    """Parameters that move: the generator's parameters (a tied head is shared, so stored once)."""
+    """Parameters that move: the generator's parameters, every one of which the trainer must hold
+    (else it would keep its initial values at every version). Both sides list a tied head once,
+    as the embedding (`named_parameters` drops the shared duplicate); trainer-only parameters
+    stay behind."""
+    have = {s.name for s in src.specs}
+    missing = [s.name for s in dst.specs if s.name not in have]
+    if missing:
+        raise ValueError(f"generator parameters {missing} are not trainer parameters, so weight "
+                         f"sync could never update them; build both sides from the same model "
+                         f"config (e.g. tie_word_embeddings) so the names match")
     names = {s.name for s in dst.specs}
     return [s for s in src.specs if s.name in names]
