@@ -76,7 +76,24 @@ def test_a_cut_before_the_resumed_prompts_are_admitted_keeps_them(model):
     third.version = 0
     third._admit()
     assert _admitted(third)[:4] == inflight
-    assert third.started == 4  # then new prompts from start index 4 on
+    assert third.gate.n_started == 4  # then new prompts from start index 4 on
+
+
+def test_groups_dropped_as_stale_come_back_to_the_gate_with_the_weights(model):
+    """The trainer's weights message carries how many of this replica's groups its buffer
+    dropped as stale (a running total); each frees its place in the staleness window."""
+    link = _Link()
+    w = _worker(model, link)
+    w._admit()
+    assert w.gate.n_started == 4  # 2 a step, eta 1: the window is full at version 0
+    link.inbox = [Message(Msg.WEIGHTS_READY, 0, 0, {"dropped": 2})]
+    w._handle(w._poll())
+    w._admit()
+    assert w.gate.n_started == 6 and len(w.pending) == 6
+    link.inbox = [Message(Msg.WEIGHTS_READY, 0, 0, {"dropped": 1})]  # late, older: no effect
+    w._handle(w._poll())
+    w._admit()
+    assert w.gate.n_started == 6
 
 
 # ----- the trainer's side: a resumed process warms up like a fresh one -------------------------

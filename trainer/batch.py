@@ -94,6 +94,7 @@ class Group:
 
     prompt_id: int
     trajectories: list[Trajectory]
+    replica: int = -1  # the generator replica that made it (its gate gets a stale drop back)
 
     def __post_init__(self) -> None:
         if not self.trajectories:
@@ -125,12 +126,13 @@ class Group:
         return len(self.trajectories)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_id": self.prompt_id,
+        return {"prompt_id": self.prompt_id, "replica": self.replica,
                 "trajectories": [t.to_dict() for t in self.trajectories]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Group:
-        return cls(d["prompt_id"], [Trajectory.from_dict(t) for t in d["trajectories"]])
+        return cls(d["prompt_id"], [Trajectory.from_dict(t) for t in d["trajectories"]],
+                   d.get("replica", -1))
 
 
 def flatten_groups(groups: Sequence[Group]) -> list[Trajectory]:

@@ -8,7 +8,11 @@ Two mechanisms keep samples fresh, and they are deliberately different:
 2. `OffPolicyBuffer.take` never hands out a group older than `trainer_version - max_staleness`.
    Such groups are dropped and counted. With the gate respected and groups finishing roughly in
    order this does not happen; a nonzero `dropped_stale` says a generation straggled or the
-   generator's weights lagged.
+   generator's weights lagged (e.g. one replica slower than the others, whose fresher groups
+   fill the trainer's batches meanwhile). Each drop is counted for the replica that made the
+   group (`dropped_of`) and given back to that replica's gate with the next weights: each drop
+   would otherwise shrink the window for good, and after max_staleness * B of them the gates
+   could no longer admit a whole batch: the trainer would wait for groups nobody may start.
 
 Capacity counts SAMPLES (memory is per sample); groups are never split (the group baseline needs
 all n samples of a prompt). `put` blocks while full (back-pressure on the generator). Every wait
@@ -153,6 +157,7 @@ class OffPolicyBuffer:
         self._samples = 0
         self._stats = {"put_groups": 0, "taken_groups": 0, "dropped_stale": 0,
                        "dropped_stale_samples": 0, "waiting_puts": 0, "waiting_takes": 0}
+        self._dropped_by: dict[int, int] = {}  # replica -> its groups dropped as stale
         self._closed: str | None = None
         self._cond = threading.Condition()
 
@@ -219,6 +224,7 @@ class OffPolicyBuffer:
             self._samples -= g.num_samples
             self._stats["dropped_stale"] += 1
             self._stats["dropped_stale_samples"] += g.num_samples
+            self._dropped_by[g.replica] = self._dropped_by.get(g.replica, 0) + 1
             dropped = True
         if dropped:
             self._cond.notify_all()
@@ -286,6 +292,11 @@ class OffPolicyBuffer:
         with self._cond:
             return self._samples
 
+    def dropped_of(self, replica: int) -> int:
+        """Groups of generator replica `replica` dropped as stale so far (a running total)."""
+        with self._cond:
+            return self._dropped_by.get(replica, 0)
+
     def stats(self) -> dict[str, int]:
         """Counters: put_groups, taken_groups, dropped_stale (groups), dropped_stale_samples,
         waiting_puts / waiting_takes (callers blocked right now), size_groups, size_samples."""
@@ -308,7 +319,8 @@ class OffPolicyBuffer:
             return {"groups": [g.to_dict() for _, _, g in sorted(self._heap, key=lambda e: e[:2])],
                     "stats": {k: self._stats[k] for k in
                               ("put_groups", "taken_groups", "dropped_stale",
-                               "dropped_stale_samples")}}
+                               "dropped_stale_samples")},
+                    "dropped_by": {str(r): n for r, n in self._dropped_by.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the contents with a `state_dict()` snapshot (validated against this config)."""
@@ -326,4 +338,5 @@ class OffPolicyBuffer:
                 heapq.heappush(self._heap, (g.min_version, next(self._arrival), g))
                 self._samples += g.num_samples
             self._stats.update(state["stats"])
+            self._dropped_by = {int(r): n for r, n in state.get("dropped_by", {}).items()}
             self._cond.notify_all()

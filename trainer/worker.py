@@ -142,9 +142,10 @@ class TrainerWorker:
 
     def _push_weights(self) -> None:
         self.sender.push(self.version)
-        if self.is_owner:
-            for leader in self.leaders:
-                self.link.send(leader, Msg.WEIGHTS_READY, self.version)
+        if self.is_owner:  # with each replica's stale drops: its gate gets them back
+            for replica, leader in enumerate(self.leaders):
+                self.link.send(leader, Msg.WEIGHTS_READY, self.version,
+                               {"dropped": self.buffer.dropped_of(replica)})
 
     def _maybe_save(self) -> None:
         # the export first: a crash between the two then resumes from an earlier checkpoint and
