@@ -2,12 +2,15 @@
 
 One `ModelArgs` describes every supported family. The families differ only in a few switches:
 
-| family   | HF architecture      | q/k/v bias | q/k RMSNorm | usual rope            |
-|----------|----------------------|------------|-------------|-----------------------|
-| llama    | LlamaForCausalLM     | optional   | no          | default or "llama3"   |
-| mistral  | MistralForCausalLM   | no         | no          | default (+ sliding)   |
-| qwen2    | Qwen2ForCausalLM     | yes        | no          | default               |
-| qwen3    | Qwen3ForCausalLM     | optional   | yes         | default               |
+| family   | HF architecture      | attention bias      | q/k RMSNorm | sliding window            |
+|----------|----------------------|---------------------|-------------|---------------------------|
+| llama    | LlamaForCausalLM     | optional, q/k/v/o   | no          | never                     |
+| mistral  | MistralForCausalLM   | never               | no          | every layer, default 4096 |
+| qwen2    | Qwen2ForCausalLM     | always, q/k/v only  | no          | with use_sliding_window   |
+| qwen3    | Qwen3ForCausalLM     | optional, q/k/v/o   | yes         | with use_sliding_window   |
+
+Every family's MLP is SwiGLU (hidden_act "silu"); rope is "default", "llama3" or "linear". One
+window serves all layers: a Qwen config that slides only some of them is refused.
 """
 from __future__ import annotations
 
@@ -15,12 +18,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# HF architecture name -> (model_type, family defaults that config.json may omit)
+# HF architecture name -> (model_type, family defaults that config.json may omit), as the
+# transformers config classes default them (Qwen's window applies only with use_sliding_window,
+# to layers max_window_layers and up)
+_QWEN_WINDOW = {"sliding_window": 4096, "max_window_layers": 28}
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "LlamaForCausalLM": ("llama", {}),
-    "MistralForCausalLM": ("mistral", {}),
-    "Qwen2ForCausalLM": ("qwen2", {"attention_bias": True}),
-    "Qwen3ForCausalLM": ("qwen3", {"qk_norm": True}),
+    "MistralForCausalLM": ("mistral", {"sliding_window": 4096}),
+    "Qwen2ForCausalLM": ("qwen2", _QWEN_WINDOW),  # q/k/v biases always: _attention_bias_of
+    "Qwen3ForCausalLM": ("qwen3", {"qk_norm": True, "head_dim": 128, **_QWEN_WINDOW}),
 }
 _ARCH_BY_TYPE = {mt: arch for arch, (mt, _) in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -43,9 +49,9 @@ class ModelArgs:
     rope_scaling: dict | None = None  # HF rope parameters beyond theta, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases, and o_proj's where HF has one (`o_proj_bias`)
     qk_norm: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # one window for every layer (not for llama)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -67,6 +73,15 @@ class ModelArgs:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        # The export could not represent these: transformers would build another model.
+        if self.attention_bias and self.model_type == "mistral":
+            raise ValueError("attention_bias=True with MistralForCausalLM: transformers' Mistral "
+                             "has no attention biases; use LlamaForCausalLM (q/k/v/o biases) or "
+                             "Qwen2ForCausalLM (q/k/v), or attention_bias=False")
+        if self.sliding_window is not None and self.model_type == "llama":
+            raise ValueError(f"sliding_window={self.sliding_window} with {self.arch}: "
+                             "transformers' Llama has no sliding window; use MistralForCausalLM "
+                             "(same layers otherwise), or sliding_window=None")
 
     @property
     def model_type(self) -> str:
@@ -79,11 +94,18 @@ class ModelArgs:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias: with attention_bias in Llama and Qwen3 (all four
+        projections), never in Qwen2 (q/k/v only) or Mistral (no biases)."""
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
     def num_params(self) -> int:
         """Parameter count, from the shapes alone (used by planners and benchmarks)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        attn += h if self.o_proj_bias else 0
         attn += 2 * d if self.qk_norm else 0
         layer = attn + 3 * h * i + 2 * h
         emb = self.vocab_size * h
@@ -94,18 +116,17 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelArgs":
         """Build from a parsed config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         arch = _architecture_of(cfg, source)
-        defaults = SUPPORTED_ARCHITECTURES[arch][1]
+        model_type, defaults = SUPPORTED_ARCHITECTURES[arch]
+        _check_activation(cfg, source)
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         scaling = rope if rope.get("rope_type", "default") != "default" else None
-        sliding = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") is False:
-            sliding = None
         known = {f.name for f in dataclasses.fields(cls)} | {
             "architectures", "model_type", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "rope_parameters", "use_sliding_window", "dtype"}
+            "num_key_value_heads", "rope_parameters", "use_sliding_window", "layer_types", "dtype",
+            "hidden_act", "hidden_activation"}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -114,15 +135,15 @@ class ModelArgs:
             num_layers=cfg["num_hidden_layers"],
             num_heads=cfg["num_attention_heads"],
             num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or 0,
+            head_dim=cfg.get("head_dim", defaults.get("head_dim")) or 0,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", defaults.get("attention_bias", False))),
+            attention_bias=_attention_bias_of(cfg, model_type),
             qk_norm=defaults.get("qk_norm", False),
-            sliding_window=sliding,
+            sliding_window=_sliding_window_of(cfg, model_type, defaults, source),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
@@ -148,10 +169,59 @@ class ModelArgs:
             pad_token_id=self.pad_token_id,
         )
         if self.model_type in ("mistral", "qwen2", "qwen3"):
-            cfg["sliding_window"] = self.sliding_window
-            if self.model_type != "mistral":
-                cfg["use_sliding_window"] = self.sliding_window is not None
+            cfg["sliding_window"] = self.sliding_window  # explicit null: Mistral's default is 4096
+        if self.model_type in ("qwen2", "qwen3"):
+            # Qwen slides only the layers that layer_types marks (transformers 5), or else those
+            # from max_window_layers on (4.x): both say every layer, or none.
+            slides = self.sliding_window is not None
+            cfg["use_sliding_window"] = slides
+            kind = "sliding_attention" if slides else "full_attention"
+            cfg["layer_types"] = [kind] * self.num_layers
+            if slides:
+                cfg["max_window_layers"] = 0
         return cfg
+
+
+def _check_activation(cfg: dict, source: str) -> None:
+    """Every family's MLP here is SwiGLU: refuse a config.json that asks for another activation."""
+    for key in ("hidden_act", "hidden_activation"):
+        act = cfg.get(key)
+        if act is not None and act not in ("silu", "swish"):
+            raise ValueError(f"{source}: {key}={act!r} is not supported: tandem's MLP applies SiLU "
+                             "(silu/swish) only; use a model trained with silu, or add the "
+                             "activation to model/transformer.py's MLP")
+
+
+def _attention_bias_of(cfg: dict, model_type: str) -> bool:
+    """As transformers builds the family: Qwen2 always has q/k/v biases and Mistral none, whatever
+    config.json says; Llama and Qwen3 follow attention_bias."""
+    if model_type in ("qwen2", "mistral"):
+        return model_type == "qwen2"
+    return bool(cfg.get("attention_bias", False))
+
+
+def _sliding_window_of(cfg: dict, model_type: str, defaults: dict, source: str) -> int | None:
+    """The one window of every layer, as transformers reads config.json: Llama never slides,
+    Mistral slides every layer (a missing key is its default window, null is none), and Qwen only
+    with use_sliding_window, in the layers that layer_types marks "sliding_attention" (without
+    it: layers max_window_layers and up). A Qwen model whose layers mix the two is refused."""
+    if model_type == "llama":
+        return None
+    window = cfg.get("sliding_window", defaults["sliding_window"])
+    if model_type == "mistral":
+        return window
+    if window is None or not cfg.get("use_sliding_window", False):
+        return None
+    first = cfg.get("max_window_layers", defaults["max_window_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if len(sliding) not in (0, len(types)):
+        raise ValueError(f"{source}: sliding_window={window} applies to layers {sliding} of "
+                         f"{len(types)} only (use_sliding_window with max_window_layers={first}, "
+                         "or layer_types); tandem has one window for all layers, so it runs a "
+                         "model whose layers all slide or none do, not this mix")
+    return window if sliding else None
 
 
 def _architecture_of(cfg: dict, source: str) -> str:

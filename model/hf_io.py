@@ -152,13 +152,15 @@ def save_pretrained(model: Transformer, path, dtype=None, max_shard_bytes: int =
     """Write config.json + safetensors (sharded with an index above `max_shard_bytes`)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    dt = to_dtype(dtype, default=model.args.torch_dtype) if dtype else None
+    dt = to_dtype(dtype) if dtype else None
     state = model.state_dict()
     tensors = {n: (state[n].to(dt) if dt else state[n]).detach().contiguous().cpu()
                for n in expected_tensors(model)}
     args_cfg = model.args.to_hf_config()
-    if dt is not None:
-        args_cfg["torch_dtype"] = args_cfg["dtype"] = str(dt).replace("torch.", "")
+    # Label the dtype written, not args.torch_dtype: a bf16 checkpoint trained in fp32 is saved
+    # in fp32, and a loader defaulting to the label would cast it back to bf16.
+    written = next(iter(tensors.values())).dtype
+    args_cfg["torch_dtype"] = args_cfg["dtype"] = str(written).replace("torch.", "")
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})

@@ -117,7 +117,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, args.num_heads * d, bias=b)
         self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=b)
         self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=b)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_proj_bias)
         if args.qk_norm:  # Qwen3: RMSNorm over head_dim, before rope
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
@@ -141,6 +141,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU: SiLU only (ModelArgs.from_hf_config refuses any other hidden_act)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)

@@ -227,5 +227,5 @@ def _style_of(name: str) -> str:
                                "embed_tokens")):
         return " + tp Shard(0)"
     if any(k in name for k in ("o_proj", "down_proj")):
-        return " + tp Shard(1)"
+        return " + tp Shard(1)" if name.endswith("weight") else ""  # a row-parallel bias: replicated
     return ""

@@ -285,6 +285,142 @@ def test_meta_build_then_init():
     assert out.shape == (2, 5, 50) and torch.isfinite(out).all()
 
 
+# ----- config.json as transformers reads it ------------------------------------------------
+DROP = "<drop>"  # in `_rewrite_config`'s edits: remove the key (None writes an explicit null)
+
+
+def _rewrite_config(folder, edits: dict) -> None:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in edits.items():
+        if value == DROP:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+def _logits_against_transformers(folder, T: int = 20) -> tuple[float, Transformer]:
+    """Our model loaded from `folder` and transformers' (reading the same config.json) on one
+    batch of T tokens (longer than the windows of 8 below): relative error, and our model."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), attn_implementation="eager", dtype=torch.float32).eval()
+    ours = load_pretrained(folder, dtype="float32").eval()
+    ids = torch.randint(0, tiny.VOCAB, (2, T))
+    with torch.no_grad():
+        return rel_err(ours(ids), hf(ids).logits), ours
+
+
+@pytest.mark.parametrize("model_type, config, edits, window", [
+    # Qwen slides only layers >= max_window_layers (default 28: none of 2) ...
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8), {}, None),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), {}, 8),
+    # ... or as layer_types says, which wins over max_window_layers
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                   layer_types=["sliding_attention"] * 2), {}, 8),
+    # ... and only with use_sliding_window, False when the key is missing
+    ("qwen2", {}, {"sliding_window": 8, "use_sliding_window": DROP, "layer_types": DROP}, None),
+    # Llama has no window, whatever the key says
+    ("llama", {}, {"sliding_window": 8}, None),
+    # Qwen3's default head_dim is 128, not hidden / heads (16)
+    ("qwen3", {}, {"head_dim": DROP}, None),
+    # swish is SiLU
+    ("llama", dict(hidden_act="swish"), {}, None),
+], ids=["qwen2-below-max_window_layers", "qwen3-max_window_layers-0", "qwen2-layer_types",
+        "qwen2-no-use_sliding_window", "llama-sliding_window-key", "qwen3-no-head_dim", "swish"])
+def test_config_json_read_as_transformers_reads_it(tmp_path, model_type, config, edits, window):
+    tiny.save_variant(model_type, tmp_path, **config)
+    _rewrite_config(tmp_path, edits)
+    err, ours = _logits_against_transformers(tmp_path)
+    assert err <= 1e-5 and ours.args.sliding_window == window
+
+
+@pytest.mark.parametrize("model_type, config, edits", [
+    ("mistral", {}, {"sliding_window": DROP}),  # transformers' default window
+    ("mistral", {}, {"sliding_window": None}),  # an explicit null: none
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=0), {"sliding_window": DROP}),
+    ("qwen3", dict(use_sliding_window=True, max_window_layers=0), {"sliding_window": DROP}),
+], ids=["mistral-no-key", "mistral-null", "qwen2-no-key", "qwen3-no-key"])
+def test_default_window_as_transformers_reads_it(tmp_path, model_type, config, edits):
+    """Windows too long for the tiny models' logits to show (4096): our window is the one
+    transformers reads, on every layer in these configs."""
+    from model.hf_io import load_model_args
+    tiny.save_variant(model_type, tmp_path, **config)
+    _rewrite_config(tmp_path, edits)
+    hf = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert set(getattr(hf, "layer_types", None) or ["sliding_attention"]) == {"sliding_attention"}
+    assert load_model_args(tmp_path).sliding_window == hf.sliding_window
+
+
+def test_qwen_window_on_some_layers_is_refused(tmp_path):
+    """Layer 1 of 2 slides (max_window_layers=1): we have one window for all layers."""
+    tiny.save_variant("qwen2", tmp_path, use_sliding_window=True, sliding_window=8,
+                      max_window_layers=1)
+    with pytest.raises(ValueError, match=r"sliding_window=8 applies to layers \[1\] of 2 only"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("model_type, act", [("llama", "gelu"), ("qwen2", "relu")])
+def test_activation_other_than_silu_is_refused(tmp_path, model_type, act):
+    tiny.save_variant(model_type, tmp_path, hidden_act=act)
+    with pytest.raises(ValueError, match=f"hidden_act='{act}' is not supported.*SiLU"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("model_type, o_proj_bias", [("llama", True), ("qwen3", True),
+                                                     ("qwen2", False), ("mistral", False)])
+def test_attention_bias_as_transformers_builds_it(tmp_path, model_type, o_proj_bias):
+    """attention_bias=True: Llama and Qwen3 bias q/k/v/o, Qwen2 q/k/v only (always), Mistral
+    nothing (it ignores the key). Logits, parameter count and the export's round trip agree."""
+    hf = tiny.save_variant(model_type, tmp_path / "hf", attention_bias=True)
+    err, ours = _logits_against_transformers(tmp_path / "hf")
+    assert err <= 1e-5
+    hf_o_proj_bias = "model.layers.0.self_attn.o_proj.bias" in hf.state_dict()
+    assert ours.args.o_proj_bias == o_proj_bias == hf_o_proj_bias
+    assert ours.args.num_params() == sum(p.numel() for p in ours.parameters()) == hf.num_parameters()
+    save_pretrained(ours, tmp_path / "ours")
+    assert _logits_against_transformers(tmp_path / "ours")[0] <= 1e-5
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(sliding_window=8), "sliding_window=8 with LlamaForCausalLM.*use MistralForCausalLM"),
+    (dict(arch="MistralForCausalLM", attention_bias=True), "attention_bias=True with Mistral")],
+    ids=["llama-window", "mistral-bias"])
+def test_model_args_refuse_what_transformers_cannot_build(kwargs, why):
+    with pytest.raises(ValueError, match=why):
+        ModelArgs(**kwargs)
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_window_exports_as_transformers_runs_it(tmp_path, arch):
+    """A windowed model built from ModelArgs (not read from HF): transformers slides every layer
+    of the export, and our loader reads the window back."""
+    args = ModelArgs(arch=arch, vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=4, num_kv_heads=2, sliding_window=8,
+                     attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM")
+    model = Transformer(args)
+    model.init_weights(std=0.1, seed=0)
+    save_pretrained(model, tmp_path)
+    err, back = _logits_against_transformers(tmp_path, T=24)
+    assert err <= 1e-5 and back.args.sliding_window == 8
+
+
+def test_save_labels_the_dtype_written(tmp_path):
+    """A bf16 checkpoint loaded in fp32 (as the trainer does) and saved without a dtype is
+    written in fp32, and config.json says so: transformers and our loader read it in fp32."""
+    tiny.hf_model("llama3").to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    ours = load_pretrained(tmp_path / "bf16", dtype="float32")
+    assert ours.args.torch_dtype == "bfloat16"
+    save_pretrained(ours, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["torch_dtype"] == cfg["dtype"] == "float32"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    back = load_pretrained(tmp_path / "out")
+    assert hf.dtype == torch.float32
+    assert all(a.dtype == b.dtype and torch.equal(a, b)
+               for a, b in zip(back.parameters(), ours.parameters()))
+
+
 # ----- bad input ----------------------------------------------------------------------------
 def test_missing_config_json(tmp_path):
     tiny.save_hf("llama3", tmp_path)

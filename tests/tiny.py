@@ -40,3 +40,21 @@ def save_hf(family: str, folder, seed: int = 0, **save_kwargs):
     model = hf_model(family, seed)
     model.save_pretrained(str(folder), **save_kwargs)
     return model
+
+
+CONFIG_CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+
+
+def save_variant(model_type: str, folder, seed: int = 0, **config):
+    """`save_hf` for a family's variant that a test spells out (activation, window, biases):
+    the tiny shapes with 2 kv heads, plus `config`."""
+    cfg = CONFIG_CLASSES[model_type](**{**_COMMON, "num_key_value_heads": 2, **config})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(str(folder))
+    return model
