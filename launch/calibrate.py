@@ -217,7 +217,10 @@ def train_step_time(model, wl: Workload, device, micro_batch_tokens: int, dp_gro
 
 
 # ----- two ranks: links, collectives, FSDP and TP train steps ---------------------------------------
-def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict, mbt: int) -> dict:
+def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict, mbt: int,
+               tp: bool = True) -> dict:
+    """Rank `rank`'s measurements; `tp`: also the TP=2 trainer and generator probes (skipped for
+    a model TP cannot shard: `two_rank_tp`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from parallel.mesh import all_gather_flat
@@ -247,7 +250,7 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     args, wl = ModelArgs(**args_d), Workload(**wl_d)
     plain = build(args, device, dtype)
     t_step = _optimizer_step_time(plain, wl.seq_len, device)
-    for name, shape in (("fsdp", (world, 1)), ("tp", (1, world))):
+    for name, shape in (("fsdp", (world, 1)), ("tp", (1, world)))[:1 + tp]:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("fsdp", "tp"))
         model = build_model(args, device, dtype, parallelize=lambda m: parallelize_trainer(m, mesh))
         res[name] = {"step_excess": _optimizer_step_time(model, wl.seq_len, device) - t_step}
@@ -261,9 +264,10 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
             res[name].update(train_excess=excess, micro=micro, tokens=tokens)
     # the generator's TP: one decode step of the real engine on a TP-sharded model, against the
     # plain model, at the smallest batch (one prompt group), where the collectives dominate
-    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
-    sharded = build_model(args, device, dtype, parallelize=lambda m: parallelize_generator(m, mesh))
-    res["tp_decode_excess"] = _paired_decode_excess(sharded, plain, wl, device, mesh["tp"].get_group())
+    if tp:
+        mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
+        sharded = build_model(args, device, dtype, parallelize=lambda m: parallelize_generator(m, mesh))
+        res["tp_decode_excess"] = _paired_decode_excess(sharded, plain, wl, device, mesh["tp"].get_group())
     res["handoff"] = _handoff_times(rank, wl, sorted({1, wl.prompts_per_step}))
     res["gather"] = [world, gather_time(rank, world, wl)]
     return res
@@ -419,13 +423,22 @@ def replace_wl(wl: Workload, prompts: int) -> Workload:
     return dataclasses.replace(wl, prompts_per_step=prompts)
 
 
+def two_rank_tp(args: ModelArgs) -> bool:
+    """Whether the two ranks can run the model at TP 2 (the degrees the planner searches, which
+    ParallelDims.check_model accepts): not with tied embeddings or heads that 2 does not divide;
+    the planner then proposes no TP, and its TP costs are not measured."""
+    from launch.plan import tp_degrees
+    return 2 in tp_degrees(args, 2, one_host=True)
+
+
 def comm_costs(args: ModelArgs, dtype, wl: Workload, mbt: int, threads: int) -> dict:
     """Spawn two ranks and return rank 0's measurements."""
     from parallel.spawn import run_ranks
     backend = "gloo" if not torch.cuda.is_available() else "cpu:gloo,cuda:nccl"
     args_d = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     return run_ranks(_comm_rank, 2, args_d, str(dtype).removeprefix("torch."),
-                     dataclasses.asdict(wl), mbt, timeout=600, threads=threads, backend=backend)[0]
+                     dataclasses.asdict(wl), mbt, two_rank_tp(args), timeout=600, threads=threads,
+                     backend=backend)[0]
 
 
 # ----- the whole profile ----------------------------------------------------------------------------------
@@ -536,18 +549,20 @@ def _collective_costs(prof: Profile, args: ModelArgs, c: dict) -> None:
     by 3-15% at 2.9 ms per collective and by 24-36% once it came out 3.6
     (bench/plan_vs_measured.py, 2026-11-30). The per-step excesses are kept as they are."""
     from launch.cost_model import norm_reductions, trainer_collectives
-    f, t = c["fsdp"], c["tp"]
+    f = c["fsdp"]
     n = trainer_collectives(args, f["micro"], 2, 1, False, f["units"])["fsdp"] - norm_reductions(2, 1)
     prof.collective_s = max(0.0, (f["train_excess"] - max(0.0, f["step_excess"])) / max(n, 1))
-    # the real TP step's excess, plus the compute TP saves as the layer fits model it
-    saved = t["micro"] * (prof.train_microbatch_s(t["tokens"]) - prof.train_microbatch_s(t["tokens"], 2))
-    n = trainer_collectives(args, t["micro"], 1, 2, False)["tp"] - norm_reductions(1, 2)
-    prof.tp_collective_s = max(0.0, (t["train_excess"] + saved - max(0.0, t["step_excess"])) / n)
-    prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * args.num_layers + 2))
+    if "tp" in c:  # a model TP cannot shard (two_rank_tp) has no TP costs: the planner uses none
+        # the real TP step's excess, plus the compute TP saves as the layer fits model it
+        t = c["tp"]
+        saved = t["micro"] * (prof.train_microbatch_s(t["tokens"]) - prof.train_microbatch_s(t["tokens"], 2))
+        n = trainer_collectives(args, t["micro"], 1, 2, False)["tp"] - norm_reductions(1, 2)
+        prof.tp_collective_s = max(0.0, (t["train_excess"] + saved - max(0.0, t["step_excess"])) / n)
+        prof.tp_decode_collective_s = max(0.0, c["tp_decode_excess"] / (2 * args.num_layers + 2))
+        prof.tp_step_s = max(0.0, t["step_excess"])
     prof.handoff = c["handoff"]
     prof.fsdp_step_s = max(0.0, c["fsdp"]["step_excess"])
-    prof.tp_step_s = max(0.0, c["tp"]["step_excess"])
-    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp", "tp_decode_excess", "handoff")}
+    prof.notes["two_rank"] = {k: c[k] for k in ("fsdp", "tp", "tp_decode_excess", "handoff") if k in c}
 
 
 def model_args_from(spec: str) -> ModelArgs:

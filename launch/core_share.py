@@ -93,9 +93,11 @@ def pair_probes(args, wl, max_ranks: int, rounds: int = 3, steps: int = 0,
     steps, default one batch's response length); slowdown(2) = 1: one pair alone, the case the
     two-rank TP probe measures (launch/calibrate.py); and "coloc_gather", [[k, s]]: the
     colocated step's exchange of groups among all k ranks (launch/calibrate.py's gather_time).
-    {} where there is nothing to measure: fewer than two pairs, or tied embeddings (no TP)."""
+    {} where there is nothing to measure: fewer than two pairs, or a model TP 2 cannot shard
+    (tied embeddings, heads 2 does not divide: launch.plan.tp_degrees)."""
+    from launch.plan import tp_degrees
     pairs = max_ranks // 2
-    if pairs < 2 or args.tie_word_embeddings:
+    if pairs < 2 or 2 not in tp_degrees(args, 2, one_host=True):
         return {}
     from parallel.spawn import run_ranks
     steps = steps or wl.response_len

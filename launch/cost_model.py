@@ -12,10 +12,12 @@ Memory per rank (feasible iff <= mem_headroom * gpu_mem)
                       prefetches the next; only when fsdp > 1)
             acts    = micro_batch_tokens * (L * a + V * (cb + 8))    a = cb*(4h + (2q+2kv+4i)/tp)
                       with activation checkpointing: micro_batch_tokens * (L*cb*h + a + V*(cb+8))
+            ref     = N/(fsdp*tp) * master bytes: a frozen KL reference's shard (kl_coef > 0)
   generator weights = N * gen_bytes / gen_tp;  KV = 2*L*(kv_heads/gen_tp)*head_dim*kv_bytes*slots*max_len
-            (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`);
-            plus the engine's weight copies: oneDNN-packed on CPU, stacked q|k|v (and
-            gate|up up to 2 GiB) on GPUs at tp 1
+            (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`;
+            max_len = max_prompt_len + R); plus one staged copy of the shard for the weight
+            sync (N * gen_bytes / gen_tp) and the engine's weight copies:
+            oneDNN-packed on CPU, stacked q|k|v (and gate|up up to 2 GiB) on GPUs at tp 1
   colocated ranks hold both.
 Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
   T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
@@ -136,7 +138,11 @@ def cpu_cluster(ranks: int, cores: int, mem_gb: float = 16.0) -> Cluster:
 @dataclass(frozen=True)
 class Workload:
     """One RL step: B prompt groups of n samples, fixed prompt and response lengths.
-    `share_prompts`: the trainer packs each group's prompt once (`trainer.share_prompts`)."""
+    `share_prompts`: the trainer packs each group's prompt once (`trainer.share_prompts`).
+    `max_prompt_len`: data.max_prompt_len, the longest prompt admitted (0: prompt_len); the
+    engine's KV slots hold it plus response_len positions (rollout/role.py), whatever the mean.
+    `kl_reference`: each trainer rank also holds its shard of a frozen KL reference model
+    (algo.kl_coef > 0, trainer.role.build_ref_model)."""
     prompts_per_step: int
     group_size: int
     prompt_len: int
@@ -146,11 +152,26 @@ class Workload:
     gen_dtype: str = "bfloat16"
     share_prompts: bool = True
     stack_weights: str = "auto"  # generator.stack_weights: the GPU engine's stacked copies
+    max_prompt_len: int = 0
+    kl_reference: bool = False
 
     def __post_init__(self) -> None:
         _at_least(1, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                   prompt_len=self.prompt_len, response_len=self.response_len)
         _at_least(0, eta=self.eta)
+        if self.max_prompt_len and self.max_prompt_len < self.prompt_len:
+            raise ValueError(f"max_prompt_len={self.max_prompt_len} < prompt_len={self.prompt_len}: "
+                             "the longest prompt admitted cannot be shorter than the mean")
+
+    @property
+    def prompt_cap(self) -> int:
+        """The longest prompt admitted: data.max_prompt_len of the config that runs this."""
+        return self.max_prompt_len or self.prompt_len
+
+    @property
+    def slot_len(self) -> int:
+        """Positions of one KV slot: the engine's max_len = max_prompt_len + max_new_tokens."""
+        return self.prompt_cap + self.response_len
 
     @property
     def seqs(self) -> int:
@@ -177,6 +198,25 @@ class Placement:
     gen_tp: int = 1
     trainer_tp: int = 1
     activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        """The mesh arithmetic the runtime checks (config._resolve_layout), so that a hand-made
+        placement cannot be costed with a gen_dp or trainer_fsdp rounded down or zero."""
+        _at_least(1, world=self.world, gen_tp=self.gen_tp, trainer_tp=self.trainer_tp)
+        factors = (f"world={self.world} mode={self.mode!r} generator_ranks={self.generator_ranks} "
+                   f"gen_tp={self.gen_tp} trainer_tp={self.trainer_tp}")
+        if self.mode not in ("split", "colocated"):
+            raise ValueError(f"{factors}: mode must be 'split' or 'colocated'")
+        if self.mode == "colocated" and self.generator_ranks != self.world:
+            raise ValueError(f"{factors}: colocated, every rank generates: generator_ranks must be "
+                             f"{self.world}")
+        if self.mode == "split" and not 1 <= self.generator_ranks < self.world:
+            raise ValueError(f"{factors}: split mode needs 1 <= generator_ranks < world (the rest "
+                             f"train)")
+        for mesh, ranks, tp in (("generator", self.generator_ranks, self.gen_tp),
+                                ("trainer", self.trainer_ranks, self.trainer_tp)):
+            if ranks % tp:
+                raise ValueError(f"{factors}: the {mesh}'s tp {tp} does not divide its {ranks} ranks")
 
     @property
     def trainer_ranks(self) -> int:
@@ -243,6 +283,12 @@ def trainer_state_bytes(args: ModelArgs, fsdp: int, tp: int, master_bytes: int =
     return states + (2 * layer_params(args) + root) / tp * cb
 
 
+def reference_bytes(args: ModelArgs, wl: Workload, fsdp: int, tp: int) -> float:
+    """A trainer rank's shard of the frozen KL reference (parameters only, in the master dtype,
+    sharded like the trainer's), 0 without one. Llama-3-8B, fp32, fsdp 2 x tp 2: 8.03 GB."""
+    return weight_bytes(args, fsdp * tp, dtype_bytes(wl.master_dtype)) if wl.kl_reference else 0.0
+
+
 def trainer_act_bytes_per_token(args: ModelArgs, tp: int, cb: int, ac: bool) -> float:
     """Activation bytes per micro-batch token: L saved layers (or only L layer inputs plus one
     recomputed layer with activation checkpointing) and the full-vocab logits, stored in the
@@ -275,7 +321,8 @@ def packed_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) -
     h, q, kv, inter = (args.hidden_size, args.num_heads * args.head_dim,
                        args.num_kv_heads * args.head_dim, args.intermediate_size)
     bias = q + 2 * kv if args.attention_bias else 0  # stacked with q|k|v, not counted for the size
-    layer = [(h * (q + 2 * kv), bias), (q * h, 0), (2 * h * inter, 0), (inter * h, 0)]
+    o_bias = h if args.o_proj_bias else 0  # Llama/Qwen3 attention_bias
+    layer = [(h * (q + 2 * kv), bias), (q * h, o_bias), (2 * h * inter, 0), (inter * h, 0)]
     per_layer = sum(w + b for w, b in layer if w >= MIN_NUMEL)
     head = args.vocab_size * h
     return float(dtype_bytes(wl.gen_dtype)) * (args.num_layers * per_layer
@@ -310,6 +357,15 @@ def stacked_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) 
     return qkv + (gate_up if stacks_gate_up(choice, gate_up) else 0.0)
 
 
+def sync_staging_bytes(args: ModelArgs, wl: Workload, gen_tp: int) -> float:
+    """The generator's staged copy of its shard, in the generator's dtype: each version is
+    received whole into it, then swapped in at a safe point, with every transport the runtime
+    builds (weights_sync.sync.make_receiver: gloo/NCCL, and CUDA IPC or shared memory also with
+    parallel.ipc_buffers = 0, which drops the trainer's staging, not this one; colocated ranks:
+    trainer/colocated.py). Llama-3-8B in bf16 at gen_tp 2: 8.03e9 * 2 / 2 = 8.03 GB."""
+    return weight_bytes(args, gen_tp, dtype_bytes(wl.gen_dtype))
+
+
 def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:
     """Static KV cache: 2 * L * (kv_heads/tp) * head_dim * bytes * slots * max_len.
     Llama-3-8B bf16, tp 1, 256 slots x 2560 positions: 131072 * 256 * 2560 = 85.9 GB."""
@@ -333,8 +389,8 @@ def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, ge
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     gb = dtype_bytes(wl.gen_dtype)
     weights = (weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
-               + stacked_copy_bytes(args, cl, wl, gen_tp))
-    per_slot = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp) * wl.seq_len
+               + stacked_copy_bytes(args, cl, wl, gen_tp) + sync_staging_bytes(args, wl, gen_tp))
+    per_slot = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp) * wl.slot_len
     seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
     free = cap - reserved - weights
     if not slots:
@@ -351,10 +407,12 @@ def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, ge
 def trainer_memory(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, ac: bool,
                    reserved: float = 0.0, micro_batch_tokens: int = 0) -> tuple[float, int, str]:
     """(bytes per trainer rank, micro-batch tokens, why-infeasible). micro_batch_tokens=0 picks the
-    largest power of two that fits, capped at the rank's tokens per step; one sequence at least."""
+    largest power of two that fits, capped at the rank's tokens per step; one sequence at least.
+    A given micro_batch_tokens below one sequence is charged one sequence: the runtime packs
+    whole sequences, at least one a micro-batch (trainer.batch.token_budget_bins)."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     state = trainer_state_bytes(args, fsdp, tp, dtype_bytes(wl.master_dtype), cl.compute_bytes,
-                                cl.fsdp_units)
+                                cl.fsdp_units) + reference_bytes(args, wl, fsdp, tp)
     per_tok = trainer_act_bytes_per_token(args, tp, cl.compute_bytes, ac)
     tokens = -(-wl.prompts_per_step // fsdp) * wl.group_size * wl.seq_len
     free = cap - reserved - state
@@ -363,11 +421,11 @@ def trainer_memory(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: in
         micro_batch_tokens = min(_pow2_floor(fit), _pow2_ceil(tokens))
         if fit >= wl.seq_len:
             micro_batch_tokens = max(micro_batch_tokens, wl.seq_len)
-    used = state + micro_batch_tokens * per_tok
-    if micro_batch_tokens < wl.seq_len:
-        return used, micro_batch_tokens, (
-            f"trainer: states {state / GB:.1f} GB (+{reserved / GB:.1f} GB reserved) leave room for "
-            f"{max(free, 0) / per_tok:.0f} activation tokens < one sequence of {wl.seq_len}")
+        else:
+            return state + micro_batch_tokens * per_tok, micro_batch_tokens, (
+                f"trainer: states {state / GB:.1f} GB (+{reserved / GB:.1f} GB reserved) leave room "
+                f"for {max(free, 0) / per_tok:.0f} activation tokens < one sequence of {wl.seq_len}")
+    used = state + max(micro_batch_tokens, wl.seq_len) * per_tok
     if used + reserved > cap:
         return used, micro_batch_tokens, f"trainer: needs {(used + reserved) / GB:.1f} GB > {cap / GB:.1f} GB usable"
     return used, micro_batch_tokens, ""
@@ -748,6 +806,8 @@ def fit(points, degree: int = 1) -> tuple[float, ...]:
     """Least-squares polynomial through [[x, y], ...], lowest order first, falling back to a lower
     degree when the top coefficient comes out negative (noise on a loaded machine), so that a fit
     never predicts less time for more work. fit([[1, 3], [2, 5], [3, 7]]) == (1.0, 2.0)."""
+    if not points:
+        raise ValueError("fit: no measured points")
     xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
     degree = min(degree, len(set(xs)) - 1)
     if degree <= 0:
@@ -847,13 +907,42 @@ class Profile:
     notes: dict = field(default_factory=dict)
 
     # ----- I/O
+    # the point lists every use of a matching profile fits (the link ones may be empty: one GPU)
+    COMPUTE_POINTS = ("layer_fwd", "layer_bwd", "head_fwd", "head_bwd", "decode_step", "gen_fixed")
+    LINK_POINTS = ("p2p", "allreduce", "allgather", "handoff", "coloc_gather", "shm")
+
     @classmethod
     def load(cls, path: str) -> "Profile":
+        """The profile at `path`; a ValueError naming the file and the key where it cannot be
+        read or lacks what the cost model fits (launch/calibrate.py writes complete ones)."""
+        import dataclasses
         import json
-        with open(path) as fh:
-            d = json.load(fh)
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        try:
+            with open(path) as fh:
+                d = json.load(fh)
+        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"cannot read profile {path}: {e}") from e
+        fix = "write one with python launch/calibrate.py --model ... --out FILE"
+        if not isinstance(d, dict):
+            raise ValueError(f"profile {path} is not a JSON object; {fix}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"profile {path} lacks the key(s) {missing}; {fix}")
+        for key in cls.COMPUTE_POINTS + cls.LINK_POINTS:
+            pts = d.get(key, [])
+            if not isinstance(pts, list) or not all(
+                    isinstance(p, list) and len(p) >= 2
+                    and all(isinstance(x, (int, float)) for x in p) for p in pts):
+                raise ValueError(f"profile {path}: {key} must be a list of [x, seconds] points, "
+                                 f"got {str(pts)[:80]}; {fix}")
+            if key in cls.COMPUTE_POINTS and not pts:
+                raise ValueError(f"profile {path}: {key} has no measured points; {fix}")
+        if not isinstance(d["model"], dict):
+            raise ValueError(f"profile {path}: model must be the profiled model's shape, got "
+                             f"{d['model']!r}; {fix}")
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def save(self, path: str) -> None:
         import dataclasses
@@ -1026,6 +1115,8 @@ def param_specs(args: ModelArgs, dtype: str = "bfloat16", layers=None) -> list:
             if args.attention_bias:
                 specs.append(ParamSpec(f"{p}self_attn.{name}.bias", shape[:1], dtype))
         specs.append(ParamSpec(f"{p}self_attn.o_proj.weight", (h, q), dtype))
+        if args.o_proj_bias:  # Llama/Qwen3 attention_bias (model/args.py)
+            specs.append(ParamSpec(f"{p}self_attn.o_proj.bias", (h,), dtype))
         if args.qk_norm:
             specs += [ParamSpec(f"{p}self_attn.q_norm.weight", (d,), dtype),
                       ParamSpec(f"{p}self_attn.k_norm.weight", (d,), dtype)]

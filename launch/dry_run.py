@@ -117,40 +117,58 @@ def dry_run(cfg) -> int:
 
 def _print_memory(cfg, args, dims) -> None:
     from launch import cost_model as cm
+    from launch.plan import compute_bytes
     from parallel.dims import resolve_fsdp_units
     g, t = cfg.generator, cfg.trainer
-    max_len = cfg.data.max_prompt_len + g.max_new_tokens
-    wl = cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
-                     cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype,
-                     t.share_prompts, g.stack_weights)
-    print("memory per rank (launch/cost_model.py; bf16 compute):")
+    wl = dry_run_workload(cfg)
+    cb = compute_bytes(cfg, "cuda")
+    # the runtime packs whole sequences, at least one a micro-batch (cm.trainer_memory charges so)
+    act_tokens = max(t.micro_batch_tokens, wl.seq_len)
+    print(f"memory per rank (launch/cost_model.py; {'bf16' if cb == 2 else 'fp32'} compute):")
     units = resolve_fsdp_units(cfg.parallel.fsdp_units, "cuda")
     for name in ("h100", "h200"):
-        cl = cm.gpu_cluster(name, 1, fsdp_units=units)
+        cl = cm.gpu_cluster(name, 1, fsdp_units=units, compute_bytes=cb)
         cap = cl.mem_headroom * cl.gpu_mem_gb * GB
-        tr, _, _ = cm.trainer_memory(args, cl, wl, dims.trainer_fsdp, dims.trainer_tp,
-                                     cfg.parallel.activation_checkpointing, 0.0, t.micro_batch_tokens)
-        gen, _, _ = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
-        # the KL reference: frozen parameters only, sharded like the trainer's
-        ref = cm.weight_bytes(args, dims.trainer_fsdp * dims.trainer_tp,
-                              cm.dtype_bytes(cfg.model.dtype)) if cfg.algo.kl_coef > 0 else 0.0
-        tr += ref
+        # with the KL reference's shard when kl_coef > 0 (frozen parameters, sharded like the trainer's)
+        tr, _, why_t = cm.trainer_memory(args, cl, wl, dims.trainer_fsdp, dims.trainer_tp,
+                                         cfg.parallel.activation_checkpointing, 0.0, t.micro_batch_tokens)
+        ref = cm.reference_bytes(args, wl, dims.trainer_fsdp, dims.trainer_tp)
+        gen, _, why_g = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
         state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
                                        cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes, units)
-        kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.dtype_bytes(cfg.model.gen_dtype), g.num_slots, max_len)
+        kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.kv_elem_bytes(cl, cfg.model.gen_dtype),
+                                   g.num_slots, wl.slot_len)
+        staging = cm.sync_staging_bytes(args, wl, dims.gen_tp)
         ev = _eval_kv_bytes(cfg, args, dims)  # replica 0's held-out evaluation engine
         gen += ev
         total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         if name == "h100":
             print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "
-                  f"{t.micro_batch_tokens} tokens (activation checkpointing "
-                  f"{'on' if cfg.parallel.activation_checkpointing else 'off'})"
+                  f"{act_tokens} tokens"
+                  + (f" (micro_batch_tokens={t.micro_batch_tokens} < one sequence of {wl.seq_len})"
+                     if act_tokens > t.micro_batch_tokens else "")
+                  + f" (activation checkpointing {'on' if cfg.parallel.activation_checkpointing else 'off'})"
                   + (f" + KL reference shard {_gb(ref)}" if ref else ""))
-            print(f"  generator rank: {_gb(gen)} = weights {_gb(gen - kv - ev)} + KV cache {_gb(kv)} "
-                  f"({g.num_slots} slots x {max_len} positions)"
+            print(f"  generator rank: {_gb(gen)} = weights {_gb(gen - kv - ev - staging)} + KV cache "
+                  f"{_gb(kv)} ({g.num_slots} slots x {wl.slot_len} positions)"
+                  + (f" + weight-sync staging {_gb(staging)}" if staging else "")
                   + (f" + held-out eval KV cache {_gb(ev)} (replica 0)" if ev else ""))
         verdict = "fits" if total <= cap else "DOES NOT FIT"
-        print(f"  {name} ({cl.gpu_mem_gb:.0f} GB, {cap / GB:.0f} GB usable): {verdict}")
+        # the cost model's reason where one mesh alone is over the cap (the eval cache and the
+        # colocated sum enter only the total)
+        whys = "; ".join(w for w in (why_t, why_g) if w)
+        print(f"  {name} ({cl.gpu_mem_gb:.0f} GB, {cap / GB:.0f} GB usable): {verdict}"
+              + (f" ({whys})" if whys else ""))
+
+
+def dry_run_workload(cfg):
+    """The config's step as the cost model's Workload, the longest prompt as the prompt length
+    (the planner's `base_settings` read the same keys)."""
+    from launch import cost_model as cm
+    g, t = cfg.generator, cfg.trainer
+    return cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
+                       cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype,
+                       t.share_prompts, g.stack_weights, kl_reference=cfg.algo.kl_coef > 0)
 
 
 def _eval_kv_bytes(cfg, args, dims) -> float:

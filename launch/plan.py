@@ -128,6 +128,22 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
                         yield cm.Placement(world, mode, g, gtp, ttp, ac)
 
 
+def no_placement_reason(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
+                        modes=("split", "colocated"), one_host: bool = False) -> str:
+    """Why `placements` yields nothing, and the fix: every generator replica and every trainer
+    data-parallel rank needs a prompt group, so gen_dp and trainer_fsdp are <= --prompts, and
+    the TP degrees that shrink them are few (e.g. only 1 for tied embeddings)."""
+    tps = tp_degrees(args, gpus_per_node, one_host)
+    enough = next((b for b in range(prompts_per_step + 1, world + 1)
+                   if next(placements(args, world, gpus_per_node, b, modes, one_host), None)), None)
+    fix = (f"raise --prompts to at least {enough}, or use fewer ranks" if enough
+           else "use fewer ranks")
+    return (f"no placement of {world} ranks ({'/'.join(modes)}) is valid for --prompts "
+            f"{prompts_per_step}: gen_dp = G / gen_tp and trainer_fsdp = trainer ranks / trainer_tp "
+            f"must each be <= --prompts (one prompt group at least per generator replica and "
+            f"trainer data-parallel rank), and this model allows TP degrees {tps} only; {fix}")
+
+
 @dataclass
 class PlanResult:
     ranked: list            # feasible Estimates, best first (at the workload's eta)
@@ -206,6 +222,30 @@ def _refine(args, cluster, wl, ests, k: int, profile) -> list:
     return out
 
 
+# ----- a base config's settings ----------------------------------------------------------------------
+def compute_bytes(cfg, device_type: str) -> int:
+    """Bytes of the trainer's compute dtype (model.compute_dtype as parallel.sharding.compute_dtype
+    resolves it: "auto" is bf16 on CUDA, model.dtype elsewhere; never wider than model.dtype)."""
+    from model.hf_io import to_dtype
+    from parallel.sharding import compute_dtype
+    return compute_dtype(cfg.model.compute_dtype, device_type, to_dtype(cfg.model.dtype)).itemsize
+
+
+def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:
+    """(Workload fields, Cluster fields) that a --base-config sets, so that the search sizes what
+    the written config runs: its master dtype, prompt sharing, stacked weights, the longest prompt
+    it admits (data.max_prompt_len, when longer than --prompt-len: the KV slots hold it), a KL
+    reference (algo.kl_coef > 0), its FSDP units and compute dtype."""
+    from parallel.dims import resolve_fsdp_units
+    wl = dict(master_dtype=cfg.model.dtype, share_prompts=cfg.trainer.share_prompts,
+              stack_weights=cfg.generator.stack_weights,
+              max_prompt_len=max(cfg.data.max_prompt_len, prompt_len),
+              kl_reference=cfg.algo.kl_coef > 0)
+    cl = dict(fsdp_units=resolve_fsdp_units(cfg.parallel.fsdp_units, device_type),
+              compute_bytes=compute_bytes(cfg, device_type))
+    return wl, cl
+
+
 # ----- output ---------------------------------------------------------------------------------------
 def table(res: PlanResult, top: int) -> str:
     hdr = (f"{'#':>2} {'placement':<44} {'T_gen':>8} {'T_train':>8} {'T_sync':>7} {'step':>8} "
@@ -246,7 +286,9 @@ def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None
     cfg.generator.max_new_tokens = wl.response_len
     cfg.trainer.prompts_per_step, cfg.trainer.micro_batch_tokens = wl.prompts_per_step, m.micro_batch_tokens
     cfg.algo.max_staleness = wl.eta
-    cfg.data.max_prompt_len = max(cfg.data.max_prompt_len, wl.prompt_len)
+    # the engine allocates num_slots x (max_prompt_len + max_new_tokens) positions: write the
+    # prompt length the KV slots were sized for (--prompt-len, or a base config's longer one)
+    cfg.data.max_prompt_len = wl.prompt_cap
     cfg.run.name = f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}"
     cfg.validate().resolve(p.world)  # raises if the placement and the config disagree
     return cfg
@@ -276,7 +318,9 @@ LLAMARL = [("llama3-8b", 256, 2.52, "bfloat16"), ("llama3-70b", 512, 3.98, "bflo
 
 def cluster_table(wl: cm.Workload, gpu: str = "h100", log=print) -> list[dict]:
     """Predicted best-async vs best-sync step time per model (module docstring explains the gap).
-    405B generates in fp8 as in LlamaRL: bf16 weights (101 GB per GPU at tp 8) do not fit."""
+    405B generates in fp8 as in LlamaRL: bf16 weights (101 GB per GPU at tp 8) do not fit. Nor
+    do fp8 ones on an H100 (80 GB): 50.6 GB at tp 8 plus its staged copy for the weight sync; a
+    model with no feasible placement gets a row that says why."""
     rows = []
     log(f"{'model':<12} {'GPUs':>5} {'best async placement':<44} {'async s':>8} {'sync s':>8} "
         f"{'speedup':>7} {'LlamaRL':>7}")
@@ -285,6 +329,11 @@ def cluster_table(wl: cm.Workload, gpu: str = "h100", log=print) -> list[dict]:
         w = replace(wl, gen_dtype=gen_dtype, eta=max(wl.eta, 1))
         res = best_plan(args, cl, w)
         b, s = res.best, res.best_sync
+        if b is None:
+            rows.append({"model": name, "gpus": gpus, "gen_dtype": gen_dtype, "best": None,
+                         "infeasible": res.infeasible_why, "llamarl": paper})
+            log(f"{name:<12} {gpus:>5} no placement fits in {gpu} memory: {res.infeasible_why}")
+            continue
         row = {"model": name, "gpus": gpus, "gen_dtype": gen_dtype, "async_s": b.step,
                "sync_s": s.step_sync, "speedup": s.step_sync / b.step, "llamarl": paper,
                "best": b.placement.label(), "best_sync": s.placement.label(), "search_s": res.seconds}
@@ -320,12 +369,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# what --cluster-table reads: the workload and the GPU; it plans its own models and clusters
+CLUSTER_TABLE_FLAGS = {"cluster_table", "gpu", "prompts", "group", "prompt_len", "response_len", "eta"}
+
+
+def ignored_by_cluster_table(ap: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
+    """The flags given (not at their defaults) that --cluster-table would silently ignore."""
+    return [f"--{k.replace('_', '-')}" for k, v in vars(a).items()
+            if k not in CLUSTER_TABLE_FLAGS and v != ap.get_default(k)]
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
+    if a.cluster_table and (ignored := ignored_by_cluster_table(ap, a)):
+        ap.error(f"--cluster-table plans its own models (8B/70B/405B) and clusters and writes no "
+                 f"config: it does not use {' '.join(ignored)}; it reads only --gpu, --prompts, "
+                 "--group, --prompt-len, --response-len and --eta")
     try:
         return _main(a)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: e.g. --out in a folder that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -333,8 +396,13 @@ def main(argv=None) -> int:
 def _main(a) -> int:
     cpu = a.gpu == "cpu"
     gen_dtype = a.gen_dtype or ("float32" if cpu else "bfloat16")
+    base_wl, base_cl = {}, {}
+    if a.base_config:  # its settings change what fits: search with them, not only write them
+        from config import load_config
+        base_wl, base_cl = base_settings(load_config(a.base_config), a.prompt_len,
+                                         "cpu" if cpu else "cuda")
     wl = cm.Workload(a.prompts, a.group, a.prompt_len, a.response_len, a.eta,
-                     "float32", gen_dtype)
+                     base_wl.pop("master_dtype", "float32"), gen_dtype, **base_wl)
     if a.cluster_table:
         cluster_table(wl, "h100" if cpu else a.gpu)
         return 0
@@ -347,6 +415,7 @@ def _main(a) -> int:
         cl = cm.cpu_cluster(a.nodes * a.gpus_per_node, a.cores)
     else:
         cl = cm.gpu_cluster(a.gpu, a.nodes, a.gpus_per_node)
+    cl = replace(cl, **base_cl)
     if prof is not None:
         if (prof.device == "cpu") != cpu:
             print(f"warning: the profile was measured on {prof.device}, the plan is for "
@@ -355,15 +424,19 @@ def _main(a) -> int:
             print(f"warning: the profile is of model {prof.model}, not {cm.model_signature(args)}: "
                   "only its link numbers are used", file=sys.stderr)
         cl = cm.with_profile(cl, prof)
-    res = best_plan(args, cl, wl, prof, modes=tuple(a.modes.split(",")), refine=a.refine)
+    modes = tuple(a.modes.split(","))
+    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine)
     print(f"model {spec}: {args.num_params() / 1e9:.3f}B params; {cl.world} ranks "
           f"({cl.nodes} x {cl.gpus_per_node} {cl.name}); workload {wl.prompts_per_step} prompts x "
           f"{wl.group_size} samples, {wl.prompt_len}+{wl.response_len} tokens, eta {wl.eta}")
     print(f"searched {res.searched} placements exhaustively in {res.seconds:.2f}s: {res.feasible} "
           f"feasible{'; infeasible: ' + str(res.infeasible_why) if res.infeasible_why else ''}")
+    if res.searched == 0:
+        raise ValueError(no_placement_reason(args, cl.world, cl.gpus_per_node, wl.prompts_per_step,
+                                             modes, cl.one_cpu_host))
     if res.best is None:
-        raise ValueError("no placement fits in memory; add nodes, use a larger GPU, or shorten "
-                         "--response-len / --prompts")
+        raise ValueError(f"no placement fits in memory ({res.infeasible_why}); add nodes, use a "
+                         "larger GPU, or shorten --response-len / --prompt-len")
     print(table(res, a.top))
     if a.out:
         write_toml(res, wl, spec, a.out, a.base_config)

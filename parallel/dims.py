@@ -179,19 +179,23 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def main(argv=None) -> int:
+    from config import int_at_least  # the launch tools' "argument --x: 0 is below 1"
     ap = argparse.ArgumentParser(description="Print the rank map and layouts without process groups.")
-    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--world", type=int_at_least(1), required=True)
     ap.add_argument("--mode", default="split", choices=["split", "colocated"])
-    ap.add_argument("--generator-ranks", type=int, default=1)
-    ap.add_argument("--gen-tp", type=int, default=1)
-    ap.add_argument("--trainer-tp", type=int, default=1)
+    ap.add_argument("--generator-ranks", type=int_at_least(1), default=1)
+    ap.add_argument("--gen-tp", type=int_at_least(1), default=1)
+    ap.add_argument("--trainer-tp", type=int_at_least(1), default=1)
     ap.add_argument("--model", default="", help="HF folder; prints per-parameter boxes of rank 0s")
     a = ap.parse_args(argv)
     g = a.world if a.mode == "colocated" else a.generator_ranks
     t = a.world if a.mode == "colocated" else a.world - g
     try:
-        dims = ParallelDims(a.world, a.mode, g, a.gen_tp, g // a.gen_tp if g % a.gen_tp == 0 else -1,
-                            t // a.trainer_tp if t % a.trainer_tp == 0 else -1, a.trainer_tp)
+        if t < 1:
+            raise ValueError(f"--generator-ranks {g} leaves no trainer ranks of --world {a.world}; "
+                             f"choose 1..{a.world - 1} (split mode) or --mode colocated")
+        _check_divides(("--gen-tp", a.gen_tp, "generator", g), ("--trainer-tp", a.trainer_tp, "trainer", t))
+        dims = ParallelDims(a.world, a.mode, g, a.gen_tp, g // a.gen_tp, t // a.trainer_tp, a.trainer_tp)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -200,6 +204,16 @@ def main(argv=None) -> int:
         from parallel.sharding import describe_layouts
         print(describe_layouts(dims, a.model))
     return 0
+
+
+def _check_divides(*meshes: tuple) -> None:
+    """ValueError naming the flag whose TP degree does not divide its mesh's ranks (the data
+    parallel degree is their quotient), with the degrees that do."""
+    for flag, tp, mesh, ranks in meshes:
+        if ranks >= 1 and ranks % tp:
+            ok = [d for d in range(1, ranks + 1) if ranks % d == 0]
+            raise ValueError(f"{flag} {tp} does not divide the {ranks} {mesh} ranks (the data "
+                             f"parallel degree is ranks / tp); choose {flag} from {ok}")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,89 @@ def test_dry_run_command_lines_read_their_flags(monkeypatch, capsys):
     assert resolve_config([*tiny, "--dry-run"]).run.dry_run
     with pytest.raises(ConfigError, match="run.dry_run='maybe' has the wrong type"):
         resolve_config([*tiny, "--dry-run=maybe"])
+
+
+def _llama8b_2x2(*overrides: str):
+    """Llama-3-8B, trainer fsdp 2 x tp 2 and generator 2 x tp 2 (world 8), bf16 generator."""
+    return load_config(None, ["--model.path=preset:llama3-8b", "--model.gen_dtype=bfloat16",
+                              "--parallel.generator_ranks=4", "--parallel.gen_tp=2",
+                              "--parallel.trainer_tp=2", "--parallel.trainer_fsdp=2",
+                              "--generator.num_slots=4", "--generator.n_samples=4",
+                              "--trainer.prompts_per_step=8", "--eval.every_steps=0", *overrides])
+
+
+# Llama-3-8B trainer rank at fsdp 2 x tp 2, fp32 master: 16 B/param over 4 ranks plus
+# (2 layers + root) / tp gathered in the compute dtype (cb); activations per token
+# L * cb * (4h + (2q + 2kv + 4i) / tp) + V * (cb + 8)
+_N, _LAYER, _ROOT = 8_030_261_248, 218_112_000, 2 * 128256 * 4096 + 4096
+
+
+def _trainer_gb(cb: int, tokens: int) -> float:
+    state = _N / 4 * 16 + (2 * _LAYER + _ROOT) / 2 * cb
+    per_tok = 32 * cb * (4 * 4096 + (2 * 4096 + 2 * 1024 + 4 * 14336) // 2) + 128256 * (cb + 8)
+    return (state + tokens * per_tok) / 1e9
+
+
+def test_dry_run_charges_one_whole_sequence_of_activations(monkeypatch, capsys):
+    """micro_batch_tokens 4096 < one sequence of 512 + 16384 tokens: the runtime still packs the
+    whole sequence, so the activations are 16896 tokens' (75.9 GB), not 4096's (18.4 GB), and the
+    trainer rank (109.5 GB) does not fit an H100; the cost model's reason is printed."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _llama8b_2x2("--generator.max_new_tokens=16384", "--data.max_prompt_len=512",
+                       "--trainer.micro_batch_tokens=4096")
+    assert dry_run(cfg) == 0
+    out = capsys.readouterr().out
+    gb = _trainer_gb(2, 16896)
+    assert f"{gb:.1f}" == "109.5"
+    assert f"trainer   rank: {gb:.1f} GB = states+gathered 33.6 GB + activations of 16896 tokens" in out
+    assert f"h100 (80 GB, 72 GB usable): DOES NOT FIT (trainer: needs {gb:.1f} GB > 72.0 GB usable)" in out
+    assert "h200 (141 GB, 127 GB usable): fits" in out
+
+
+def test_dry_run_uses_the_trainers_compute_dtype(monkeypatch, capsys):
+    """model.compute_dtype=float32 doubles the gathered units and the activations: 100.3 GB
+    against 70.4 GB in bf16 (the "auto" choice on GPUs) for 8192 tokens."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ("--generator.max_new_tokens=2048", "--data.max_prompt_len=512",
+            "--trainer.micro_batch_tokens=8192")
+    assert dry_run(_llama8b_2x2(*base, "--model.compute_dtype=float32")) == 0
+    fp32 = capsys.readouterr().out
+    assert dry_run(_llama8b_2x2(*base)) == 0
+    auto = capsys.readouterr().out
+    assert (f"{_trainer_gb(4, 8192):.1f}", f"{_trainer_gb(2, 8192):.1f}") == ("100.3", "70.4")
+    assert "fp32 compute" in fp32 and "trainer   rank: 100.3 GB = states+gathered 35.1 GB" in fp32
+    assert "h100 (80 GB, 72 GB usable): DOES NOT FIT (trainer: needs 100.3 GB" in fp32
+    assert "bf16 compute" in auto and "trainer   rank: 70.4 GB" in auto
+
+
+def test_dry_run_counts_the_weight_sync_staging(monkeypatch, capsys):
+    """The generator rank holds its bf16 shard (8.03e9 * 2 / 2 = 8.0 GB) and one staged copy of
+    it for the weight sync, with every transport (parallel.ipc_buffers=0 drops the trainer's
+    staging, not the generator's: weights_sync.sync.make_receiver)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert dry_run(_llama8b_2x2()) == 0
+    assert "weights 8.0 GB + KV cache" in (out := capsys.readouterr().out)
+    assert "+ weight-sync staging 8.0 GB" in out
+    assert dry_run(_llama8b_2x2("--parallel.ipc_buffers=0")) == 0
+    assert "+ weight-sync staging 8.0 GB" in capsys.readouterr().out
+
+
+def test_dims_cli_names_the_flag_and_the_fix(capsys):
+    """`python -m parallel.dims`: --trainer-tp 0 was a ZeroDivisionError, and a --gen-tp that
+    does not divide the generator ranks reported a gen_dp=-1 the user never gave."""
+    from parallel.dims import main
+    with pytest.raises(SystemExit) as e:
+        main(["--world", "4", "--generator-ranks", "2", "--trainer-tp", "0"])
+    assert e.value.code == 2 and "argument --trainer-tp: 0 is below 1" in capsys.readouterr().err
+    assert main(["--world", "3", "--generator-ranks", "1", "--gen-tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--gen-tp 2 does not divide the 1 generator ranks" in err and "from [1]" in err
+    assert "-1" not in err
+    assert main(["--world", "6", "--generator-ranks", "2", "--trainer-tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--trainer-tp 3 does not divide the 4 trainer ranks" in err
+    assert "choose --trainer-tp from [1, 2, 4]" in err
+    assert main(["--world", "4", "--generator-ranks", "4"]) == 2
+    assert "leaves no trainer ranks" in capsys.readouterr().err
+    assert main(["--world", "4", "--generator-ranks", "2", "--gen-tp", "2"]) == 0
+    assert "gen_dp=1 x gen_tp=2" in capsys.readouterr().out

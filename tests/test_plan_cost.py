@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 
@@ -51,16 +52,16 @@ def test_memory_hand_computed():
     assert cm.trainer_state_bytes(L8B, 8, 1, 4, 2, "model") / 1e9 == pytest.approx(64.24, abs=0.01)
     # KV cache example: 256 slots x 2560 positions, bf16, tp 1
     assert cm.generator_kv_bytes(L8B, 1, 2, 256, 2560) == 131072 * 256 * 2560
-    # feasibility: one H100 generator, bf16, P + R = 2560: the weights (16.06 GB) and the
-    # engine's stacked q|k|v copy (32 * 4096 * 6144 * 2 B = 1.61 GB) leave
-    # (72 - 16.06 - 1.61) GB / 0.3355 GB = 161 slots
+    # feasibility: one H100 generator, bf16, P + R = 2560: the weights (16.06 GB), their staged
+    # copy for the weight sync (16.06 GB) and the engine's stacked q|k|v copy
+    # (32 * 4096 * 6144 * 2 B = 1.61 GB) leave (72 - 2 * 16.06 - 1.61) GB / 0.3355 GB = 114 slots
     cl = cm.gpu_cluster("h100", 1)
     wl = cm.Workload(512, 16, 512, 2048, gen_dtype="bfloat16")
     stacked = 32 * 4096 * 6144 * 2
     assert cm.stacked_copy_bytes(L8B, cl, wl, 1) == stacked
     assert cm.stacked_copy_bytes(L8B, cl, wl, 2) == 0  # TP shards: three projections
     used, slots, why = cm.generator_memory(L8B, cl, wl, gen_tp=1, gen_dp=1)
-    assert not why and slots == int((0.9 * 80e9 - n * 2 - stacked) // (131072 * 2560)) == 161
+    assert not why and slots == int((0.9 * 80e9 - 2 * n * 2 - stacked) // (131072 * 2560)) == 114
     # one rank cannot hold the 8B trainer (16 B/param = 128 GB > 72 GB usable); 2 ranks just can
     # with activation checkpointing: 64.2 + 2.97 GB gathered + one 2560-token sequence (4.4 GB)
     _, _, why = cm.trainer_memory(L8B, cl, wl, fsdp=1, tp=1, ac=True)
@@ -72,6 +73,100 @@ def test_memory_hand_computed():
     per_tok = 32 * 2 * 4096 + cm.act_bytes_per_token_layer(L8B, 2, 1) + 128256 * 10
     fit = int((0.9 * 80e9 - cm.trainer_state_bytes(L8B, 8, 1, 4, 2)) // per_tok)
     assert not why and mbt == 1 << (fit.bit_length() - 1) == 16384
+
+
+def test_generator_memory_holds_the_weight_sync_staging_copy():
+    """The generator receives each version into one staged copy of its shard (WeightReceiver),
+    so its memory is weights + staging + KV: Llama-3-8B in bf16 at gen_tp 2, 100 slots of 2560
+    positions: 8.03 GB + 8.03 GB + 100 * 2560 * 65536 B (16.78 GB) = 32.84 GB. The most slots
+    that fit 72 GB: (72 - 2 * 8.03) GB / 0.1678 GB = 333 (381 without the staged copy)."""
+    cl, n = cm.gpu_cluster("h100", 1), L8B.num_params()
+    wl = cm.Workload(512, 16, 512, 2048, gen_dtype="bfloat16")
+    assert cm.sync_staging_bytes(L8B, wl, 2) == n * 2 / 2
+    used, slots, why = cm.generator_memory(L8B, cl, wl, 2, 1, slots=100)
+    assert not why and used == pytest.approx(n + n + 100 * 2560 * 65536)
+    assert used / 1e9 == pytest.approx(32.84, abs=0.01)
+    most = cm.generator_memory(L8B, cl, wl, 2, 1)[1]
+    assert most == int((0.9 * 80e9 - 2 * n) // (2560 * 65536)) == 333
+
+
+def test_kv_slots_are_sized_for_the_longest_prompt_admitted():
+    """The engine allocates num_slots x (data.max_prompt_len + max_new_tokens) positions: the
+    planner sizes a slot for max_prompt_len (by default the --prompt-len) + R positions."""
+    cl = cm.gpu_cluster("h100", 1)
+    mean = cm.Workload(8, 4, 64, 256, gen_dtype="bfloat16")
+    capped = cm.Workload(8, 4, 64, 256, gen_dtype="bfloat16", max_prompt_len=256)
+    assert (mean.slot_len, capped.slot_len, capped.seq_len) == (320, 512, 320)
+    kv = lambda w: cm.generator_memory(L8B, cl, w, 1, 1, slots=10)[0]  # noqa: E731
+    assert kv(capped) - kv(mean) == 10 * (512 - 320) * 131072
+    with pytest.raises(ValueError, match="max_prompt_len=32 < prompt_len=64"):
+        cm.Workload(8, 4, 64, 256, max_prompt_len=32)
+
+
+def test_written_config_allocates_the_kv_cache_the_plan_sized(capsys):
+    """plan.py wrote data.max_prompt_len = max(256, --prompt-len) while sizing the slots for
+    --prompt-len + R: Llama-3-8B with 64 + 256 tokens filled an H100 with slots of 320 positions,
+    and the written config made them 512 (110 GB: does not fit)."""
+    from launch.dry_run import dry_run
+    from launch.plan import to_config
+    wl = cm.Workload(512, 16, 64, 256, 4, "float32", "bfloat16")
+    res = best_plan(L8B, cm.gpu_cluster("h100", 1), wl)
+    e, cfg = res.best, to_config(res.best, wl, "preset:llama3-8b")
+    g, p = cfg.generator, e.placement
+    assert cfg.data.max_prompt_len == 64 and g.max_new_tokens == 256
+    # the engine's cache of the written config is the one the plan counted: K and V, 32 layers,
+    # 8 / gen_tp kv heads of 128, bf16, per position
+    positions = g.num_slots * (cfg.data.max_prompt_len + g.max_new_tokens)
+    engine_kv = positions * 2 * 32 * (8 // p.gen_tp) * 128 * 2
+    weights = L8B.num_params() * 2 / p.gen_tp
+    stacked = 32 * 4096 * 6144 * 2 if p.gen_tp == 1 else 0
+    assert e.memory.generator == pytest.approx(2 * weights + stacked + engine_kv)
+    assert e.memory.generator <= 0.9 * 80e9
+    assert dry_run(cfg.resolve(p.world)) == 0
+    assert "h100 (80 GB, 72 GB usable): fits" in capsys.readouterr().out
+
+
+def test_base_config_settings_reach_the_search():
+    """--base-config was only copied into the written config: the search sized memory without
+    its KL reference, FSDP units, compute dtype, stacked weights, prompt sharing, longest prompt
+    or weight-sync staging."""
+    from launch.plan import base_settings
+    base = load_config(None, ["--algo.kl_coef=0.1", "--parallel.fsdp_units=model",
+                              "--model.compute_dtype=float32", "--generator.stack_weights=all",
+                              "--trainer.share_prompts=false", "--data.max_prompt_len=1024",
+                              "--parallel.ipc_buffers=0"])
+    wl, cl = base_settings(base, 512, "cuda")
+    assert wl == dict(master_dtype="float32", share_prompts=False, stack_weights="all",
+                      max_prompt_len=1024, kl_reference=True)
+    assert cl == dict(fsdp_units="model", compute_bytes=4)
+    assert base_settings(load_config(None), 512, "cuda") == (
+        dict(master_dtype="float32", share_prompts=True, stack_weights="auto", max_prompt_len=512,
+             kl_reference=False), dict(fsdp_units="layer", compute_bytes=2))
+    assert base_settings(load_config(None), 8, "cpu")[1] == dict(fsdp_units="model", compute_bytes=4)
+    # the KL reference: frozen fp32 parameters, sharded like the trainer (fsdp 2 x tp 2): 8.03 GB
+    h100, n = cm.gpu_cluster("h100", 1), L8B.num_params()
+    plain = cm.Workload(64, 8, 512, 2048)
+    kl = cm.Workload(64, 8, 512, 2048, kl_reference=True)
+    assert cm.reference_bytes(L8B, kl, 2, 2) == n * 4 / 4 and cm.reference_bytes(L8B, plain, 2, 2) == 0
+    with_ref = cm.trainer_memory(L8B, h100, kl, 2, 2, False, 0.0, 4096)[0]
+    assert with_ref - cm.trainer_memory(L8B, h100, plain, 2, 2, False, 0.0, 4096)[0] == pytest.approx(n)
+
+
+@pytest.mark.parametrize("setting", ["--algo.kl_coef=0.1", "--parallel.fsdp_units=model"])
+def test_plan_with_a_base_config_writes_one_that_fits(setting, tmp_path, capsys):
+    """Llama-3-8B on 8 H100s: with a base config's KL reference or whole-model FSDP units the
+    written config's dry run did not fit (78.5 and 93.0 GB on a trainer rank); the search now
+    sizes the micro-batch with them."""
+    from launch.dry_run import dry_run
+    base, out = tmp_path / "base.toml", tmp_path / "best.toml"
+    base.write_text(load_config(None, [setting]).to_toml())
+    assert plan_main(["--preset", "llama3-8b", "--nodes", "1", "--gpus-per-node", "8", "--prompts",
+                      "64", "--group", "8", "--prompt-len", "512", "--response-len", "2048",
+                      "--top", "1", "--base-config", str(base), "--out", str(out)]) == 0
+    capsys.readouterr()
+    cfg = load_config(str(out))
+    assert dry_run(cfg) == 0
+    assert "h100 (80 GB, 72 GB usable): fits" in capsys.readouterr().out
 
 
 def test_stacked_copy_bytes_are_what_the_engine_stacks():
@@ -506,6 +601,57 @@ def test_two_rank_probe_measures_every_cost():
     assert all(t > 0 for _, t in c["p2p"] + c["shm"] + c["allreduce"] + c["allgather"])
 
 
+def test_two_rank_probe_skips_tp_for_a_model_tp_cannot_shard():
+    """Calibrating a tied-embedding model (SmolLM2-135M's shape) crashed in the TP=2 probes; the
+    planner proposes no TP for it, so the probe measures links and FSDP only, and the profile's
+    TP costs stay 0. Heads that 2 does not divide (3 heads) likewise."""
+    from launch import calibrate
+    from launch.core_share import pair_probes
+    tied = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                     num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
+    odd = ModelArgs(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1,
+                    num_heads=3, num_kv_heads=1)
+    wl = cm.Workload(2, 2, 4, 4)
+    c = calibrate.comm_costs(tied, torch.float32, wl, wl.seqs * wl.seq_len, 1)
+    assert "tp" not in c and "tp_decode_excess" not in c
+    assert c["fsdp"]["micro"] >= 1 and all(t > 0 for _, t in c["p2p"])
+    two_rank_tp, _collective_costs = calibrate.two_rank_tp, calibrate._collective_costs
+    assert (two_rank_tp(TINY), two_rank_tp(tied), two_rank_tp(odd)) == (True, False, False)
+    assert pair_probes(odd, cm.Workload(2, 2, 4, 4), max_ranks=4) == {}
+    pts = [[8, 1e-4], [64, 4e-4]]
+    prof = cm.Profile("cpu", "float32", 1, cm.model_signature(tied), pts, pts, pts, pts, pts, pts,
+                      0.0, c["p2p"], c["allreduce"], c["allgather"])
+    _collective_costs(prof, tied, c)
+    assert prof.tp_collective_s == prof.tp_decode_collective_s == prof.tp_step_s == 0.0
+    assert "tp" not in prof.notes["two_rank"]
+
+
+def test_plan_names_the_profile_file_and_key_it_cannot_use(tmp_path, capsys):
+    """A profile that is missing, not JSON, lacks keys or has no points gave a raw traceback
+    (TypeError, ZeroDivisionError, FileNotFoundError); now an error naming the file and key."""
+    import json
+    argv = ["--preset", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--prompts", "4",
+            "--group", "2", "--prompt-len", "4", "--response-len", "4", "--profile"]
+    missing, garbled, partial, empty = (tmp_path / n for n in ("none.json", "garbled.json",
+                                                               "partial.json", "empty.json"))
+    garbled.write_text("{not json")
+    partial.write_text(json.dumps({"device": "cpu", "dtype": "float32"}))
+    d = {"device": "cpu", "dtype": "float32", "threads": 1, "model": cm.model_signature(TINY),
+         "train_overhead": 0.0, **{k: [] for k in ("layer_fwd", "layer_bwd", "head_fwd", "head_bwd",
+                                                   "decode_step", "gen_fixed", "p2p", "allreduce",
+                                                   "allgather")}}
+    empty.write_text(json.dumps(d))
+    for path, words in ((missing, f"cannot read profile {missing}: [Errno 2]"),
+                        (garbled, f"cannot read profile {garbled}"),
+                        (partial, f"profile {partial} lacks the key(s) ['threads', 'model', 'layer_fwd'"),
+                        (empty, f"profile {empty}: layer_fwd has no measured points")):
+        assert plan_main([*argv, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err, err
+    with pytest.raises(ValueError, match="no measured points"):
+        cm.fit([])
+
+
 def test_core_sharing_probe_runs_rank_work():
     """launch/core_share.py on a tiny model: two probe processes run engine decode steps and real
     train steps, alone then together; the curve starts at 1 and cannot fall below it."""
@@ -605,6 +751,57 @@ def test_a_profile_without_links_takes_the_clusters():
     g = cm.generation_time(TINY, cl, wl, gen_tp=2, gen_dp=1, slots=8, prof=prof)
     ar = cm.allreduce_s(2, 8 * TINY.hidden_size * 4, cm.link_bw(cl, 2), cl.link_latency_s)
     assert g["decode_step"] == pytest.approx(prof.decode_step_s(8, 2) + 2 * TINY.num_layers * ar)
+
+
+def test_plan_says_why_it_found_no_placement_to_search(capsys):
+    """8 GPUs, 2 prompt groups, SmolLM2-135M's shape (tied embeddings: TP 1 only): every
+    generator replica and trainer data-parallel rank needs a group, so G <= 2 and 8 - G <= 2,
+    and colocated 8 <= 2: nothing to search. The error said "no placement fits in memory ...
+    shorten --prompts", the opposite fix; it needs G = 4, 8 - G = 4: --prompts >= 4."""
+    argv = ["--preset", "smollm2-135m", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100",
+            "--group", "4", "--prompt-len", "64", "--response-len", "64", "--prompts"]
+    assert plan_main([*argv, "2"]) == 2
+    captured = capsys.readouterr()
+    assert "searched 0 placements" in captured.out
+    assert "fits in memory" not in captured.err and "TP degrees [1]" in captured.err
+    assert "raise --prompts to at least 4" in captured.err
+    assert plan_main([*argv, "4"]) == 0
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(world=8, generator_ranks=3, gen_tp=2, trainer_tp=2),
+     "the generator's tp 2 does not divide its 3 ranks"),
+    (dict(world=8, generator_ranks=4, gen_tp=2, trainer_tp=3),
+     "the trainer's tp 3 does not divide its 4 ranks"),
+    (dict(world=8, generator_ranks=8), "split mode needs 1 <= generator_ranks < world"),
+    (dict(world=8, generator_ranks=0), "split mode needs 1 <= generator_ranks < world"),
+    (dict(world=8, mode="colocated", generator_ranks=4), "generator_ranks must be 8"),
+    (dict(world=8, mode="coloc", generator_ranks=4), "mode must be 'split' or 'colocated'"),
+    (dict(world=8, generator_ranks=4, gen_tp=0), "gen_tp=0: it must be >= 1"),
+])
+def test_placement_refuses_what_the_runtime_refuses(kw, words):
+    """A hand-made Placement was costed as it came: G=3 at gen_tp 2 as one replica of 2 ranks
+    (gen_dp = 3 // 2), and G = world divided by zero trainer ranks."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        cm.Placement(**kw)
+
+
+def test_cluster_table_refuses_flags_it_would_ignore(tmp_path, capsys):
+    """--cluster-table plans its own models and clusters: a --preset, --profile or --out given
+    with it were silently ignored (no config written, rc 0)."""
+    from launch.plan import build_parser, ignored_by_cluster_table
+    out = tmp_path / "ct.toml"
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--cluster-table", "--preset", "tiny", "--gpus-per-node", "2",
+                   "--profile", str(tmp_path / "p.json"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "does not use --preset --gpus-per-node --profile --out" in err
+    assert not out.exists()
+    ap = build_parser()
+    used = ["--cluster-table", "--gpu", "h200", "--prompts", "64", "--group", "8", "--prompt-len",
+            "128", "--response-len", "256", "--eta", "2"]
+    assert ignored_by_cluster_table(ap, ap.parse_args(used)) == []
+    assert ignored_by_cluster_table(ap, ap.parse_args([*used, "--top", "3"])) == ["--top"]
 
 
 def test_plan_warns_when_the_profile_is_of_other_hardware(tmp_path, capsys):
