@@ -19,12 +19,12 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def launch(model, run_dir, max_restarts, kill=None):
+def launch(model, run_dir, max_restarts, kill=None, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
            "--max-restarts", str(max_restarts), "train_rl.py", "--config", "configs/tiny_cpu.toml",
            *QUICK, f"--model.path={model}", f"--run.dir={run_dir}", f"--trainer.max_steps={STEPS}",
            "--algo.max_staleness=0", "--checkpoint.every_steps=2", "--trainer.lr=1e-2",
-           "--logging.tensorboard=false"]  # after QUICK: later overrides win
+           "--logging.tensorboard=false", *extra]  # after QUICK: later overrides win
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kill:
         env["TANDEM_FAULT_KILL"] = kill  # launch/faults.py: SIGKILL at a given step, 1st attempt
@@ -119,3 +119,20 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
     ref, got = final_params(ref_dir), final_params(run_dir)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
+
+
+def test_a_run_stopped_in_a_completed_runs_folder_is_not_reported_complete(reference, tmp_path):
+    """A run resumed from an explicit checkpoint in a folder whose earlier run completed, then
+    stopped by SIGTERM: its exit code said success (the earlier run's COMPLETE marker was read),
+    so a launcher would neither requeue nor restart it, and the re-run it suggests did nothing."""
+    import shutil
+    model, ref_dir = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    assert json.loads((run_dir / "COMPLETE").read_text())["steps"] == STEPS
+    ckpt = run_dir / "checkpoints" / "step_000004"
+    proc = launch(model, run_dir, max_restarts=0, kill="rank=1,step=5,signal=TERM",
+                  extra=[f"--checkpoint.resume={ckpt}"])
+    out, err = proc.communicate(timeout=300)
+    assert "fault injection: SIGTERM" in out and "SIGTERM: stopped after step" in err, err[-3000:]
+    assert proc.returncode != 0 and not (run_dir / "COMPLETE").exists(), (proc.returncode, err[-3000:])

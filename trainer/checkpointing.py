@@ -82,6 +82,13 @@ def write_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def clear_complete(cfg) -> None:
+    """A run that starts training in a folder an earlier run completed: that run's marker no longer
+    holds (this one may stop early), and left there it made a stopped run exit 0 and its re-run
+    do nothing. Every rank has read it by now (`already_complete_line`, before process groups)."""
+    Path(cfg.run.dir, COMPLETE_FILE).unlink(missing_ok=True)
+
+
 def is_complete(cfg) -> bool:
     """The run in cfg.run.dir has trained its trainer.max_steps steps and exported."""
     done = completed_steps(cfg)

@@ -23,7 +23,7 @@ from rollout.engine import Request
 from rollout.role import build_engine
 from rollout.worker import replica_share, sampling_params
 from trainer.batch import Group
-from trainer.checkpointing import maybe_export_hf
+from trainer.checkpointing import clear_complete, maybe_export_hf
 from trainer.metrics import reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
 
@@ -165,7 +165,10 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
                            world=dims.gen_dp)
     rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
     opt = build_optimizer(t_model, cfg.trainer)
-    logger = MetricsLogger.from_config(cfg) if rank == 0 else None
+    logger = None
+    if rank == 0:
+        clear_complete(cfg)
+        logger = MetricsLogger.from_config(cfg)
     worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
                              sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger,
                              build_ref_model(cfg, meshes))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from model.hf_io import load_model_args, to_dtype
 from parallel.sharding import build_model, parallelize_trainer
-from trainer.checkpointing import mark_complete, read_extra, resume_path
+from trainer.checkpointing import clear_complete, mark_complete, read_extra, resume_path
 from trainer.link import Link
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
@@ -49,6 +49,7 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     path = resume_path(cfg)  # the same on every rank: they all read the run directory
     logger = None
     if owner:
+        clear_complete(cfg)
         logger = MetricsLogger.from_config(cfg, read_extra(path)["step"] if path is not None else 0)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
