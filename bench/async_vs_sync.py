@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=24)
     a = ap.parse_args(argv)
+    if not 0 <= a.warmup < a.steps:
+        ap.error(f"--warmup {a.warmup} must leave timed steps of --steps {a.steps}")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_random_model(Path(tmp) / "model", hidden=a.hidden, layers=a.layers)
         res = {}

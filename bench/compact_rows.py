@@ -102,6 +102,8 @@ def main() -> None:
                                          "(runs/_models/tiny_addition after `make demo`)")
     ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M (slow: minutes)")
     a = ap.parse_args()
+    if min(a.pairs, a.prompts, a.samples) < 1:
+        ap.error(f"--pairs {a.pairs}, --prompts {a.prompts}, --samples {a.samples}: each >= 1")
     torch.set_num_threads(1)  # as a generator rank (torchrun's OMP_NUM_THREADS=1)
     out = {"bench": "compact_rows", "fixed_malloc": pin_malloc(), "dtype": a.dtype}
     from tools.make_tiny_model import make_random_model

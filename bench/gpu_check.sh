@@ -50,9 +50,17 @@ fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
 BUDGET_S=${BUDGET_S:-540}
+KNOWN=" a2 b d d2 a c e e2 m "
 SECTIONS=" ${SECTIONS:-a2 b d d2 a c e e2 m} "
+for s in $SECTIONS; do  # a misspelt (or retired) section would be skipped without a word
+    if [[ $KNOWN != *" $s "* ]]; then
+        echo "gpu_check: unknown section '$s' in SECTIONS; choose from:$KNOWN" >&2
+        exit 2
+    fi
+done
 START=$(date +%s)
 SUMMARY=""
+LAST_RC=""
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export PYTHONUNBUFFERED=1
 
@@ -76,11 +84,15 @@ run() {
     (( rc == 124 || rc == 137 )) && echo "== [$name] TIMED OUT after ${cap}s"
     echo "{\"section\": \"$name\", \"rc\": $rc, \"seconds\": $dt}"
     SUMMARY+="\"$name\": {\"rc\": $rc, \"seconds\": $dt}, "
+    LAST_RC=$rc
 }
 
 echo "== gpu_check $(date -u +%FT%TZ) on $(hostname), budget ${BUDGET_S}s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.version.cuda)"
+if ! "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.version.cuda)"; then
+    echo "gpu_check: $PY cannot import torch; set PY to the interpreter that has it" >&2
+    exit 2  # not "no CUDA": that would pass every check unrun
+fi
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA device: nothing to check here"
     echo "{\"bench\": \"gpu_check\", \"cuda\": false}"
@@ -98,8 +110,14 @@ run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
 
 PROFILE=${OUT:-/tmp}/profile_gpu.json
+LAST_RC=""
 run e  150 "$PY" launch/calibrate.py --model preset:llama-1.1b --device cuda --prompts 64 --group 1 \
     --prompt-len 128 --response-len 256 --micro-batch-tokens 8192 --out "$PROFILE"
+if [[ $SECTIONS == *" e2 "* && $LAST_RC != 0 ]]; then  # e2 plans with e's profile of this run
+    echo "== [e2] skipped: it needs section e's profile of this run (e: rc ${LAST_RC:-not run})"
+    SUMMARY+="\"e2\": {\"rc\": null, \"skipped\": true}, "
+    SECTIONS=${SECTIONS/ e2 / }
+fi
 run e2 30  "$PY" launch/plan.py --preset llama-1.1b --gpu h200 --nodes 2 --gpus-per-node 8 \
     --prompts 64 --group 8 --prompt-len 128 --response-len 256 --eta 1 --top 5 --profile "$PROFILE"
 

@@ -123,6 +123,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    bad = [g for g in a.gen_dtypes.split(",") if g not in ("float32", "bfloat16", "float16")]
+    if bad:
+        ap.error(f"--gen-dtypes: {bad} not among float32, bfloat16, float16")
     torch.set_num_threads(a.threads)
     model32, path = load(a)
     model32.requires_grad_(False)

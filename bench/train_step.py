@@ -230,6 +230,10 @@ def gpu_section(a) -> dict:
     ours = build_model(margs, dev, dt, seed=0).train()
     hf = hf_model(margs, dev, dt)
     hf.load_state_dict(ours.state_dict())  # same weights: the first losses must agree
+    hf.cpu()  # each side alone on the device: its peak memory must not include the other model
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
     if a.compile:
         apply_compile(ours)  # the trainer's per-layer torch.compile (parallel.sharding)
     sides = (("ours" + (" (compiled layers)" if a.compile else ""), "ours", ours,
@@ -237,6 +241,7 @@ def gpu_section(a) -> dict:
              ("HF transformers (sdpa)", "hf", hf, lambda o: hf_step_fn(hf, o, ids, tokens)))
     results = {}
     for label, key, model, make in sides:
+        model.to(dev)  # back from the CPU (HF): parameters move in place, the step's refs hold
         step = make(torch.optim.AdamW(model.parameters(), **ADAMW, fused=True))
         times = time_steps(step, a.iters, a.gpu_warmup, device=dev)
         results[key] = summarise(label, times, tokens, params, peak, torch.get_num_threads(), {

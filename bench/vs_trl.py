@@ -10,15 +10,19 @@ Workload, identical on both sides (checked from each side's own logs, not assume
   the project's character tokenizer (`tools.make_tiny_model.make_random_model`), which
   `AutoTokenizer` loads as well; `--smollm2` repeats on SmolLM2-135M-Instruct
   (`tools.convert_smollm2.convert`);
-- prompts: the synthetic addition prompts (`rollout.data.load_prompts("synthetic:addition")`),
-  handed to TRL as a `datasets.Dataset` of {"prompt": ...};
+- prompts: the synthetic addition prompts of `DIGITS`-digit numbers
+  (`rollout.data.load_prompts("synthetic:addition", digits=DIGITS)`; tandem:
+  `--data.synthetic_digits`), handed to TRL as a `datasets.Dataset` of {"prompt": ...} (until
+  2026-12-05 tandem ran configs/tiny_cpu.toml's 1-digit sums, 5 tokens, TRL 2-digit ones, 6.8);
 - `--prompts` prompt groups per optimizer step, `--samples` completions each (TRL:
   per_device_train_batch_size = prompts * samples, num_generations = samples, one generation
   per optimizer step, one pass over it);
 - exactly `--new-tokens` completion tokens: tandem ignores EOS (`generator.ignore_eos`), TRL
   gets `min_new_tokens = max_completion_length` so EOS cannot be sampled early;
 - the reward: `trivial_reward` below (fraction of "1" characters; cheap, but not constant, so
-  advantages are non-zero and every step really updates the weights); no KL, no reference model.
+  advantages are non-zero and every step really updates the weights); no KL, no reference model;
+- no activation checkpointing on either side (TRL's GRPOConfig turns it on by default, ~20% of
+  its step; until 2026-12-05 this bench left it on).
 
 tandem runs train_rl.py under torchrun, asynchronous (eta = 1), split mode with 1 generator rank
 and 1 trainer rank (world 2), then 1 generator and 2 FSDP trainer ranks (world 3; 3 ranks on a
@@ -95,12 +99,16 @@ def trl_trivial_reward(completions, **kwargs) -> list[float]:
     return [_ones_fraction(c) for c in completions]
 
 
+DIGITS = 2  # the addition prompts' operands, on both sides: "30+98=" is 6 characters + BOS
+
+
 # ----- tandem ---------------------------------------------------------------------------------
 def run_tandem(model: str, run_dir: Path, world: int, bf16: bool, a, eta: int = 1) -> dict:
     args = [*rl_args(model, run_dir, steps=a.steps, prompts=a.prompts, samples=a.samples,
                      new_tokens=a.new_tokens, eta=eta),
             "--parallel.gen_tp=1", f"--logging.console_every={a.steps}", f"--trainer.lr={a.lr}",
             "--reward.fn=bench.vs_trl:trivial_reward", f"--data.num_prompts={a.num_prompts}",
+            f"--data.synthetic_digits={DIGITS}",
             "--data.max_prompt_len=256", f"--model.compute_dtype={'bfloat16' if bf16 else 'auto'}",
             f"--model.gen_dtype={'bfloat16' if bf16 and not a.gen_fp32 else 'float32'}",
             f"--generator.decode={a.gen_decode}"]
@@ -141,7 +149,7 @@ def trl_child(spec: dict) -> dict:
     from rollout.data import load_prompts
 
     torch.set_num_threads(spec["threads"])
-    items = load_prompts("synthetic:addition", num_prompts=spec["num_prompts"], seed=0)
+    items = load_prompts("synthetic:addition", num_prompts=spec["num_prompts"], seed=0, digits=DIGITS)
     dataset = datasets.Dataset.from_dict({"prompt": [it.prompt for it in items]})
     step_ends: list[float] = []
     step_logs: list[dict] = []
@@ -171,7 +179,7 @@ def trl_child(spec: dict) -> dict:
         temperature=1.0, top_p=1.0, beta=0.0, learning_rate=spec["lr"],
         lr_scheduler_type="constant", max_steps=spec["steps"], logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        log_completions=False)
+        log_completions=False, gradient_checkpointing=spec["gradient_checkpointing"])
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"])
     trainer = trl.GRPOTrainer(model=spec["model"], reward_funcs=trl_trivial_reward, args=config,
                               train_dataset=dataset, processing_class=tokenizer,
@@ -190,13 +198,15 @@ def trl_child(spec: dict) -> dict:
             "tokens_per_s": tokens_per_sample * per_step * len(timed) / secs,
             "tokens_per_sample": tokens_per_sample, "samples_per_step": per_step,
             "min_length": min(r["completions/min_length"] for r in timed_logs),
+            "gradient_checkpointing": config.gradient_checkpointing,
             "trl_version": trl.__version__}
 
 
 def run_trl(model: str, out: Path, threads: int, bf16: bool, a) -> dict:
     spec = {"model": model, "out": str(out), "threads": threads, "bf16": bf16, "steps": a.trl_steps,
             "warmup": a.warmup, "prompts": a.prompts, "samples": a.samples,
-            "new_tokens": a.new_tokens, "lr": a.lr, "num_prompts": a.num_prompts}
+            "new_tokens": a.new_tokens, "lr": a.lr, "num_prompts": a.num_prompts,
+            "gradient_checkpointing": a.trl_gradient_checkpointing}
     cmd = [sys.executable, __file__, "--trl-child", json.dumps(spec)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = run_in_group(cmd, env, a.timeout)
@@ -233,7 +243,7 @@ def step_work(model: str, a) -> dict:
         net = Transformer(load_model_args(model))
     weights = sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear))
     tok = load_tokenizer(model)
-    items = load_prompts("synthetic:addition", num_prompts=a.num_prompts, seed=0)
+    items = load_prompts("synthetic:addition", num_prompts=a.num_prompts, seed=0, digits=DIGITS)
     prompt = statistics.mean(len(render_prompt(it, tok, False)) for it in items)
     samples = a.prompts * a.samples
     return {"linear_weights": weights, "prompt_tokens_mean": prompt,
@@ -472,6 +482,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="interleaved rounds of every side; each side's best round counts")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="TRL as GRPOConfig defaults it: recomputing activations in backward "
+                         "(tandem's runs do not: not like for like; the baseline before 2026-12-05)")
     ap.add_argument("--no-overlap-bound", dest="overlap_bound", action="store_false",
                     help="skip tandem's synchronous (eta = 0) run after each of its runs, which "
                          "measures each side's work alone for the overlap ceiling")
@@ -485,6 +498,11 @@ def main(argv=None) -> int:
         print(RESULT_TAG + json.dumps(trl_child(json.loads(a.trl_child))), flush=True)
         return 0
     a.worlds = [int(w) for w in a.worlds.split(",") if w]
+    if not a.worlds or min(a.worlds) < 2:
+        ap.error(f"--worlds {a.worlds}: each world needs 2 ranks at least (1 generator + trainers)")
+    if a.warmup >= min(a.steps, a.trl_steps):
+        ap.error(f"--warmup {a.warmup} leaves no timed step of --steps {a.steps} / --trl-steps "
+                 f"{a.trl_steps}")
     a.trl_threads = sorted({int(t) for t in a.trl_threads.split(",") if t})
     a.precisions = [p for p in a.precisions.split(",") if p]
     if not a.precisions or set(a.precisions) - {"fp32", "bf16"}:

@@ -175,3 +175,30 @@ def test_logprob_mismatch_pairs_each_generator_dtype_with_each_trainer_precision
             assert 1e-5 < r["max_abs"] < 0.1, (name, r)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["bench"] == "logprob_mismatch"
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"SECTIONS": "a b2"}, "unknown section 'b2'"),  # a retired section was skipped silently
+    ({"PY": "false"}, "cannot import torch"),  # was reported as "no CUDA device" and exit 0
+])
+def test_gpu_check_refuses_what_would_skip_its_checks_unseen(env, words):
+    import os
+    proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_rollout_gpu_section_keeps_its_results_when_a_side_fails(monkeypatch):
+    """A failed side is reported as failed and the others' numbers stay: max() over no HF
+    result crashed the section, losing what it had measured (and its JSON line)."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+
+    def broken(*a, **k):
+        raise RuntimeError("HF failed")
+    monkeypatch.setattr(rollout_vs_hf, "run_hf", broken)
+    with torch.no_grad():
+        out = rollout_vs_hf.gpu_section(1, device="cpu", shape=TINY_HF, B=2, P=4, new=4,
+                                        hf_static=False)
+    assert "failed" in out["hf_dynamic_cache"] and out["ours_eager"]["new_tokens"] == 2 * 4
+    assert "speedup_vs_best_hf" not in out
