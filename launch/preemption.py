@@ -18,14 +18,18 @@ checkpoint has to be written within it. Ctrl-C (SIGINT) still stops every rank a
 torchrun also sends SIGTERM when it ends the ranks of a job in which one has failed (to restart
 it, or to give up). A stop then would wait for the dead rank until SIGKILL, so a rank that finds
 another rank of its host gone (their pid files, `<run_dir>/pids`) dies of the SIGTERM at once, as
-without this module. A failure on another host is not seen that way: there the ranks wait until
-torchrun's SIGKILL (30 s by default) before the restart.
+without this module, also while its main thread is blocked in a C++ call (a collective waiting for
+a rank of another host), where Python's handler cannot run until the call returns: the signal's
+C-level wake-up byte (`signal.set_wakeup_fd`) is read by a thread (`_watch`), which makes the
+check. A failure on another host is not seen that way: there the ranks wait until torchrun's
+SIGKILL (30 s by default) before the restart.
 The handler takes no lock that the code it interrupts could hold, and prints nothing.
 """
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -41,6 +45,7 @@ class _State:
 
 _state = _State()
 _pid_dir = None
+_wakeup: tuple | None = None  # (read end, write end) of the signal wake-up socket pair
 
 
 def install(grace_s: float, pid_dir: str | os.PathLike | None = None) -> None:
@@ -50,6 +55,32 @@ def install(grace_s: float, pid_dir: str | os.PathLike | None = None) -> None:
     _state, _pid_dir = _State(), pid_dir
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_grace, args=(_state, grace_s), name="sigterm-grace", daemon=True).start()
+    if pid_dir is not None and _wakeup is None:
+        _start_watch()
+
+
+def _start_watch() -> None:
+    global _wakeup
+    r, w = socket.socketpair()
+    w.setblocking(False)  # set_wakeup_fd's requirement: the C handler must never block
+    signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    _wakeup = (r, w)
+    threading.Thread(target=_watch, args=(r,), name="sigterm-watch", daemon=True).start()
+
+
+def _watch(r: socket.socket) -> None:
+    """Every signal with a Python handler writes its number to the wake-up socket from C, at
+    once, whatever the main thread is doing: a SIGTERM while a rank of this host is gone (torchrun
+    ending a failed job) ends the process here, as the default action would."""
+    while True:
+        try:
+            data = r.recv(64)
+        except OSError:
+            return  # closed by uninstall
+        if not data:
+            return
+        if signal.SIGTERM in data and _pid_dir is not None and not local_ranks_alive(_pid_dir):
+            os._exit(EXIT_CODE)
 
 
 def uninstall(ignore: bool = False) -> None:
@@ -57,19 +88,22 @@ def uninstall(ignore: bool = False) -> None:
     for a rank whose run is over and that only has to exit: torchrun sends SIGTERM to the other
     ranks once the first has exited, and Python drops its handlers while it shuts down, so a
     handled SIGTERM there would still end the process by signal. Ends the grace thread."""
-    global _state
+    global _state, _wakeup
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else signal.SIG_DFL)
     _state.stopping.set()
     _state.signalled.set()
     _state = _State()
+    if _wakeup is not None:
+        signal.set_wakeup_fd(-1)
+        for s in _wakeup:
+            s.close()
+        _wakeup = None
 
 
 def _on_sigterm(signum, frame) -> None:
     s = _state
     if _pid_dir is not None and not local_ranks_alive(_pid_dir):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun ending a failed job: die now
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
+        os._exit(EXIT_CODE)  # torchrun ending a failed job: die now (as `_watch` does)
     if s.reason is None:  # a second SIGTERM (SLURM and torchrun each send one) changes nothing
         s.reason = "SIGTERM"
         s.signalled.set()

@@ -90,4 +90,26 @@ def test_sigterm_after_a_rank_of_this_host_died_kills_at_once(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     """)
-    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert proc.returncode == preemption.EXIT_CODE, (proc.returncode, proc.stderr)
+
+
+def test_sigterm_after_a_rank_of_this_host_died_kills_even_a_rank_blocked_in_cpp(tmp_path):
+    """The main thread in a C++ wait (as in a collective on a rank of another host) runs no
+    Python handler until the call returns: it waited the call's whole timeout (30 s here)."""
+    (tmp_path / "rank0.pid").write_text(f"{_dead_pid()}\n")
+    proc = _child(f"""
+        from datetime import timedelta
+        import torch.distributed as dist
+        os.environ.update(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+        preemption.install(grace_s=60, pid_dir={str(tmp_path)!r})
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        threading = __import__("threading")
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        try:
+            store.wait(["never"], timedelta(seconds=30))
+        finally:
+            print(f"waited {{time.monotonic() - t0:.0f}} s", flush=True)
+    """)
+    assert proc.returncode == preemption.EXIT_CODE and "waited" not in proc.stdout, (
+        proc.returncode, proc.stdout, proc.stderr[-2000:])
