@@ -107,8 +107,9 @@ def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False) -> l
 
 
 def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
-               modes=("split", "colocated"), one_host: bool = False):
-    """Every placement the runtime accepts (see the module docstring)."""
+               modes=("split", "colocated"), one_host: bool = False, trainer_tp: bool = True):
+    """Every placement the runtime accepts (see the module docstring); `trainer_tp` False: the
+    trainer at TP 1 only (a config with parallel.compile, which config.py refuses with TP)."""
     unknown = set(modes) - {"split", "colocated"}
     if unknown:
         raise ValueError(f"unknown placement mode(s) {sorted(unknown)}; choose from 'split', 'colocated'")
@@ -121,7 +122,7 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
                 aligned = one_host or (world - g) % gtp == 0  # TP groups must not straddle nodes
                 if g % gtp or not aligned or g // gtp > prompts_per_step:
                     continue
-                for ttp in tps:
+                for ttp in tps if trainer_tp else [1]:
                     if t % ttp or t // ttp > prompts_per_step:
                         continue
                     for ac in (False, True):
@@ -159,7 +160,8 @@ class PlanResult:
 
 
 def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=None,
-              modes=("split", "colocated"), refine: int = 8, keep: int = 50) -> PlanResult:
+              modes=("split", "colocated"), refine: int = 8, keep: int = 50,
+              trainer_tp: bool = True) -> PlanResult:
     """Exhaustive search; returns the `keep` best feasible placements and the best sync one."""
     t0 = time.perf_counter()
     world = cluster.world
@@ -174,7 +176,7 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
         lambda f, tp, ac: cm.trainer_memory(args, cluster, wl, f, tp, ac))
     ests, why, searched = [], {}, 0
     for p in placements(args, world, cluster.gpus_per_node, wl.prompts_per_step, modes,
-                        cluster.one_cpu_host):
+                        cluster.one_cpu_host, trainer_tp):
         searched += 1
         # memory is separable in split mode: key it on the mesh, not the whole placement
         m = (cm.plan_memory(args, cluster, wl, p) if p.mode == "colocated"
@@ -396,11 +398,11 @@ def main(argv=None) -> int:
 def _main(a) -> int:
     cpu = a.gpu == "cpu"
     gen_dtype = a.gen_dtype or ("float32" if cpu else "bfloat16")
-    base_wl, base_cl = {}, {}
-    if a.base_config:  # its settings change what fits: search with them, not only write them
-        from config import load_config
-        base_wl, base_cl = base_settings(load_config(a.base_config), a.prompt_len,
-                                         "cpu" if cpu else "cuda")
+    # the config that will be written (--base-config, else the defaults) changes what fits:
+    # search with its settings (e.g. data.max_prompt_len sizes the KV slots), not only write them
+    from config import load_config
+    base = load_config(a.base_config)
+    base_wl, base_cl = base_settings(base, a.prompt_len, "cpu" if cpu else "cuda")
     wl = cm.Workload(a.prompts, a.group, a.prompt_len, a.response_len, a.eta,
                      base_wl.pop("master_dtype", "float32"), gen_dtype, **base_wl)
     if a.cluster_table:
@@ -425,7 +427,9 @@ def _main(a) -> int:
                   "only its link numbers are used", file=sys.stderr)
         cl = cm.with_profile(cl, prof)
     modes = tuple(a.modes.split(","))
-    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine)
+    # config.py refuses parallel.compile with trainer TP: search the trainer at TP 1 then
+    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine,
+                    trainer_tp=not base.parallel.compile)
     print(f"model {spec}: {args.num_params() / 1e9:.3f}B params; {cl.world} ranks "
           f"({cl.nodes} x {cl.gpus_per_node} {cl.name}); workload {wl.prompts_per_step} prompts x "
           f"{wl.group_size} samples, {wl.prompt_len}+{wl.response_len} tokens, eta {wl.eta}")

@@ -169,6 +169,30 @@ def test_plan_with_a_base_config_writes_one_that_fits(setting, tmp_path, capsys)
     assert "h100 (80 GB, 72 GB usable): fits" in capsys.readouterr().out
 
 
+def test_plan_without_a_base_config_writes_the_default_longest_prompt(tmp_path):
+    """--prompt-len is the mean prompt: written as data.max_prompt_len it dropped every longer
+    prompt (about half of them); the defaults' 256 is written and sized instead."""
+    out = tmp_path / "best.toml"
+    assert plan_main(["--preset", "llama-1.1b", "--nodes", "1", "--gpus-per-node", "8",
+                      "--prompts", "64", "--group", "8", "--prompt-len", "100",
+                      "--response-len", "256", "--top", "1", "--out", str(out)]) == 0
+    assert load_config(str(out)).data.max_prompt_len == 256
+
+
+def test_plan_with_a_compiling_base_config_keeps_the_trainer_at_tp_1(tmp_path):
+    """config.py refuses parallel.compile with trainer TP: such a base config made the plan
+    fail after its search whenever the best placement had trainer TP."""
+    base, out = tmp_path / "base.toml", tmp_path / "best.toml"
+    base.write_text(load_config(None, ["--parallel.compile=true"]).to_toml())
+    argv = ["--preset", "llama3-70b", "--nodes", "4", "--gpus-per-node", "8", "--prompts", "64",
+            "--group", "8", "--prompt-len", "512", "--response-len", "2048", "--top", "1"]
+    assert plan_main([*argv, "--out", str(tmp_path / "free.toml")]) == 0
+    assert load_config(str(tmp_path / "free.toml")).parallel.trainer_tp > 1  # what it would pick
+    assert plan_main([*argv, "--base-config", str(base), "--out", str(out)]) == 0
+    cfg = load_config(str(out))
+    assert cfg.parallel.compile and cfg.parallel.trainer_tp == 1
+
+
 def test_stacked_copy_bytes_are_what_the_engine_stacks():
     """The stacked q|k|v and gate|up copies the planner counts (biases too) are the bytes
     StackedWeights holds."""
