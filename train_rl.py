@@ -24,7 +24,8 @@ REPORT_GRACE_S = 5.0
 
 def run(cfg) -> int:
     """This rank's part of the job; its exit code: 0, or 143 for a run that a SIGTERM stopped
-    early (launch/preemption.py)."""
+    early (launch/preemption.py; a rank that torchrun ends after another of its host failed also
+    exits 143, from the signal handler)."""
     from launch import preemption
     from launch.preflight import preflight
     from parallel.dims import ParallelDims

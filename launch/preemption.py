@@ -45,7 +45,7 @@ class _State:
 
 _state = _State()
 _pid_dir = None
-_wakeup: tuple | None = None  # (read end, write end) of the signal wake-up socket pair
+_wakeup: tuple | None = None  # (read end, write end, the wake-up fd set before ours)
 
 
 def install(grace_s: float, pid_dir: str | os.PathLike | None = None) -> None:
@@ -63,15 +63,29 @@ def _start_watch() -> None:
     global _wakeup
     r, w = socket.socketpair()
     w.setblocking(False)  # set_wakeup_fd's requirement: the C handler must never block
-    signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-    _wakeup = (r, w)
+    previous = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    _wakeup = (r, w, previous)
     threading.Thread(target=_watch, args=(r,), name="sigterm-watch", daemon=True).start()
+
+
+def _forget_in_child() -> None:
+    """A forked child inherits the wake-up fd: its own signals would reach this process's
+    watcher as if they were ours. (Forked from another thread, Python refuses to unset it there.)"""
+    if _wakeup is not None:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _watch(r: socket.socket) -> None:
     """Every signal with a Python handler writes its number to the wake-up socket from C, at
-    once, whatever the main thread is doing: a SIGTERM while a rank of this host is gone (torchrun
-    ending a failed job) ends the process here, as the default action would."""
+    once, whatever the main thread is doing. A SIGTERM while a rank of this host is gone (torchrun
+    ending a failed job) ends the process here, as the default action would; any other starts the
+    grace period now (the handler's own part waits for the main thread)."""
     while True:
         try:
             data = r.recv(64)
@@ -79,8 +93,11 @@ def _watch(r: socket.socket) -> None:
             return  # closed by uninstall
         if not data:
             return
-        if signal.SIGTERM in data and _pid_dir is not None and not local_ranks_alive(_pid_dir):
+        if signal.SIGTERM not in data:
+            continue
+        if _pid_dir is not None and not local_ranks_alive(_pid_dir):
             os._exit(EXIT_CODE)
+        _state.signalled.set()
 
 
 def uninstall(ignore: bool = False) -> None:
@@ -94,9 +111,10 @@ def uninstall(ignore: bool = False) -> None:
     _state.signalled.set()
     _state = _State()
     if _wakeup is not None:
-        signal.set_wakeup_fd(-1)
-        for s in _wakeup:
-            s.close()
+        r, w, previous = _wakeup
+        signal.set_wakeup_fd(previous)  # whoever had set one before install
+        r.close()
+        w.close()
         _wakeup = None
 
 
