@@ -64,11 +64,11 @@ class ParallelConfig:
     gen_dp: int = _f(0, "Generator replicas; 0 = derived: generator ranks / gen_tp.", ge=0)
     activation_checkpointing: bool = _f(False, "Recompute trainer activations in the backward pass to save memory.")
     fsdp_units: Literal["auto", "layer", "model"] = _f("auto", "FSDP2 units of the trainer: 'layer' = one per decoder layer, resharded after forward, gradients reduce-scattered per micro-batch (least memory); 'model' = one for the whole model, gathered once per step, gradients accumulated unsharded and reduce-scattered once (full parameters + gradients at peak; fewest collectives); 'auto' = model on CPU (gloo), layer on GPUs.")
-    compile: bool = _f(False, "torch.compile the trainer's decoder layers; attention over the packed sequences stays eager (their lengths change every step), the rest compiles once for any token count after the second (a tiny model's forward+backward on CPU: 0.92x eager's time, ~40 s to compile). The generator's decode step: generator.decode.")
+    compile: bool = _f(False, "torch.compile the trainer's decoder layers; attention over the packed sequences stays eager (their lengths change every step), the rest compiles once for any token count after the second (a tiny model's forward+backward on CPU: 0.92x eager's time, ~40 s to compile). Not with trainer_tp > 1 (refused: torch 2.13 fails to recompile the TP layers). The generator's decode step: generator.decode.")
     backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
     ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC), or on the same host's CPUs (cpu_shm): staging buffers per pair. 0 = zero copy: the generator reads the trainer's shards directly (no staging memory, fastest; the trainer's next update waits until the generator has read the version); 2 = double buffering.", ge=0)
     cpu_shm: bool = _f(True, "Weight sync between CPU ranks on the same host through a shared-memory file (the protocol of ipc_buffers) instead of gloo over TCP loopback. false = gloo, e.g. for containers on one host that do not share /dev/shm.")
-    timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds; also how long a rank that got SIGTERM waits for the run to stop at a step boundary before it exits (launch/preemption.py).", gt=0)
+    timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds (a weight version's transfer to or from all of a rank's peers shares one); also how long a rank that got SIGTERM waits for the run to stop at a step boundary before it exits (launch/preemption.py).", gt=0)
     warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile), in seconds.", gt=0)
 
 
@@ -125,7 +125,7 @@ class AlgoConfig:
     prox_cap: float = _f(5.0, "Decoupled PPO: cap on the behaviour-to-proximal IS weight.", ge=1)
     advantage: Literal["group_mean", "grpo", "rloo"] = _f("group_mean", "Baseline: group mean, GRPO (mean/std), or leave-one-out.")
     max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy.", ge=0)
-    buffer_capacity: int = _f(0, "Off-policy buffer size in samples; 0 = derived: prompts_per_step * n_samples * (max_staleness + 1).", ge=0)
+    buffer_capacity: int = _f(0, "Off-policy buffer size in samples; 0 = derived: prompts_per_step * n_samples * (max_staleness + 1), also the least split mode accepts (what the generators may deliver before the trainer takes a batch; colocated: one step).", ge=0)
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference model; 0 = off.", ge=0)
     entropy_coef: float = _f(0.0, "Weight of an entropy bonus (loss -= coef * token entropy); keeps a policy exploring. 0 = off.", ge=0)
     kl_estimator: Literal["k1", "k3"] = _f("k3", "KL estimator (Schulman's k1 or k3).")

@@ -21,8 +21,8 @@ Workload, identical on both sides (checked from each side's own logs, not assume
   gets `min_new_tokens = max_completion_length` so EOS cannot be sampled early;
 - the reward: `trivial_reward` below (fraction of "1" characters; cheap, but not constant, so
   advantages are non-zero and every step really updates the weights); no KL, no reference model;
-- no activation checkpointing on either side (TRL's GRPOConfig turns it on by default, ~20% of
-  its step; until 2026-12-05 this bench left it on).
+- no activation checkpointing on either side (TRL's GRPOConfig turns it on by default; it cost
+  TRL's step 5-10% here; until 2026-12-05 this bench left it on).
 
 tandem runs train_rl.py under torchrun, asynchronous (eta = 1), split mode with 1 generator rank
 and 1 trainer rank (world 2), then 1 generator and 2 FSDP trainer ranks (world 3; 3 ranks on a

@@ -250,7 +250,8 @@ def _comm_rank(rank: int, world: int, args_d: dict, dtype_name: str, wl_d: dict,
     args, wl = ModelArgs(**args_d), Workload(**wl_d)
     plain = build(args, device, dtype)
     t_step = _optimizer_step_time(plain, wl.seq_len, device)
-    for name, shape in (("fsdp", (world, 1)), ("tp", (1, world)))[:1 + tp]:
+    meshes = [("fsdp", (world, 1))] + ([("tp", (1, world))] if tp else [])
+    for name, shape in meshes:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("fsdp", "tp"))
         model = build_model(args, device, dtype, parallelize=lambda m: parallelize_trainer(m, mesh))
         res[name] = {"step_excess": _optimizer_step_time(model, wl.seq_len, device) - t_step}

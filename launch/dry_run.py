@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # python launch/dry_run.py from anywhere
 from config import ConfigError  # noqa: E402
 
 GB = 1e9
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def world_size_of(cfg) -> int:
@@ -117,14 +118,15 @@ def dry_run(cfg) -> int:
 
 def _print_memory(cfg, args, dims) -> None:
     from launch import cost_model as cm
-    from launch.plan import compute_bytes
+    from launch.plan import compute_dtype_of
     from parallel.dims import resolve_fsdp_units
     g, t = cfg.generator, cfg.trainer
     wl = dry_run_workload(cfg)
-    cb = compute_bytes(cfg, "cuda")
+    dt = compute_dtype_of(cfg, "cuda")
+    cb = dt.itemsize
     # the runtime packs whole sequences, at least one a micro-batch (cm.trainer_memory charges so)
     act_tokens = max(t.micro_batch_tokens, wl.seq_len)
-    print(f"memory per rank (launch/cost_model.py; {'bf16' if cb == 2 else 'fp32'} compute):")
+    print(f"memory per rank (launch/cost_model.py; {_SHORT[str(dt).removeprefix('torch.')]} compute):")
     units = resolve_fsdp_units(cfg.parallel.fsdp_units, "cuda")
     for name in ("h100", "h200"):
         cl = cm.gpu_cluster(name, 1, fsdp_units=units, compute_bytes=cb)

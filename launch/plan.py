@@ -225,12 +225,16 @@ def _refine(args, cluster, wl, ests, k: int, profile) -> list:
 
 
 # ----- a base config's settings ----------------------------------------------------------------------
-def compute_bytes(cfg, device_type: str) -> int:
-    """Bytes of the trainer's compute dtype (model.compute_dtype as parallel.sharding.compute_dtype
+def compute_dtype_of(cfg, device_type: str):
+    """The trainer's compute dtype (model.compute_dtype as parallel.sharding.compute_dtype
     resolves it: "auto" is bf16 on CUDA, model.dtype elsewhere; never wider than model.dtype)."""
     from model.hf_io import to_dtype
     from parallel.sharding import compute_dtype
-    return compute_dtype(cfg.model.compute_dtype, device_type, to_dtype(cfg.model.dtype)).itemsize
+    return compute_dtype(cfg.model.compute_dtype, device_type, to_dtype(cfg.model.dtype))
+
+
+def compute_bytes(cfg, device_type: str) -> int:
+    return compute_dtype_of(cfg, device_type).itemsize
 
 
 def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:

@@ -7,7 +7,7 @@ TP (Megatron-style, no sequence parallelism):
   embed_tokens    RowwiseParallel  -> vocab-sharded lookup, all-reduced to a replicated output
   lm_head         ColwiseParallel  -> vocab-sharded logits, gathered to replicated logits
   norms           replicated
-  q/k norms       (Qwen3, trainer only) replicated DTensors over the rank's heads (`_HeadNorm`),
+  q/k norms       (Qwen3, trainer only) replicated DTensors over the rank's heads (`_head_norm`),
                   so that their gradient, a partial sum over each rank's heads, is all-reduced
 FSDP2 shards every parameter on dim 0 over the `fsdp` axis (after TP on the same 2-D mesh).
 Gradients are *summed* over fsdp ranks (divide factor 1): the trainer normalises its loss by the

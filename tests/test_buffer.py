@@ -364,6 +364,10 @@ def test_stale_drops_are_counted_per_replica_and_survive_a_checkpoint():
     fresh.load_state_dict(buf.state_dict())
     assert [fresh.dropped_of(r) for r in (0, 1, 2)] == [1, 2, 0]
     assert {g.replica for g in fresh.take(1, 2, timeout=1.0)} <= {0, 1}
+    old = {k: v for k, v in buf.state_dict().items() if k != "dropped_by"}  # earlier checkpoints
+    with pytest.warns(UserWarning, match="3 stale drops are not attributed to replicas"):
+        fresh.load_state_dict(old)
+    assert fresh.dropped_of(1) == 0
 
 
 def _replicas_with_a_straggler(give_back: bool, seed: int, B=4, replicas=2, eta=1, ticks=300):

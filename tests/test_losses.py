@@ -429,7 +429,7 @@ def test_loss_and_grad_invariant_to_micro_batch_split(loss_name):
 def test_nonfinite_steps_are_skipped_counted_and_abort_after_k_in_a_row():
     from trainer.step import NonFiniteGuard, StepResult
     guard = NonFiniteGuard(max_in_a_row=3)
-    ok, bad = StepResult({}, 1.0, skipped=False), StepResult({}, float("nan"), skipped=True)
+    ok, bad = StepResult({}, 1.0, False, 1e-3), StepResult({}, float("nan"), True, 1e-3)
     for r in (bad, bad, ok, bad, bad):  # never 3 in a row: counted, not fatal
         guard.check(r)
     assert guard.total == 4 and guard.in_a_row == 2

@@ -458,20 +458,27 @@ def _compiled_tp_worker(rank, world, folder):
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("fsdp", "tp"))
     model = build_model(load_model_args(folder), torch.device("cpu"), torch.float32, path=folder,
                         parallelize=lambda m: parallelize_trainer(m, mesh, compile=True))
-    for lens in ([9, 5, 7], [6, 12, 4, 3]):  # the second token count recompiles it dynamic
-        ids = torch.arange(sum(lens)) % tiny.VOCAB
-        model(ids, seq_lens=torch.tensor(lens)).float().logsumexp(-1).mean().backward()
-    return {}
+    try:
+        for lens in ([9, 5, 7], [6, 12, 4, 3]):  # the second token count recompiles it dynamic
+            ids = torch.arange(sum(lens)) % tiny.VOCAB
+            model(ids, seq_lens=torch.tensor(lens)).float().logsumexp(-1).mean().backward()
+    except Exception as e:  # noqa: BLE001 - reported to the test, which tells the known one apart
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": ""}
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(raises=Exception, strict=True,
+@pytest.mark.xfail(raises=AssertionError, strict=True,
                    reason="torch 2.13: compiled TP (DTensor) layers fail to recompile with a dynamic "
                           "token count (RecursionError in dynamo's proxy tracing); config.py refuses "
                           "parallel.compile with trainer_tp > 1 until this passes")
 def test_compiled_tp_layers_fail_on_a_second_token_count(tmp_path):
     tiny.save_hf("llama3", tmp_path)
-    run_ranks(_compiled_tp_worker, 2, str(tmp_path), timeout=240)
+    errors = [r["error"] for r in run_ranks(_compiled_tp_worker, 2, str(tmp_path), timeout=240)]
+    other = [e for e in errors if e and "RecursionError" not in e]
+    if other:  # not the known failure: a real one, never counted as the expected failure
+        pytest.fail(f"compiled TP failed otherwise: {other}")
+    assert not any(errors), errors
 
 
 def test_pin_malloc_keeps_freed_host_memory_for_reuse():

@@ -11,8 +11,11 @@ Two mechanisms keep samples fresh, and they are deliberately different:
    generator's weights lagged (e.g. one replica slower than the others, whose fresher groups
    fill the trainer's batches meanwhile). Each drop is counted for the replica that made the
    group (`dropped_of`) and given back to that replica's gate with the next weights: each drop
-   would otherwise shrink the window for good, and after max_staleness * B of them the gates
-   could no longer admit a whole batch: the trainer would wait for groups nobody may start.
+   would otherwise shrink the window for good (the gates admit (max_staleness + 1) * B groups
+   beyond those trained, less the drops): after max_staleness * B drops the run is synchronous,
+   and drops past that (several in one take) would leave fewer than B admissible: the trainer
+   would wait for groups nobody may start. Given back, the window stays whole; a drop reaches
+   its gate one version later, by which time the gate has admitted a new batch's share anyway.
 
 Capacity counts SAMPLES (memory is per sample); groups are never split (the group baseline needs
 all n samples of a prompt). `put` blocks while full (back-pressure on the generator). Every wait
@@ -23,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import warnings
 from typing import Any
 
 from trainer.batch import Group
@@ -63,7 +67,7 @@ class GenerationGate:
     The generator calls `acquire(timeout)` (blocks) or `try_acquire()` before starting a group;
     whoever learns of trainer progress calls `update(trainer_version, dropped_groups)`. Groups the
     buffer dropped as stale are given back (`dropped_groups`, a running total), otherwise each
-    drop would permanently shrink the window and the gate could deadlock the trainer.
+    drop would permanently shrink the window (see the module docstring).
     """
 
     def __init__(self, batch_groups: int, max_staleness: int, n_started: int = 0,
@@ -338,5 +342,9 @@ class OffPolicyBuffer:
                 heapq.heappush(self._heap, (g.min_version, next(self._arrival), g))
                 self._samples += g.num_samples
             self._stats.update(state["stats"])
+            if "dropped_by" not in state and state["stats"].get("dropped_stale"):
+                warnings.warn(f"a checkpoint of the earlier code: its {state['stats']['dropped_stale']} "
+                              "stale drops are not attributed to replicas, so their places in the "
+                              "generators' staleness windows stay lost", stacklevel=2)
             self._dropped_by = {int(r): n for r, n in state.get("dropped_by", {}).items()}
             self._cond.notify_all()

@@ -8,7 +8,6 @@ micro-batches; a rank with fewer pads with a zero-weighted copy of one of its ow
 """
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ class StepResult:
     stats: dict  # summed over this rank's tokens (reduce across dp ranks before dividing)
     grad_norm: float
     skipped: bool  # non-finite loss or gradient norm: the update was not applied
-    lr: float = math.nan  # the learning rate of this step's update (read before the scheduler steps)
+    lr: float  # the learning rate of this step's update (read before the scheduler steps)
 
 
 class NonFiniteGuard:
