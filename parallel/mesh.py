@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -93,10 +94,18 @@ def _attempt_store(timeout: timedelta) -> dict:
     """Under torchrun the workers share the agent's TCPStore, which outlives a restart: with the
     default env:// rendezvous a restarted job reads the dead attempt's gloo addresses and fails
     ("Gloo connectFullMesh failed ... Connection refused", seen with torch 2.13). A prefix per
-    attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt clean keys."""
+    attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt clean keys on one node. Across nodes
+    the count disagrees (it is per node: an agent that restarts for another node's failure does
+    not count it), so multi-node jobs take a store per rendezvous round instead
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/tandem.sbatch sets; then this is not used)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}  # plain env:// (tests, mp.spawn, other launchers)
+        return {}  # plain env:// (tests, mp.spawn, other launchers; a store per round)
     env = os.environ
+    if int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and env.get("RANK") == "0":
+        print("warning: torchrun shares its store across restarts on several nodes, whose restart "
+              "counts can disagree after a failure (the restart then fails or costs another): "
+              "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (launch/tandem.sbatch "
+              "does)", file=sys.stderr, flush=True)
     client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
                            is_master=False, timeout=timeout)
     store = dist.PrefixStore(f"tandem/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)

@@ -190,6 +190,33 @@ def test_two_nodes_on_one_machine(tmp_path):
     assert "generator:" not in stdout  # rank 3's set-up line: logging.log_rank=0 drops it
 
 
+def test_two_nodes_restart_after_a_rank_dies_and_resume(tmp_path):
+    """A generator rank of the second 'node' dies after the step-2 checkpoint; with a store per
+    rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/tandem.sbatch sets) both
+    agents restart their ranks, which resume and finish. The restart count is per agent (the
+    other agent does not count a restart for a peer's failure): the link's store keys, prefixed
+    by it, then differed between the nodes and no weights message arrived (both sides timed out);
+    with the shared store the process group's keys differed too (connectFullMesh refused)."""
+    model = make_rl_model(tmp_path / "model")
+    port = free_port()
+    args = ["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={tmp_path / 'run'}",
+            "--trainer.max_steps=5", "--logging.log_rank=0", *QUICK, "--checkpoint.every_steps=2",
+            "--algo.max_staleness=0", "--logging.tensorboard=false"]
+    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "twonode-restart", "--max-restarts", "1", "--monitor-interval", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "2", "train_rl.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=3,step=3",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    outs = [a.communicate(timeout=300) for a in agents]
+    for a, (out, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-5000:]
+    stdout = "".join(o for o, _ in outs)
+    assert "resumed from" in stdout and "step_000002" in stdout, stdout[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
 def test_colocated_mode_trains_on_two_ranks(tmp_path):
     """Every rank generates and trains (time-shared, on-policy): versions advance, IS = 1; the
     KL to the starting policy (the default reference) is 0 at the first step and grows after."""

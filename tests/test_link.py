@@ -196,3 +196,16 @@ def test_a_generator_leader_passes_its_sigterm_on_to_the_trainer_once():
     out = run_ranks(_stop_notice, 2, timeout=60)[0]
     assert out["got"] == [("STOP", {"reason": "SIGTERM on generator rank 1"}), ("ACK", None)]
     assert out["requested"] == "SIGTERM on generator rank 1"
+
+
+def test_link_keys_carry_the_attempt_only_in_torchruns_shared_store(monkeypatch):
+    """The restart count is per node: keys prefixed by it went unmatched across nodes, so they
+    carry it only where one shared store outlives the attempts (one node's torchrun default)."""
+    from trainer.link import _attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert _attempt() == "2/"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a store per rendezvous round
+    assert _attempt() == ""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert _attempt() == ""

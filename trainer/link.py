@@ -50,6 +50,18 @@ WATCH_S = 24 * 3600.0
 _WATCHED: "weakref.WeakSet[Link]" = weakref.WeakSet()  # links whose watcher runs
 
 
+def _attempt() -> str:
+    """A key prefix per torchrun attempt where the workers share the agent's store, which outlives
+    a restart (a restarted job must not read the tickets the crashed attempt left behind); none
+    where every rendezvous round has a store of its own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    launch/tandem.sbatch). There the restart count would be wrong: it is per node, and a node
+    whose agent restarts for another node's failure does not count it, so the two nodes' ranks
+    wrote and read tickets under different prefixes and no message arrived."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
+
+
 @atexit.register
 def _close_watched() -> None:
     """A watcher still blocked in the store when the interpreter tears down aborts the process
@@ -89,10 +101,7 @@ class Link:
         self.rank, self.peers, self.timeout_s = rank, list(peers), timeout_s
         self.max_in_flight = max_in_flight
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        # torchrun may keep its store across restarts: a fresh prefix per attempt keeps a restarted
-        # job from reading tickets that the crashed attempt left behind.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.store = dist.PrefixStore(f"tandem/link/{attempt}/", base)
+        self.store = dist.PrefixStore(f"tandem/link/{_attempt()}", base)
         self._next_ticket = 1  # next of my tickets to read
         self._queue: deque[Message] = deque()
         self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()
