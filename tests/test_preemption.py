@@ -93,63 +93,52 @@ def test_sigterm_after_a_rank_of_this_host_died_kills_at_once(tmp_path):
     assert proc.returncode == preemption.EXIT_CODE, (proc.returncode, proc.stderr)
 
 
+# A child whose main thread blocks in a C++ call (a store wait, as a collective on a rank of
+# another host would): Python's SIGTERM handler cannot run until it returns. The signal comes
+# only once the main thread is inside the call; `blocked()` returns after 30 s.
+_BLOCKED_CHILD = """
+    from datetime import timedelta
+    import sys, threading
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    main = threading.get_ident()
+
+    def signal_once_waiting():
+        while sys._current_frames()[main].f_code.co_name != "blocked":
+            time.sleep(0.01)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def blocked():
+        store.wait(["never"], timedelta(seconds=30))
+    threading.Thread(target=signal_once_waiting, daemon=True).start()
+    blocked()
+    print("returned", flush=True)
+"""
+
+
+def _blocked_child(set_up: str) -> subprocess.CompletedProcess:
+    return _child(textwrap.dedent(set_up) + textwrap.dedent(_BLOCKED_CHILD))
+
+
 def test_sigterm_after_a_rank_of_this_host_died_kills_even_a_rank_blocked_in_cpp(tmp_path):
-    """The main thread in a C++ wait (as in a collective on a rank of another host) runs no
-    Python handler until the call returns: it waited the call's whole timeout (30 s here)."""
+    """It waited the call's whole timeout (30 s here), then died."""
     (tmp_path / "rank0.pid").write_text(f"{_dead_pid()}\n")
-    proc = _child(f"""
-        from datetime import timedelta
-        import torch.distributed as dist
+    proc = _blocked_child(f"""
         os.environ.update(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
         preemption.install(grace_s=60, pid_dir={str(tmp_path)!r})
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        import sys, threading
-        main = threading.get_ident()
-
-        def signal_once_waiting():  # the main thread inside store.wait, not before it
-            while sys._current_frames()[main].f_code.co_name != "blocked":
-                time.sleep(0.01)
-            time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        def blocked():
-            store.wait(["never"], timedelta(seconds=30))
-        threading.Thread(target=signal_once_waiting, daemon=True).start()
-        t0 = time.monotonic()
-        try:
-            blocked()
-        finally:
-            print(f"waited {{time.monotonic() - t0:.0f}} s", flush=True)
     """)
-    assert proc.returncode == preemption.EXIT_CODE and "waited" not in proc.stdout, (
+    assert proc.returncode == preemption.EXIT_CODE and "returned" not in proc.stdout, (
         proc.returncode, proc.stdout, proc.stderr[-2000:])
 
 
 def test_the_grace_period_runs_while_the_main_thread_is_blocked_in_cpp(tmp_path):
-    """Every rank of this host alive: a SIGTERM's grace period starts at the signal, not when a
-    C++ call (where Python's handler cannot run) returns, so a rank that no stop reaches still
-    exits `grace_s` after it."""
-    proc = _child(f"""
-        from datetime import timedelta
-        import sys, threading
-        import torch.distributed as dist
+    """Every rank of this host alive: a SIGTERM's grace period starts at the signal, not when the
+    call returns, so a rank that no stop reaches still exits `grace_s` after it."""
+    proc = _blocked_child(f"""
         os.environ.update(RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="1")
         preemption.write_pid({str(tmp_path)!r}, 1)
         preemption.install(grace_s=0.5, pid_dir={str(tmp_path)!r})
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        main = threading.get_ident()
-
-        def signal_once_waiting():
-            while sys._current_frames()[main].f_code.co_name != "blocked":
-                time.sleep(0.01)
-            time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        def blocked():
-            store.wait(["never"], timedelta(seconds=30))
-        threading.Thread(target=signal_once_waiting, daemon=True).start()
-        blocked()
-        print("returned", flush=True)
     """)
     assert proc.returncode == preemption.EXIT_CODE and "returned" not in proc.stdout, (
         proc.returncode, proc.stdout, proc.stderr[-2000:])
