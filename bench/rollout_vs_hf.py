@@ -77,11 +77,15 @@ DECODES, ATTENTIONS, FLAGS = ("eager", "cudagraph", "compile"), ("auto", "sdpa",
     ("nostack", "qkvonly", "autotune")
 
 
+def parse_mode(mode: str) -> tuple[str, str, list[str]]:
+    """`decode[:attention[:flag...]]` -> (decode, attention or "", flags)."""
+    decode, attention, *flags = mode.split(":") + [""]
+    return decode, attention, [f for f in flags if f]
+
+
 def valid_mode(mode: str) -> bool:
-    """`decode[:attention[:flag...]]` as `engines_by_mode` reads it."""
-    decode, attention, *rest = mode.split(":") + [""]
-    return (decode in DECODES and attention in ("", *ATTENTIONS)
-            and all(f in ("", *FLAGS) for f in rest))
+    decode, attention, flags = parse_mode(mode)
+    return decode in DECODES and attention in ("", *ATTENTIONS) and set(flags) <= set(FLAGS)
 
 
 def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> dict:
@@ -92,8 +96,8 @@ def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> 
     with inductor's GEMM autotuning (`gpu_section`)."""
     engines = {}
     for m in modes:  # "autotune" is the bench's (gpu_section), not the engine's
-        decode, attention, *rest = m.split(":") + [""]
-        stacks = False if "nostack" in rest else "qkv" if "qkvonly" in rest else None
+        decode, attention, flags = parse_mode(m)
+        stacks = False if "nostack" in flags else "qkv" if "qkvonly" in flags else None
         engines["ours_" + m.replace(":", "_").rstrip("_")] = Engine(
             model, num_slots=num_slots, max_len=max_len,
             compile_decode=decode_mode(decode, torch.device(device)),

@@ -453,7 +453,7 @@ def _ratios(out: dict, name: str, r: dict, trl_names: list[str], floor_s: float)
     return text
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=24, help="tandem optimizer steps per run")
     ap.add_argument("--trl-steps", type=int, default=12, help="TRL optimizer steps")
@@ -493,10 +493,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smollm2-steps", type=int, default=5)
     ap.add_argument("--smollm2-timeout", type=float, default=400.0, help="per run, seconds")
     ap.add_argument("--trl-child", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.trl_child:
-        print(RESULT_TAG + json.dumps(trl_child(json.loads(a.trl_child))), flush=True)
-        return 0
+    return ap
+
+
+def checked(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
+    """The comma lists as lists; impossible settings as argparse errors."""
     a.worlds = [int(w) for w in a.worlds.split(",") if w]
     if not a.worlds or min(a.worlds) < 2:
         ap.error(f"--worlds {a.worlds}: each world needs 2 ranks at least (1 generator + trainers)")
@@ -507,7 +508,16 @@ def main(argv=None) -> int:
     a.precisions = [p for p in a.precisions.split(",") if p]
     if not a.precisions or set(a.precisions) - {"fp32", "bf16"}:
         ap.error(f"--precisions {','.join(a.precisions)!r}: give fp32, bf16 or fp32,bf16")
+    return a
 
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.trl_child:
+        print(RESULT_TAG + json.dumps(trl_child(json.loads(a.trl_child))), flush=True)
+        return 0
+    a = checked(ap, a)
     from tools.make_tiny_model import make_random_model
 
     t0 = time.perf_counter()

@@ -118,18 +118,16 @@ def dry_run(cfg) -> int:
 
 def _print_memory(cfg, args, dims) -> None:
     from launch import cost_model as cm
-    from launch.plan import compute_dtype_of
-    from parallel.dims import resolve_fsdp_units
+    from launch.plan import base_settings, compute_dtype_of
     g, t = cfg.generator, cfg.trainer
     wl = dry_run_workload(cfg)
     dt = compute_dtype_of(cfg, "cuda")
-    cb = dt.itemsize
+    cl_fields = base_settings(cfg, wl.prompt_len, "cuda")[1]  # FSDP units, compute bytes
     # the runtime packs whole sequences, at least one a micro-batch (cm.trainer_memory charges so)
     act_tokens = max(t.micro_batch_tokens, wl.seq_len)
     print(f"memory per rank (launch/cost_model.py; {_SHORT[str(dt).removeprefix('torch.')]} compute):")
-    units = resolve_fsdp_units(cfg.parallel.fsdp_units, "cuda")
     for name in ("h100", "h200"):
-        cl = cm.gpu_cluster(name, 1, fsdp_units=units, compute_bytes=cb)
+        cl = cm.gpu_cluster(name, 1, **cl_fields)
         cap = cl.mem_headroom * cl.gpu_mem_gb * GB
         # with the KL reference's shard when kl_coef > 0 (frozen parameters, sharded like the trainer's)
         tr, _, why_t = cm.trainer_memory(args, cl, wl, dims.trainer_fsdp, dims.trainer_tp,
@@ -137,7 +135,7 @@ def _print_memory(cfg, args, dims) -> None:
         ref = cm.reference_bytes(args, wl, dims.trainer_fsdp, dims.trainer_tp)
         gen, _, why_g = cm.generator_memory(args, cl, wl, dims.gen_tp, dims.gen_dp, 0.0, g.num_slots)
         state = cm.trainer_state_bytes(args, dims.trainer_fsdp, dims.trainer_tp,
-                                       cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes, units)
+                                       cm.dtype_bytes(cfg.model.dtype), cl.compute_bytes, cl.fsdp_units)
         kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.kv_elem_bytes(cl, cfg.model.gen_dtype),
                                    g.num_slots, wl.slot_len)
         staging = cm.sync_staging_bytes(args, wl, dims.gen_tp)
@@ -165,12 +163,13 @@ def _print_memory(cfg, args, dims) -> None:
 
 def dry_run_workload(cfg):
     """The config's step as the cost model's Workload, the longest prompt as the prompt length
-    (the planner's `base_settings` read the same keys)."""
+    (the rest as the planner's `base_settings` reads it from a config)."""
     from launch import cost_model as cm
+    from launch.plan import base_settings
     g, t = cfg.generator, cfg.trainer
+    fields = base_settings(cfg, cfg.data.max_prompt_len, "cuda")[0]
     return cm.Workload(t.prompts_per_step, g.n_samples, cfg.data.max_prompt_len, g.max_new_tokens,
-                       cfg.algo.max_staleness, cfg.model.dtype, cfg.model.gen_dtype,
-                       t.share_prompts, g.stack_weights, kl_reference=cfg.algo.kl_coef > 0)
+                       cfg.algo.max_staleness, gen_dtype=cfg.model.gen_dtype, **fields)
 
 
 def _eval_kv_bytes(cfg, args, dims) -> float:

@@ -233,10 +233,6 @@ def compute_dtype_of(cfg, device_type: str):
     return compute_dtype(cfg.model.compute_dtype, device_type, to_dtype(cfg.model.dtype))
 
 
-def compute_bytes(cfg, device_type: str) -> int:
-    return compute_dtype_of(cfg, device_type).itemsize
-
-
 def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:
     """(Workload fields, Cluster fields) that a --base-config sets, so that the search sizes what
     the written config runs: its master dtype, prompt sharing, stacked weights, the longest prompt
@@ -248,7 +244,7 @@ def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:
               max_prompt_len=max(cfg.data.max_prompt_len, prompt_len),
               kl_reference=cfg.algo.kl_coef > 0)
     cl = dict(fsdp_units=resolve_fsdp_units(cfg.parallel.fsdp_units, device_type),
-              compute_bytes=compute_bytes(cfg, device_type))
+              compute_bytes=compute_dtype_of(cfg, device_type).itemsize)
     return wl, cl
 
 
