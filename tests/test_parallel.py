@@ -246,6 +246,51 @@ def test_fsdp_train_step_with_micro_batches_matches_single_process(tmp_path, uni
         assert res["reduce_scatters"] == (1 if units == "model" else (2 + 1) * n_micro)
 
 
+def _kl_reference_worker(rank, world, folder, ref_folder):
+    """A train_step with a frozen KL reference on fsdp=`world` ranks, one FSDP unit each;
+    whether the reference's parameters are still shards afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import parallel.sharding as sh
+    from model.hf_io import load_model_args
+    from trainer.step import train_step
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
+    par = lambda m: sh.parallelize_trainer(m, mesh, units="model")  # noqa: E731
+    cfg, model, opt, sched, groups = _step_setup(folder, "model", par)
+    cfg.algo.kl_coef = 0.5
+    ref = sh.build_model(load_model_args(ref_folder), torch.device("cpu"), torch.float32,
+                         parallelize=par, path=ref_folder).requires_grad_(False)
+    res = train_step(model, opt, sched, groups[rank::world], cfg, mesh["fsdp"].get_group(), "cpu",
+                     0, ref_model=ref)
+    return {"params": {n: _full(p.detach()) for n, p in model.named_parameters()},
+            "kl_sum": res.stats["kl_sum"],
+            "ref_sharded": all(isinstance(p, DTensor) for p in ref.parameters())}
+
+
+def test_fsdp_kl_reference_is_resharded_after_its_forwards(tmp_path):
+    """One FSDP unit ("model", the CPU default) is not resharded after a forward, and the frozen
+    KL reference has no backward to do it: it kept a whole unsharded copy on every rank for the
+    rest of the run (the memory plan counts a shard). The step's KL and update still equal one
+    process's (a reference of other weights, so that the KL term has a gradient)."""
+    from model.hf_io import load_model_args
+    from parallel.sharding import build_model
+    from trainer.step import train_step
+    tiny.save_hf("llama3", tmp_path / "policy")
+    tiny.save_hf("llama3", tmp_path / "ref", seed=1)
+    cfg, model, opt, sched, groups = _step_setup(tmp_path / "policy", "model")
+    cfg.algo.kl_coef = 0.5
+    ref_model = build_model(load_model_args(str(tmp_path / "ref")), torch.device("cpu"),
+                            torch.float32, path=str(tmp_path / "ref")).requires_grad_(False)
+    ref = train_step(model, opt, sched, groups, cfg, None, "cpu", 0, ref_model=ref_model)
+    assert ref.stats["kl_sum"] > 1.0
+    results = run_ranks(_kl_reference_worker, 2, str(tmp_path / "policy"), str(tmp_path / "ref"))
+    assert all(r["ref_sharded"] for r in results)
+    assert sum(r["kl_sum"] for r in results) == pytest.approx(ref.stats["kl_sum"], rel=1e-5)
+    for res in results:
+        for name, p in model.named_parameters():
+            _close(res["params"][name], p.detach())
+
+
 def _reduce_scatter_worker(rank, world):
     import torch.distributed as dist
     from parallel.sharding import AllToAllReduceScatter

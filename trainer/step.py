@@ -74,6 +74,19 @@ def policy_logp(model, batch: PackedBatch, temperature: float):
     return losses.token_logprobs(_logits(model, batch), batch.targets_N, temperature)
 
 
+@torch.no_grad()
+def reference_logp(ref_model, batch: PackedBatch, temperature: float):
+    """The frozen KL reference's token log-probs. One FSDP2 unit for the whole model
+    (`parallel.fsdp_units` = "model") is not resharded after its forward (the trainer's backward
+    does that), and the reference has no backward: it would keep a whole unsharded copy on every
+    rank for the rest of the run, where the memory plan counts a 1/fsdp shard (an 8B fp32
+    reference: 32 GB a GPU). Resharded after each forward instead: one gather per micro-batch."""
+    logp = policy_logp(ref_model, batch, temperature)
+    if getattr(ref_model, "fsdp_units", None) == "model":
+        ref_model.reshard()
+    return logp
+
+
 def _autocast(model):
     """The forward's compute dtype when it differs from the parameters' and FSDP does not cast
     them (`parallel.sharding.parallelize_trainer`); token log-probs are taken in fp32 after it."""
@@ -128,8 +141,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
         if acfg.entropy_coef > 0:  # a bonus: maximising entropy lowers the loss
             loss_sum = loss_sum - acfg.entropy_coef * entropy
         if acfg.kl_coef > 0:
-            with torch.no_grad():
-                ref_logp = policy_logp(ref_model, batch, temp)
+            ref_logp = reference_logp(ref_model, batch, temp)
             kl = losses.kl_penalty(logp, ref_logp, batch.loss_mask_N, acfg.kl_estimator)
             loss_sum = loss_sum + acfg.kl_coef * kl
             stats["kl_sum"] += float(kl.detach()) if real else 0.0
