@@ -25,12 +25,15 @@ Time (datasheet; a Profile replaces the per-layer and link numbers with measured
             decode_step = max(bytes/(hbm*hbm_eff), flops/(flops*mfu_decode)) + 2L TP all-reduces
                           bytes = N_mm*gen_bytes/tp + slots*ctx*kv_bytes_per_token/tp (ctx = P + R/2)
   T_train = compute + max(0, comm - overlap*compute) + optimizer
-            compute = ((6 + 2*ac)*N_mm*D + (3 + ac)*2*L*q*l^2*seqs) / (fsdp*tp * flops * mfu_train)
+            compute = ((6 + 2*ac + 2*ref)*N_mm*D + (3 + ac + ref)*2*L*q*l^2*seqs)
+                      / (fsdp*tp * flops * mfu_train)   (ref = 1: a KL reference's forward)
             comm    = micro_batches * (FSDP "layer" units: 2 all-gathers (cb) + 1 reduce-scatter
                       (fp32) of N/tp over the fsdp link; TP: 4L + 4 (+2L with ac) all-reduces of
                       tokens*h*cb) + one latency per collective, per-step ones included
                       (`trainer_collectives`); one FSDP "model" unit (CPU): one all-gather and
-                      one reduce-scatter per step, whatever the micro-batches
+                      one reduce-scatter per step, whatever the micro-batches; a KL
+                      reference adds one all-gather of its N/tp (cb) and its forward's TP
+                      all-reduces per micro-batch
   T_sync  = max(max bytes a trainer rank sends, max bytes a generator rank receives) / link,
             from the REAL weights_sync.plan (`sync_bytes_from_plan`) or its even-shard closed form
   step    eta = 0 (synchronous): T_gen + T_train + T_sync (+ 2 link hand-offs)
@@ -559,19 +562,23 @@ BROADCAST, DP_REDUCTIONS = 2, 2
 
 
 def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool,
-                        units: str = "layer") -> dict:
+                        units: str = "layer", kl_reference: bool = False) -> dict:
     """Collectives of one trainer step. FSDP2 "layer" units: per micro-batch and unit (L layers +
     root) an all-gather in forward and in backward and a reduce-scatter; one "model" unit: one
     all-gather and one reduce-scatter per step. TP: per micro-batch 2 all-reduces
     per layer in forward and 2 in backward (+2 recomputed with AC), and embedding + head (4).
     Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), the
     batch broadcast, and with fsdp > 1 the token counts and statistics; they are charged to FSDP
-    when fsdp > 1. Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 2 + 2 =
-    41, tp = 0."""
-    L = args.num_layers
+    when fsdp > 1. A frozen KL reference (`kl_reference`) runs one forward per micro-batch:
+    its all-gathers (L + 1 units, or the one "model" unit, resharded after each forward:
+    trainer.step.reference_logp) and its forward's TP all-reduces (2L + 2).
+    Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 2 + 2 = 41, tp = 0;
+    with a KL reference 41 + 3*4 = 53."""
+    L, ref = args.num_layers, int(kl_reference)
     per_step = norm_reductions(fsdp, tp) + BROADCAST + DP_REDUCTIONS * (fsdp > 1) if fsdp * tp > 1 else 0
-    f = (2 if units == "model" else 3 * (L + 1) * micro) if fsdp > 1 else 0
-    t = (4 * L + 4 + 2 * L * ac) * micro if tp > 1 else 0
+    units_n = 1 if units == "model" else L + 1
+    f = ((2 if units == "model" else 3 * units_n * micro) + ref * units_n * micro) if fsdp > 1 else 0
+    t = (4 * L + 4 + 2 * L * ac + ref * (2 * L + 2)) * micro if tp > 1 else 0
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
 
 
@@ -612,17 +619,22 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     cb = cl.compute_bytes
     n, L, h = args.num_params(), args.num_layers, args.hidden_size
     bw_f, bw_t, lat = link_bw(cl, fsdp * tp), link_bw(cl, tp), cl.link_latency_s
-    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units)
-    # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp
+    ref = int(wl.kl_reference)  # a frozen KL reference: one more forward per micro-batch
+    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units, wl.kl_reference)
+    # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp; the
+    # reference's shards are gathered once per micro-batch
     fsdp_bytes = n / tp * ((cb + 4) if cl.fsdp_units == "model" else micro * (2 * cb + 4))
+    fsdp_bytes += ref * micro * n / tp * cb
     measured = prof is not None and prof.matches(args)
     if measured:
-        compute = micro * prof.train_microbatch_s(mb_tokens, tp, ac) + prof.train_overhead_s(fsdp, tp)
+        compute = micro * (prof.train_microbatch_s(mb_tokens, tp, ac)
+                           + ref * prof.forward_microbatch_s(mb_tokens, tp)) \
+            + prof.train_overhead_s(fsdp, tp)
         optimizer = 0.0  # measured inside train_overhead_s
     else:
         q = args.num_heads * args.head_dim
-        flops = ((6 + 2 * ac) * matmul_params(args) * tokens
-                 + (3 + ac) * 2 * L * q * wl.seq_len ** 2 * seqs_per_rank) / tp
+        flops = ((6 + 2 * ac + 2 * ref) * matmul_params(args) * tokens
+                 + (3 + ac + ref) * 2 * L * q * wl.seq_len ** 2 * seqs_per_rank) / tp
         compute = flops / (cl.flops * cl.mfu_train)
         optimizer = n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
     if measured and prof.has_links:
@@ -977,6 +989,11 @@ class Profile:
         f, b = self._split("layer_fwd", 2, tokens, tp), self._split("layer_bwd", 2, tokens, tp)
         return L * (f + b + (f if ac else 0.0)) + poly(self._c("head_fwd", 1), tokens) \
             + poly(self._c("head_bwd", 1), tokens)
+
+    def forward_microbatch_s(self, tokens: int, tp: int = 1) -> float:
+        """A forward alone (the frozen KL reference's, under no_grad: no backward)."""
+        L = self.model["num_layers"]
+        return L * self._split("layer_fwd", 2, tokens, tp) + poly(self._c("head_fwd", 1), tokens)
 
     def train_overhead_s(self, fsdp: int, tp: int) -> float:
         return self.train_overhead / fsdp  # per-trajectory work and optimizer shards split over fsdp

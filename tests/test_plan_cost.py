@@ -312,6 +312,35 @@ def test_train_time_and_collectives_hand_computed():
     assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model") == {"fsdp": 2 + 1 + 4, "tp": 0}
 
 
+def test_a_kl_reference_costs_one_forward_per_micro_batch():
+    """algo.kl_coef > 0: the trainer runs the frozen reference's forward on every micro-batch
+    (trainer.step.reference_logp); the plan counted its memory but not its time. Hand-computed
+    from test_train_time_and_collectives_hand_computed's 8B case and the toy profile."""
+    cl = cm.gpu_cluster("h100", 8)
+    plain, kl = (cm.Workload(512, 16, 512, 2048, share_prompts=False, kl_reference=k)
+                 for k in (False, True))
+    t0, t1 = (cm.train_time(L8B, cl, w, 64, 1, False, 16384) for w in (plain, kl))
+    tokens, micro = 8 * 16 * 2560, -(-8 * 16 * 2560 // 16384)
+    forward = 2 * cm.matmul_params(L8B) * tokens + 2 * 32 * 4096 * 2560 ** 2 * 128
+    assert t1["compute"] - t0["compute"] == pytest.approx(forward / (989e12 * 0.4))
+    # one all-gather of the reference's 1/64 shards a micro-batch (bf16), one per unit (33)
+    assert t1["fsdp_comm"] - t0["fsdp_comm"] == pytest.approx(
+        micro * 2 * 63 / 64 * L8B.num_params() / 40e9 + 33 * micro * 63 * 10e-6)
+    # collectives: + (L + 1) all-gathers (or the one "model" unit) and 2L + 2 TP all-reduces
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, kl_reference=True) == {"fsdp": 53, "tp": 0}
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model", True)["fsdp"] == 2 + 4 + 1 + 4
+    assert cm.trainer_collectives(TINY, 4, 1, 2, True, kl_reference=True)["tp"] == \
+        (8 + 4 + 4 + 6) * 4 + 1 + 2
+    # measured: each micro-batch adds L layer forwards and the head's forward of the profile;
+    # 4 groups of a 4-token prompt, shared (less its last token), and 2 x 8: 76 tokens
+    prof, cpu = _toy_profile(), cm.cpu_cluster(4, 2)
+    m0, m1 = (cm.train_time(TINY, cpu, cm.Workload(4, 2, 4, 8, kl_reference=k), 1, 1, False,
+                            10_000, prof) for k in (False, True))
+    assert m1["compute"] - m0["compute"] == pytest.approx(prof.forward_microbatch_s(76))
+    assert prof.forward_microbatch_s(76) == pytest.approx(2 * 76 * 1e-5)  # 2 layers, no head
+
+
+
 def test_step_time_formulas():
     cl = cm.gpu_cluster("h100", 1)
     p = cm.Placement(8, "split", 4, 1, 1)
