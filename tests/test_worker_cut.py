@@ -191,3 +191,37 @@ def test_a_resumed_trainer_warms_up_like_a_fresh_one(tmp_path):
     assert [r["step"] for r in rows] == [4, 5]
     used = out["used"]  # in the warm-up: each step's lr differs from the next one's
     assert len(used) == 2 and used[0] < used[1] and [r["lr"] for r in rows] == used
+
+
+def _colocated_run(rank, world, folder, run_dir):
+    """A 2-step colocated run on one rank; the timeouts its process groups were shortened to."""
+    import torch
+    from config import load_config
+    from launch.preflight import preflight
+    from parallel import mesh as M
+    from parallel.dims import ParallelDims
+    from trainer.colocated import run_colocated
+    calls, real = [], M.Meshes.shorten_timeouts
+    M.Meshes.shorten_timeouts = lambda self, s: calls.append(s) or real(self, s)
+    cfg = load_config(None, [
+        "--parallel.mode=colocated", f"--model.path={folder}", f"--run.dir={run_dir}",
+        "--trainer.max_steps=2", "--trainer.prompts_per_step=2", "--generator.n_samples=2",
+        "--generator.num_slots=4", "--generator.max_new_tokens=4", "--parallel.timeout_s=60",
+        "--parallel.warmup_timeout_s=900", "--logging.tensorboard=false",
+        "--logging.progress=false", "--checkpoint.hf_export_final=false",
+        "--reward.fn=tests.rl_model:length_reward", "--algo.kl_coef=0",
+        "--eval.every_steps=0"]).resolve(world)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    tokenizer = preflight(cfg, dims)
+    run_colocated(cfg, M.build_meshes(dims, torch.device("cpu")), tokenizer)
+    return calls
+
+
+def test_colocated_mode_shortens_its_timeouts_after_the_first_step(tmp_path):
+    """The process groups start with parallel.warmup_timeout_s (model load, compile, the first
+    step); split mode's roles shorten them to timeout_s after their first step, colocated mode
+    never did: a dead peer was noticed after 900 s instead of 60."""
+    from tests.dist import run_ranks
+    from tests.rl_model import make_rl_model
+    folder = make_rl_model(tmp_path / "m")
+    assert run_ranks(_colocated_run, 1, folder, str(tmp_path / "run"), timeout=300) == [[60.0]]

@@ -81,6 +81,7 @@ class ColocatedWorker:
         self.dp_rank = meshes.trainer.get_coordinate()[0]
         self.step = self.version = self.started = 0
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+        self.warm = False  # past the first step: the process groups wait parallel.timeout_s
 
     def run(self, evaluator=None) -> None:
         """`evaluator` (rollout.evaluate.PeriodicEval, on the ranks of generator replica 0): the
@@ -100,6 +101,9 @@ class ColocatedWorker:
                             self.tok if self.meshes.rank == 0 else None, self.meshes.trainer_group)
             t1 = time.perf_counter()
             self._reshard()
+            if not self.warm:  # model load, compile and the first step are behind every rank
+                self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
+                self.warm = True
             stats = reduce_stats(res.stats, self.dp_group)
             if self.logger is not None:
                 self.logger.log(step_metrics(self.step, self.version, groups, stats, res,
