@@ -225,6 +225,24 @@ def test_direct_mode_holds_the_slot_until_applied():
         stale()
 
 
+def test_staged_apply_refuses_after_a_later_receive():
+    """A staged apply() copies what the staging holds when it runs: v1's apply after receive(2)
+    installed v2's weights under version 1's number, without a word (direct mode refused it)."""
+    trainer, gen, sender, recv = _pair(buffers=2, timeout_s=1.0)
+    _bump(trainer, 1)
+    sender.push(1)
+    stale = recv.receive(1)
+    sender.wait_sent()
+    _bump(trainer, 2)
+    sender.push(2)
+    current = recv.receive(2)
+    with pytest.raises(RuntimeError, match="apply before receiving again"):
+        stale()
+    current()
+    assert _same(trainer, gen)
+    sender.close()
+
+
 @pytest.mark.parametrize("direct", [False, True])
 def test_zero_copy_reads_the_trainer_parameters(direct):
     """buffers=0: no staging on the trainer; the generator copies (and casts) its boxes straight

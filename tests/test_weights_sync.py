@@ -106,6 +106,37 @@ def test_generator_shards_bitwise_equal_trainer_slices(tmp_path, world, n_traine
                 assert local.dtype == GEN_DTYPE and torch.equal(local, want), (version, name)
 
 
+def _stale_apply_worker(rank, world, folder):
+    from weights_sync.sync import WeightReceiver, WeightSender
+    model, p, wgroup, _ = _setup(rank, folder, 1)
+    if rank == 0:
+        sender = WeightSender(model, p, rank, GEN_DTYPE, wgroup, timeout_s=30)
+        for version in (1, 2):
+            with torch.no_grad():
+                for prm in model.parameters():
+                    prm.add_(version)
+            sender.push(version)
+            sender.wait_sent()
+        return None
+    recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30)
+    stale = recv.receive(1)
+    current = recv.receive(2)
+    try:
+        stale()
+    except RuntimeError as e:
+        current()
+        return str(e)
+    return "applied"
+
+
+def test_an_apply_kept_past_a_later_receive_is_refused(tmp_path):
+    """receive(v)'s apply() copies what the staging holds when it runs: kept past receive(v+1),
+    it installed v+1's weights under version v's number (the engine tags tokens with it)."""
+    tiny.save_hf("llama3", tmp_path)
+    msg = run_ranks(_stale_apply_worker, 2, str(tmp_path), timeout=120)[1]
+    assert "apply() of weights version 1 after receive() of version 2" in msg
+
+
 def _timeout_worker(rank, world, folder, silent_side):
     """`silent_side` never posts its half; the other side must time out naming it."""
     from weights_sync.sync import WeightReceiver, WeightSender

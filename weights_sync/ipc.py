@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from weights_sync import stream
-from weights_sync.sync import VersionThread
+from weights_sync.sync import VersionThread, staged_apply
 
 # ----- handles: JSON-able descriptions of a shared buffer ---------------------------------------
 
@@ -409,6 +409,7 @@ class IpcReceiver:
                              [v for s in self.parts for v in self.parts[s]])
         self.sources: dict[int, list[list[torch.Tensor]]] = {}  # src -> per slot, its boxes
         self._unapplied: tuple[int, dict[int, int]] | None = None  # direct: (version, slots)
+        self.staged_version: int | None = None  # staged: what the staging holds (`staged_apply`)
         self.history: list[dict] = []
 
     @property
@@ -487,7 +488,8 @@ class IpcReceiver:
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
         if not self.direct:
-            return self._apply
+            self.staged_version = version
+            return staged_apply(self, version)
         self._unapplied = (version, slots)
         return lambda: self._apply_direct(version, slots)
 

@@ -199,6 +199,20 @@ class WeightSender:
         self.wait_sent()
 
 
+def staged_apply(receiver, version: int):
+    """The `apply()` that a staging receiver's `receive(version)` returns. It installs what the
+    staging holds when it runs: kept past a later receive(), it would install that version's
+    weights while the engine tags their tokens with this one. Refused, as the direct IPC
+    receiver refuses it."""
+    def apply() -> None:
+        if receiver.staged_version != version:
+            raise RuntimeError(f"generator rank {receiver.rank}: apply() of weights version "
+                               f"{version} after receive() of version {receiver.staged_version} "
+                               "refilled the staging; apply before receiving again")
+        receiver._apply()
+    return apply
+
+
 class WeightReceiver:
     """`peers` restricts the plan's sources to those this transport serves (None: all)."""
 
@@ -215,6 +229,7 @@ class WeightReceiver:
         self.staging = {s: torch.empty(stream.stream_numel(segs), dtype=self.dtype, device=self.device)
                         for s, segs in self.peers.items()}
         self.history: list[dict] = []
+        self.staged_version: int | None = None  # what the staging holds (`staged_apply`)
 
     @property
     def staging_bytes(self) -> int:
@@ -251,7 +266,8 @@ class WeightReceiver:
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
-        return self._apply
+        self.staged_version = version
+        return staged_apply(self, version)
 
     @torch.no_grad()
     def _apply(self) -> None:
