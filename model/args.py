@@ -20,16 +20,24 @@ from typing import Any
 
 # HF architecture name -> (model_type, family defaults that config.json may omit), as the
 # transformers config classes default them (Qwen's window applies only with use_sliding_window,
-# to layers max_window_layers and up)
-_QWEN_WINDOW = {"sliding_window": 4096, "max_window_layers": 28}
+# to layers max_window_layers and up). max_position_embeddings differs by family: a missing key
+# read as one default for all would be written back into the export as that value.
+_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768}
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
-    "LlamaForCausalLM": ("llama", {}),
-    "MistralForCausalLM": ("mistral", {"sliding_window": 4096}),
-    "Qwen2ForCausalLM": ("qwen2", _QWEN_WINDOW),  # q/k/v biases always: _attention_bias_of
-    "Qwen3ForCausalLM": ("qwen3", {"qk_norm": True, "head_dim": 128, **_QWEN_WINDOW}),
+    "LlamaForCausalLM": ("llama", {"max_position_embeddings": 2048}),
+    "MistralForCausalLM": ("mistral", {"sliding_window": 4096, "max_position_embeddings": 131072}),
+    "Qwen2ForCausalLM": ("qwen2", _QWEN),  # q/k/v biases always: _attention_bias_of
+    "Qwen3ForCausalLM": ("qwen3", {"qk_norm": True, "head_dim": 128, **_QWEN}),
 }
 _ARCH_BY_TYPE = {mt: arch for arch, (mt, _) in SUPPORTED_ARCHITECTURES.items()}
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# rope_type -> the keys it needs besides rope_type: what model/rope.py reads (rope_theta is
+# ModelArgs.rope_theta), as transformers' rope validation requires them
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(_ROPE_KEYS)
 
 
 @dataclass
@@ -70,9 +78,17 @@ class ModelArgs:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.rope_scaling is not None:
+            # The export writes this dict as transformers reads it: the forward must read it the
+            # same way (4.x's "type" spelling included), or the two models rotate differently.
+            self.rope_scaling = _spelled_rope_type(self.rope_scaling)
+            _check_rope(self.rope_scaling, "ModelArgs.rope_scaling")
+            theta = self.rope_scaling.pop("rope_theta", self.rope_theta)
+            if theta != self.rope_theta:
+                raise ValueError(f"ModelArgs.rope_scaling has rope_theta={theta} but rope_theta="
+                                 f"{self.rope_theta}: the export would write the first, the "
+                                 "forward use the second; set rope_theta only")
+        _check_unsupported_keys(self.extra, self.model_type, "ModelArgs.extra")
         # The export could not represent these: transformers would build another model.
         if self.attention_bias and self.model_type == "mistral":
             raise ValueError("attention_bias=True with MistralForCausalLM: transformers' Mistral "
@@ -118,11 +134,9 @@ class ModelArgs:
         arch = _architecture_of(cfg, source)
         model_type, defaults = SUPPORTED_ARCHITECTURES[arch]
         _check_activation(cfg, source)
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        _check_unsupported_keys(cfg, model_type, source)
+        max_positions = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+        theta, scaling = _rope_of(cfg, max_positions, source)
         known = {f.name for f in dataclasses.fields(cls)} | {
             "architectures", "model_type", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "rope_parameters", "use_sliding_window", "layer_types", "dtype",
@@ -139,7 +153,7 @@ class ModelArgs:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias_of(cfg, model_type),
             qk_norm=defaults.get("qk_norm", False),
@@ -190,6 +204,59 @@ def _check_activation(cfg: dict, source: str) -> None:
             raise ValueError(f"{source}: {key}={act!r} is not supported: tandem's MLP applies SiLU "
                              "(silu/swish) only; use a model trained with silu, or add the "
                              "activation to model/transformer.py's MLP")
+
+
+def _check_unsupported_keys(cfg: dict, model_type: str, source: str) -> None:
+    """Refuse, by name, keys with which transformers builds a model tandem's layers cannot be:
+    a partial rotary (only some of each head rotated) and Llama's MLP biases."""
+    _check_full_rotary(cfg.get("partial_rotary_factor"), f"{source}: partial_rotary_factor")
+    # Only Llama reads mlp_bias: Mistral's and Qwen's MLPs have no biases whatever it says.
+    if model_type == "llama" and cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias={cfg['mlp_bias']} is not supported: tandem's MLP "
+                         "(model/transformer.py) has no biases; use a model without MLP biases "
+                         "(mlp_bias false)")
+
+
+def _check_full_rotary(factor, where: str) -> None:
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"{where}={factor} is not supported: tandem rotates every dimension of "
+                         "each head (model/rope.py); use a model with full rotary embeddings "
+                         "(partial_rotary_factor 1.0 or absent)")
+
+
+def _rope_of(cfg: dict, max_positions: int, source: str) -> tuple[float, dict | None]:
+    """rope_theta and the rope dict beyond it (None for plain rope), as transformers 5 reads
+    config.json: rope_scaling (4.x's key) wins over rope_parameters when both are set, the dict's
+    rope_theta over the top-level one, and a llama3 rope without original_max_position_embeddings
+    takes max_position_embeddings."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = _spelled_rope_type(cfg.get(key) or {})
+    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", max_positions)
+    _check_rope(rope, f"{source}: {key}")
+    return theta, (rope if rope["rope_type"] != "default" else None)
+
+
+def _spelled_rope_type(rope: dict) -> dict:
+    """A copy of `rope` with its type under "rope_type": transformers 4.x wrote "type", and
+    reads rope_type first, then type, then "default"."""
+    rope = dict(rope)
+    kind = rope.pop("type", "default")
+    rope.setdefault("rope_type", kind)
+    return rope
+
+
+def _check_rope(rope: dict, where: str) -> None:
+    """A rope type model/rope.py computes, with every key it reads, rotating whole heads."""
+    kind = rope["rope_type"]
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"{where}: unsupported rope_type {kind!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    missing = [k for k in _ROPE_KEYS[kind] if k not in rope]
+    if missing:
+        raise ValueError(f"{where}: rope_type {kind!r} needs {missing} (has {sorted(rope)}); "
+                         "add them as the model was trained (see its original config.json)")
+    _check_full_rotary(rope.get("partial_rotary_factor"), f"{where}.partial_rotary_factor")
 
 
 def _attention_bias_of(cfg: dict, model_type: str) -> bool:

@@ -17,6 +17,7 @@ from model.transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+LEGACY_ROPE_BUFFER = "rotary_emb.inv_freq"  # in names like model.layers.0.self_attn.rotary_emb.inv_freq
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -112,8 +113,11 @@ def expected_tensors(model: Transformer) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
     """Raise one ValueError listing every missing, unexpected or mis-shaped tensor."""
-    have = set(reader.names())
-    if "lm_head.weight" not in expected:  # tied head: some exporters store a copy anyway
+    # Old transformers saved each layer's rope buffer; it is recomputed from config.json (by
+    # transformers too, which skips these names), so it is no weight to load.
+    have = {n for n in reader.names() if not n.endswith(LEGACY_ROPE_BUFFER)}
+    if "lm_head.weight" not in expected and "lm_head.weight" in have:
+        _check_stored_tied_head(reader, expected)  # some exporters store a copy anyway
         have.discard("lm_head.weight")
     missing, unexpected = sorted(set(expected) - have), sorted(have - set(expected))
     problems = []
@@ -128,6 +132,37 @@ def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]
     if problems:
         raise ValueError(f"{reader.folder}: checkpoint does not match the model config: "
                          + "; ".join(problems))
+
+
+def _check_stored_tied_head(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
+    """tie_word_embeddings is true and the checkpoint stores lm_head.weight too: a copy of the
+    embedding is fine, but transformers keeps a different stored head, untied, where tying it
+    here would silently replace it with the embedding.
+
+    Compared a block of rows at a time, so no more than ~64 MiB of either is held (sharded
+    loading calls this on every rank); a cost only checkpoints that store a tied head pay."""
+    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    if emb not in reader.names() or reader.shape(emb) != expected.get(emb):
+        return  # reported as missing or mis-shaped with the other tensors
+    if reader.shape(head) != reader.shape(emb) or not _same_values(reader, emb, head):
+        raise ValueError(f"{reader.folder}: {head} differs from {emb} but config.json sets "
+                         "tie_word_embeddings true (transformers would load the stored head, "
+                         "untied; tandem would tie it to the embedding). Set "
+                         f'"tie_word_embeddings": false in {reader.folder / "config.json"} to '
+                         f"train the stored head, or remove {head} from the checkpoint to tie it")
+
+
+def _same_values(reader: CheckpointReader, a: str, b: str, block_bytes: int = 2**26) -> bool:
+    """Whether two stored 2-D tensors of one shape hold equal values, read a block of rows at a
+    time (fp32 copies of at most `block_bytes`)."""
+    rows, cols = reader.shape(a)
+    step = max(1, block_bytes // (4 * cols))
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        x, y = (reader.get_slice(name, (start, 0), (n, cols)).float() for name in (a, b))
+        if not torch.equal(x, y):
+            return False
+    return True
 
 
 def load_pretrained(path, device: str | torch.device = "cpu", dtype=None) -> Transformer:

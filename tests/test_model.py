@@ -421,6 +421,142 @@ def test_save_labels_the_dtype_written(tmp_path):
                for a, b in zip(back.parameters(), ours.parameters()))
 
 
+# ----- rope, head tying and defaults as transformers reads them ----------------------------
+def _store_tensors(folder, tensors: dict) -> None:
+    """Add (or replace) `tensors` in a saved checkpoint: in model.safetensors, or in the last
+    shard file of a sharded one (listed in its index)."""
+    from safetensors.torch import load_file, save_file
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        meta = json.loads(index.read_text())
+        fname = sorted(set(meta["weight_map"].values()))[-1]
+        meta["weight_map"].update(dict.fromkeys(tensors, fname))
+        index.write_text(json.dumps(meta))
+    else:
+        fname = "model.safetensors"
+    state = load_file(str(folder / fname))
+    state.update(tensors)
+    save_file(state, str(folder / fname), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"], ids=["single", "sharded"])
+def test_tied_head_stored_identical_loads_different_is_refused(tmp_path, shard):
+    """tie_word_embeddings=true with an lm_head.weight stored anyway: an identical copy loads
+    tied; a different head (transformers keeps it, untied) is refused, naming the key to change."""
+    kwargs = {"max_shard_size": shard} if shard else {}
+    hf = tiny.save_hf("tied", tmp_path, **kwargs)
+    emb = hf.model.embed_tokens.weight.detach().clone()
+    _store_tensors(tmp_path, {"lm_head.weight": emb.clone()})
+    err, ours = _logits_against_transformers(tmp_path)
+    assert err <= 1e-5 and ours.lm_head.weight is ours.model.embed_tokens.weight
+    other = emb.clone()
+    other[-1, 0] += 1.0  # one element of the last row: the comparison must cover every row
+    _store_tensors(tmp_path, {"lm_head.weight": other})
+    with pytest.raises(ValueError, match=r"lm_head.weight differs from model.embed_tokens.weight"
+                                         r".*\"tie_word_embeddings\": false"):
+        load_pretrained(tmp_path)
+    # compared a block of rows at a time: a block of 10 rows still finds the last row's change
+    from model.hf_io import CheckpointReader, _same_values
+    reader = CheckpointReader(tmp_path)
+    assert not _same_values(reader, "model.embed_tokens.weight", "lm_head.weight", 10 * 4 * 64)
+    assert _same_values(reader, "lm_head.weight", "lm_head.weight", 10 * 4 * 64)
+
+
+def test_rope_scaling_wins_over_rope_parameters(tmp_path):
+    """Both keys in config.json and they disagree: transformers (4.x and 5.x) reads rope_scaling."""
+    tiny.save_variant("llama", tmp_path)
+    _rewrite_config(tmp_path, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                               "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    err, ours = _logits_against_transformers(tmp_path)
+    assert err <= 1e-5 and ours.args.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_model_args_rope_type_spelled_type_is_scaled(tmp_path):
+    """The 4.x spelling {"type": "linear"} given to ModelArgs: our forward scales as the export
+    says, so transformers reading the export computes the same logits."""
+    args = ModelArgs(vocab_size=tiny.VOCAB, rope_scaling={"type": "linear", "factor": 4.0})
+    assert args.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    model = Transformer(args)
+    model.init_weights(std=0.1, seed=0)
+    save_pretrained(model, tmp_path)
+    assert _logits_against_transformers(tmp_path)[0] <= 1e-5
+
+
+@pytest.mark.parametrize("rope, why", [
+    ({"rope_type": "linear"}, r"rope_type 'linear' needs \['factor'\]"),
+    ({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     r"rope_type 'llama3' needs \['original_max_position_embeddings'\]"),
+    ({"rope_type": "yarn", "factor": 2.0}, "unsupported rope_type 'yarn'"),
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor=0.5"),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},  # the export writes the dict's
+     "rope_scaling has rope_theta=500000.0 but rope_theta=10000.0"),
+], ids=["linear-no-factor", "llama3-no-original-max", "yarn", "partial-rotary", "theta-twice"])
+def test_model_args_refuse_incomplete_rope(rope, why):
+    with pytest.raises(ValueError, match=why):
+        ModelArgs(rope_scaling=rope)
+
+
+def test_llama3_rope_without_original_max_takes_max_position_embeddings(tmp_path):
+    """transformers fills the llama3 rope's original_max_position_embeddings from
+    max_position_embeddings (256 here) when config.json omits it."""
+    tiny.save_hf("llama3", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    rope = {k: v for k, v in cfg["rope_parameters"].items() if k != "original_max_position_embeddings"}
+    _rewrite_config(tmp_path, {"rope_parameters": rope, "rope_scaling": DROP})
+    err, ours = _logits_against_transformers(tmp_path)
+    assert err <= 1e-5 and ours.args.rope_scaling["original_max_position_embeddings"] == 256
+
+
+def test_legacy_inv_freq_tensors_are_ignored(tmp_path):
+    """Old checkpoints store each layer's rotary_emb.inv_freq buffer; transformers ignores them."""
+    hf = tiny.save_hf("llama3", tmp_path)
+    inv_freq = hf.model.rotary_emb.inv_freq
+    _store_tensors(tmp_path, {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone()
+                              for i in range(2)})
+    assert _logits_against_transformers(tmp_path)[0] <= 1e-5
+
+
+def test_llama_mlp_bias_is_refused_by_name(tmp_path):
+    from model.hf_io import load_model_args
+    tiny.save_variant("llama", tmp_path, mlp_bias=True)
+    with pytest.raises(ValueError, match=r"config.json: mlp_bias=True is not supported"):
+        load_model_args(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_missing_max_position_embeddings_is_the_family_default(tmp_path, model_type):
+    """config.json without max_position_embeddings: the family's transformers default, read and
+    written back (not one default for all families)."""
+    from model.hf_io import load_model_args
+    tiny.save_variant(model_type, tmp_path / "hf")
+    _rewrite_config(tmp_path / "hf", {"max_position_embeddings": DROP})
+    want = transformers.AutoConfig.from_pretrained(str(tmp_path / "hf")).max_position_embeddings
+    assert load_model_args(tmp_path / "hf").max_position_embeddings == want
+    save_pretrained(load_pretrained(tmp_path / "hf"), tmp_path / "ours")
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / "ours")).max_position_embeddings == want
+
+
+@pytest.mark.parametrize("edits", [
+    {"partial_rotary_factor": 0.5},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+], ids=["top-level", "in-linear-rope", "in-default-rope"])
+def test_partial_rotary_factor_is_refused_by_name(tmp_path, edits):
+    from model.hf_io import load_model_args
+    tiny.save_variant("llama", tmp_path)
+    _rewrite_config(tmp_path, edits)
+    with pytest.raises(ValueError, match=r"config.json: .*partial_rotary_factor=0\.(5|25) is not supported"):
+        load_model_args(tmp_path)
+
+
+def test_partial_rotary_factor_one_is_accepted(tmp_path):
+    tiny.save_variant("llama", tmp_path)
+    _rewrite_config(tmp_path, {"partial_rotary_factor": 1.0})
+    assert _logits_against_transformers(tmp_path)[0] <= 1e-5
+
+
 # ----- bad input ----------------------------------------------------------------------------
 def test_missing_config_json(tmp_path):
     tiny.save_hf("llama3", tmp_path)
