@@ -121,15 +121,15 @@ class AlgoConfig:
     """RL objective, advantages and the off-policy buffer."""
     loss: Literal["aipo", "ppo", "decoupled_ppo"] = _f("aipo", "Policy loss: AIPO truncated IS, PPO-clip, or decoupled PPO.")
     rho: float = _f(4.0, "AIPO truncation of the IS ratio pi/mu: min(pi/mu, rho).", ge=1)
-    clip_eps: float = _f(0.2, "PPO clip range epsilon.", gt=0)
+    clip_eps: float = _f(0.2, "PPO clip range epsilon (decoupled PPO: inert, the step makes one update per batch; trainer/losses.decoupled_ppo_loss).", gt=0)
     prox_cap: float = _f(5.0, "Decoupled PPO: cap on the behaviour-to-proximal IS weight.", ge=1)
     advantage: Literal["group_mean", "grpo", "rloo"] = _f("group_mean", "Baseline: group mean, GRPO (mean/std), or leave-one-out.")
     max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy.", ge=0)
     buffer_capacity: int = _f(0, "Off-policy buffer size in samples; 0 = derived: prompts_per_step * n_samples * (max_staleness + 1), also the least split mode accepts (what the generators may deliver before the trainer takes a batch; colocated: one step).", ge=0)
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference model; 0 = off.", ge=0)
     entropy_coef: float = _f(0.0, "Weight of an entropy bonus (loss -= coef * token entropy); keeps a policy exploring. 0 = off.", ge=0)
-    kl_estimator: Literal["k1", "k3"] = _f("k3", "KL estimator (Schulman's k1 or k3).")
-    token_is: Literal["none", "truncate", "mask"] = _f("none", "Extra per-token IS correction for engine/trainer mismatch.")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator (Schulman's k1, k2 or k3) as a loss term: k1 and k2 give the gradient of KL(pi||ref), k3 (GRPO's) that of KL(ref||pi); see trainer/losses.kl_penalty.")
+    token_is: Literal["none", "truncate", "mask"] = _f("none", "Extra per-token IS correction for engine/trainer mismatch (algo.loss='ppo' only; AIPO and decoupled PPO weight by pi/mu themselves).")
     token_is_cap: float = _f(5.0, "Cap of the per-token IS ratio for token_is.", gt=0)
 
 
@@ -258,6 +258,10 @@ class Config:
                     raise ConfigError(f"{key}={value!r} is invalid: it must be {sym} {bound} "
                                       f"(set --{key}=<value {sym} {bound}>)")
         g, a, t = self.generator, self.algo, self.trainer
+        if a.token_is != "none" and a.loss != "ppo":
+            raise ConfigError(f"algo.token_is={a.token_is!r} applies to algo.loss='ppo' only; "
+                              f"algo.loss={a.loss!r} weights tokens by pi/mu itself (rho / "
+                              "prox_cap): set --algo.token_is=none, or --algo.loss=ppo")
         if a.advantage == "rloo" and g.n_samples < 2:
             raise ConfigError(f"algo.advantage='rloo' needs generator.n_samples >= 2, got {g.n_samples} "
                               "(set --generator.n_samples=4 or --algo.advantage=group_mean)")
@@ -305,6 +309,12 @@ class Config:
         given = {key: value_of(cfg, key) for key in DERIVED}
         _resolve_layout(cfg.parallel, world_size)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
+        if t.prompts_per_step < cfg.parallel.trainer_fsdp:  # groups are dealt out whole
+            raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} leaves some of the "
+                              f"parallel.trainer_fsdp={cfg.parallel.trainer_fsdp} data-parallel "
+                              "trainer ranks without a prompt group to train on; set "
+                              f"--trainer.prompts_per_step to >= {cfg.parallel.trainer_fsdp}, or "
+                              "fewer trainer ranks")
         if a.buffer_capacity == 0:
             a.buffer_capacity = t.prompts_per_step * g.n_samples * (a.max_staleness + 1)
         if a.kl_coef > 0 and not cfg.model.ref_path:  # KL to the starting policy, as usual

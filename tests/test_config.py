@@ -271,12 +271,22 @@ def test_cross_field_rules():
     load_config(None, ["--parallel.compile=true", "--parallel.gen_tp=2"])  # the trainer's layers only
     assert load_config(None, ["--logging.log_rank=0, 4"]).logging.log_rank == "0, 4"
     assert load_config(None, ["--logging.log_rank=all"]).logging.log_rank == "all"
+    # token IS weights only PPO's clipped ratio; AIPO and decoupled PPO ignored it silently
+    with pytest.raises(ConfigError, match=r"algo.token_is='mask' applies to algo.loss='ppo' only; "
+                                          r"algo.loss='aipo'.*--algo.token_is=none"):
+        load_config(None, ["--algo.token_is=mask"])
+    load_config(None, ["--algo.token_is=mask", "--algo.loss=ppo"])
+    # one prompt group for two data-parallel trainer ranks: one raised, the other waited in FSDP
+    with pytest.raises(ConfigError, match=r"prompts_per_step=1 leaves some of the "
+                                          r"parallel.trainer_fsdp=2 .*>= 2"):
+        load_config(None, ["--trainer.prompts_per_step=1", "--parallel.generator_ranks=1"]).resolve(3)
+    load_config(None, ["--trainer.prompts_per_step=2", "--parallel.generator_ranks=1"]).resolve(3)
 
 
 def test_validate_catches_hand_built_bad_values():
     cfg = Config()
-    cfg.algo.kl_estimator = "k2"
-    with pytest.raises(ConfigError, match="algo.kl_estimator='k2' is not a valid choice"):
+    cfg.algo.kl_estimator = "k4"
+    with pytest.raises(ConfigError, match="algo.kl_estimator='k4' is not a valid choice"):
         cfg.validate()
     cfg = Config()
     cfg.trainer.max_steps = "10"

@@ -541,3 +541,74 @@ def test_train_step_same_with_shared_prompts(family, tmp_path):
         torch.testing.assert_close(p_shared[name], p, rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(p, q) for p, q in
                zip(p_whole.values(), load_pretrained(tmp_path, dtype="float32").parameters()))
+
+
+@pytest.mark.parametrize("estimator,direction", [("k1", "forward"), ("k2", "forward"),
+                                                 ("k3", "reverse")])
+def test_kl_penalty_gradient_in_expectation(estimator, direction):
+    """The KL term's gradient over the logits z of a categorical pi, in expectation over a token
+    y ~ pi (exact enumeration, float64): k1 and k2 give grad KL(pi || ref), k3 grad KL(ref || pi).
+    k1's own gradient, -grad log pi(y), is zero in expectation: it regularised nothing."""
+    z = torch.tensor([0.3, -1.2, 0.8, 0.1], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([-0.5, 0.4, 0.2, 1.0], dtype=torch.float64), -1)
+    logp = torch.log_softmax(z, -1)
+    pi = logp.exp().detach()
+    expected = torch.zeros_like(z)
+    for y in range(4):
+        term = kl_penalty(logp[y:y + 1], ref[y:y + 1], torch.tensor([True]), estimator)
+        expected += pi[y] * torch.autograd.grad(term, z, retain_graph=True)[0]
+    p, r = logp.exp(), ref.exp()
+    kl = (p * (logp - ref)).sum() if direction == "forward" else (r * (ref - logp)).sum()
+    torch.testing.assert_close(expected, torch.autograd.grad(kl, z)[0])
+    # the value is still the estimator's: k1 = logp - ref
+    assert kl_penalty(logp[:1], ref[:1], torch.tensor([True]), estimator).item() == pytest.approx(
+        {"k1": (logp[0] - ref[0]).item(), "k2": 0.5 * (logp[0] - ref[0]).item() ** 2,
+         "k3": math.expm1((ref[0] - logp[0]).item()) - (ref[0] - logp[0]).item()}[estimator])
+
+
+def _one_token_step_cfg(**algo):
+    import types
+    a = dict(loss="ppo", rho=4.0, advantage="group_mean", kl_coef=0.0, entropy_coef=0.0,
+             clip_eps=0.2, token_is="none", token_is_cap=5.0)
+    return types.SimpleNamespace(algo=types.SimpleNamespace(**{**a, **algo}))
+
+
+@pytest.mark.parametrize("token_is,coef", [("none", -1.25), ("truncate", -1.25), ("mask", -1.25),
+                                           ("truncate@1.1", -1.1), ("mask@1.1", 0.0)])
+def test_ppo_token_is_weights_the_gradient_once(token_is, coef):
+    """loss='ppo' with token IS (verl's TIS): d loss / d logp = -min(pi/mu, cap) * A (mask: 0 above
+    the cap). It clipped around mu and multiplied by pi/mu again: (pi/mu)^2 = -1.5625 here."""
+    from trainer.step import _loss
+    mode, _, cap = token_is.partition("@")
+    acfg = _one_token_step_cfg(token_is=mode, token_is_cap=float(cap or 5.0), clip_eps=0.5).algo
+    logp = torch.tensor([LN(0.5)], requires_grad=True)  # pi = 0.5, mu = 0.4: pi/mu = 1.25
+    batch = trainer.batch.PackedBatch.__new__(trainer.batch.PackedBatch)
+    batch.loss_mask_N, batch.logp_mu_N, batch.adv_N = (torch.tensor([True]),
+                                                       torch.tensor([LN(0.4)]), torch.tensor([1.0]))
+    _loss(acfg, logp, batch).loss_sum.backward()
+    assert logp.grad.item() == pytest.approx(coef)
+
+
+def test_train_step_at_temperature_zero_uses_the_generators_recorded_temperature():
+    """generator.temperature = 0 samples greedily and records mu at T = 1 (rollout/sampling.py);
+    the trainer raised 'temperature must be positive' at its first step. It now takes T = 1."""
+    import types
+    from trainer.step import train_step
+    trajs = [Trajectory(0, i, [1, 2], [3, 4], [-1.2, -0.7], [0, 0], float(i), "stop")
+             for i in range(2)]
+    results = {}
+    for temperature in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.randn(5, 7))
+        model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        cfg = types.SimpleNamespace(
+            algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
+                                       entropy_coef=0.0),
+            generator=types.SimpleNamespace(temperature=temperature),
+            trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9, share_prompts=True))
+        train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
+        results[temperature] = model.w.detach()
+    assert torch.equal(results[0.0], results[1.0])

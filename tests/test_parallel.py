@@ -291,6 +291,29 @@ def test_fsdp_kl_reference_is_resharded_after_its_forwards(tmp_path):
             _close(res["params"][name], p.detach())
 
 
+def _empty_rank_worker(rank, world, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+    import parallel.sharding as sh
+    from trainer.step import train_step
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
+    cfg, model, opt, sched, groups = _step_setup(
+        folder, "layer", lambda m: sh.parallelize_trainer(m, mesh, units="layer"))
+    try:
+        train_step(model, opt, sched, groups[:1] if rank == 0 else [], cfg,
+                   mesh["fsdp"].get_group(), "cpu", 0)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_data_parallel_rank_without_samples_fails_every_rank(tmp_path):
+    """One of two FSDP ranks got no prompt group: it raised, and the other went on into the
+    forward and waited in FSDP's all-gather until the process group's timeout."""
+    tiny.save_hf("llama3", tmp_path)
+    for msg in run_ranks(_empty_rank_worker, 2, str(tmp_path), timeout=60):
+        assert "trainer ranks [1] of the data-parallel group got no samples" in msg
+
+
 def _reduce_scatter_worker(rank, world):
     import torch.distributed as dist
     from parallel.sharding import AllToAllReduceScatter

@@ -163,6 +163,11 @@ def decoupled_ppo_loss(logp_N: Tensor, logp_prox_N: Tensor, logp_mu_N: Tensor, a
     still count in `tokens`, so dropping never up-weights the rest. With pi_prox == mu this is
     exactly `ppo_clip_loss` (weight 1).
 
+    The trust region acts only when a batch is trained in several optimizer updates (AReaL's PPO
+    minibatches): tandem's train step makes one, so its recomputed pi_prox equals pi, u = 1 and
+    `clipped_count` stays 0; the loss is then the behaviour-weighted policy gradient with the
+    prox_cap mask (an audit measured exactly that; trainer.step).
+
     Worked example: pi = pi_prox = 0.5, mu = 0.25 (behaviour weight 2), A = 1: loss = -2 * 1,
     d loss / d logp = -2. With mu = 0.05 (weight 10 > cap 5) the token is dropped: loss 0.
 
@@ -209,11 +214,20 @@ def token_is(logp_N: Tensor, logp_mu_N: Tensor, mode: Literal["none", "truncate"
 
 def kl_penalty(logp_N: Tensor, logp_ref_N: Tensor, mask_N: Tensor,
                estimator: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
-    """Token-summed estimate of KL(pi || ref) from samples of pi (Schulman, "Approximating KL").
+    """Token-summed estimate of KL(pi || ref) from samples of pi (Schulman, "Approximating KL"),
+    as a loss term: add `beta * kl_penalty(...)` to `loss_sum` before `normalize`.
 
     With `d = logp_ref - logp`:  k1 = -d (unbiased, can be negative);
     k2 = d^2 / 2 (biased, low variance); k3 = exp(d) - d - 1 (unbiased, always >= 0).
-    Add `beta * kl_penalty(...)` to `loss_sum` before `normalize`.
+    Their values estimate KL(pi || ref); as losses their gradients differ (in expectation over
+    samples of pi, exact enumeration in tests/test_losses.py):
+    - k1's own gradient is -grad log pi, zero in expectation (E_pi[grad log pi] = 0): no penalty
+      at all. Its value is kept, its gradient replaced by the score-function one,
+      (logp - logp_ref) * grad logp, which is grad KL(pi || ref) in expectation (as PPO-RLHF's
+      per-token KL reward gives);
+    - k2's gradient is that same (logp - logp_ref) * grad logp: grad KL(pi || ref);
+    - k3's, (1 - ref/pi) * grad logp, is grad KL(ref || pi) in expectation (the reverse KL):
+      GRPO's (DeepSeekMath) KL loss, tandem's default.
 
     >>> kl_penalty(torch.tensor([0.0]), torch.tensor([-1.0]), torch.tensor([True]), "k1")
     tensor(1.)
@@ -223,8 +237,8 @@ def kl_penalty(logp_N: Tensor, logp_ref_N: Tensor, mask_N: Tensor,
     """
     mask_N = mask_N.bool()
     d_N = torch.where(mask_N, logp_ref_N - logp_N, 0.0)
-    if estimator == "k1":
-        return _masked_sum(-d_N, mask_N)
+    if estimator == "k1":  # the value -d, the gradient -d * grad logp (docstring)
+        return _masked_sum(-d_N.detach() * (1 + logp_N - logp_N.detach()), mask_N)
     if estimator == "k2":
         return _masked_sum(0.5 * d_N * d_N, mask_N)
     if estimator == "k3":

@@ -87,6 +87,12 @@ def reference_logp(ref_model, batch: PackedBatch, temperature: float):
     return logp
 
 
+def trainer_temperature(temperature: float) -> float:
+    """The temperature of the trainer's log-probs: the generator's, and 1 where it samples
+    greedily at temperature 0 (the T its mu was recorded at: rollout/sampling.py)."""
+    return temperature if temperature > 0 else 1.0
+
+
 def _autocast(model):
     """The forward's compute dtype when it differs from the parameters' and FSDP does not cast
     them (`parallel.sharding.parallelize_trainer`); token log-probs are taken in fp32 after it."""
@@ -103,10 +109,13 @@ def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
     if acfg.loss == "decoupled_ppo":
         return losses.decoupled_ppo_loss(logp, logp_prox, mu, adv, m, eps=acfg.clip_eps,
                                          prox_cap=acfg.prox_cap)
-    weight = None
-    if acfg.token_is != "none":
-        weight = losses.token_is(logp, mu, acfg.token_is, acfg.token_is_cap)
-    return losses.ppo_clip_loss(logp, mu, adv, m, eps=acfg.clip_eps, is_weight_N=weight)
+    if acfg.token_is == "none":  # naive PPO: the generator's mu is pi_old
+        return losses.ppo_clip_loss(logp, mu, adv, m, eps=acfg.clip_eps)
+    # Token IS (verl's TIS): the weight pi_old/mu corrects the generator's samples to pi_old, the
+    # policy before this update (one update a step: the current weights), and the clip works on
+    # pi/pi_old. Clipping around mu as well counted pi/mu twice: (pi/mu)^2 in the gradient.
+    weight = losses.token_is(logp, mu, acfg.token_is, acfg.token_is_cap)
+    return losses.ppo_clip_loss(logp, logp.detach(), adv, m, eps=acfg.clip_eps, is_weight_N=weight)
 
 
 def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, device,
@@ -114,7 +123,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     """Forward/backward over micro-batches, clip, and (if finite) one optimizer step.
     `before_update()` runs just before the parameters change (the weight sender waits there
     until the previous version has left, so it streams while we compute)."""
-    acfg, temp = cfg.algo, cfg.generator.temperature
+    acfg, temp = cfg.algo, trainer_temperature(cfg.generator.temperature)
     if acfg.kl_coef > 0 and ref_model is None:
         raise ValueError(f"algo.kl_coef={acfg.kl_coef} but no reference model was given to the "
                          "trainer step (trainer.role.build_ref_model builds it)")
@@ -124,9 +133,10 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     counts = torch.tensor([len(batches), sum(int(b.loss_mask_N.sum()) for b in batches)])
     rows = gather_rows(counts, dp_group)  # every rank runs the most micro-batches of any
     n_micro, global_tokens = int(rows[:, 0].max()), int(rows[:, 1].sum())
-    if not batches:
-        raise ValueError("a trainer rank got no samples; raise trainer.prompts_per_step to at least "
-                         "trainer_fsdp")
+    if int(rows[:, 0].min()) == 0:  # on every rank: one that went on would wait in FSDP's gathers
+        raise ValueError(f"trainer ranks {rows[:, 0].eq(0).nonzero().flatten().tolist()} of the "
+                         "data-parallel group got no samples; raise trainer.prompts_per_step to at "
+                         "least parallel.trainer_fsdp")
     prox = _prox_logps(model, batches, temp) if acfg.loss == "decoupled_ppo" else [None] * len(batches)
     stats = _zero_stats()
     for i in range(n_micro):
