@@ -101,6 +101,7 @@ class TrainerConfig:
     """Optimizer and step structure."""
     max_steps: int = _f(20, "Optimizer steps to run (= policy versions produced).", ge=0)
     prompts_per_step: int = _f(8, "Prompt groups per optimizer step (each has n_samples completions).", ge=1)
+    updates_per_step: int = _f(1, "Optimizer updates per trainer step (AReaL's PPO minibatches): the step's groups in this many parts, one update each; decoupled PPO's trust region (and PPO's pi_old with token_is) is the policy before the first. The policy version and LR schedule advance once per step.", ge=1)
     micro_batch_tokens: int = _f(4096, "Packed tokens per micro-batch per trainer rank (gradient accumulation unit).", ge=1)
     share_prompts: bool = _f(True, "Run each prompt's forward once for all its samples in a micro-batch (they attend to it), not once per sample; the same loss, fewer tokens.")
     lr: float = _f(1e-5, "Peak AdamW learning rate.", gt=0)
@@ -309,12 +310,14 @@ class Config:
         given = {key: value_of(cfg, key) for key in DERIVED}
         _resolve_layout(cfg.parallel, world_size)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
-        if t.prompts_per_step < cfg.parallel.trainer_fsdp:  # groups are dealt out whole
+        least = cfg.parallel.trainer_fsdp * t.updates_per_step  # groups are dealt out whole
+        if t.prompts_per_step < least:
             raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} leaves some of the "
                               f"parallel.trainer_fsdp={cfg.parallel.trainer_fsdp} data-parallel "
-                              "trainer ranks without a prompt group to train on; set "
-                              f"--trainer.prompts_per_step to >= {cfg.parallel.trainer_fsdp}, or "
-                              "fewer trainer ranks")
+                              f"trainer ranks without a prompt group for each of its "
+                              f"trainer.updates_per_step={t.updates_per_step} updates; set "
+                              f"--trainer.prompts_per_step to >= {least}, or fewer trainer ranks "
+                              "or updates")
         if a.buffer_capacity == 0:
             a.buffer_capacity = t.prompts_per_step * g.n_samples * (a.max_staleness + 1)
         if a.kl_coef > 0 and not cfg.model.ref_path:  # KL to the starting policy, as usual

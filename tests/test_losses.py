@@ -612,3 +612,66 @@ def test_train_step_at_temperature_zero_uses_the_generators_recorded_temperature
         train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
         results[temperature] = model.w.detach()
     assert torch.equal(results[0.0], results[1.0])
+
+
+def _embedding_policy(seed=0):
+    """A 'model' whose logits are rows of one matrix, picked by the input ids (float64)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(6, 7, dtype=torch.float64))
+    model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
+    return model
+
+
+def _step_cfg(loss, updates):
+    import types
+    return types.SimpleNamespace(
+        algo=types.SimpleNamespace(loss=loss, rho=4.0, advantage="group_mean", kl_coef=0.0,
+                                   entropy_coef=0.0, clip_eps=0.05, prox_cap=5.0, token_is="none",
+                                   token_is_cap=5.0),
+        generator=types.SimpleNamespace(temperature=1.0),
+        trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9, share_prompts=True,
+                                      updates_per_step=updates))
+
+
+def _two_groups():
+    return [Group(g, [Trajectory(g, i, [1, 2 + g], [3, 4 - i, 5 - g], [-1.9, -0.4, -2.3],
+                                 [0, 0, 0], float(i + g * i), "stop") for i in range(3)])
+            for g in range(2)]
+
+
+def test_updates_per_step_trains_the_step_in_minibatches():
+    """trainer.updates_per_step = 2: one update per half of the groups, each normalised by its own
+    tokens; for AIPO exactly two one-update steps in a row, for decoupled PPO the second update's
+    pi_prox is the policy before the first (its trust region acts: u != 1 there)."""
+    import trainer.step as S
+    groups = _two_groups()
+
+    def run(loss, updates, parts):
+        model = _embedding_policy()
+        opt = torch.optim.SGD(model.parameters(), lr=4.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        res = [S.train_step(model, opt, sched, p, _step_cfg(loss, updates), None, "cpu", 0)
+               for p in parts]
+        return model.w.detach(), res
+    two, _ = run("aipo", 2, [groups])
+    seq, _ = run("aipo", 1, [groups[:1], groups[1:]])
+    assert torch.equal(two, seq)
+    assert not torch.equal(two, run("aipo", 1, [groups])[0])
+    # decoupled PPO by hand: update 1 as a one-update step, update 2 against the first policy
+    w, res = run("decoupled_ppo", 2, [groups])
+    model = _embedding_policy()
+    batch = S.micro_batches(groups[1:], "group_mean", 64)[0]
+    with torch.no_grad():
+        prox = S.policy_logp(model, batch, 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=4.0)
+    S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups[:1],
+                 _step_cfg("decoupled_ppo", 1), None, "cpu", 0)
+    logp = S.policy_logp(model, batch, 1.0)
+    out = trainer.losses.decoupled_ppo_loss(logp, prox, batch.logp_mu_N, batch.adv_N,
+                                            batch.loss_mask_N, 0.05, 5.0)
+    (out.loss_sum / batch.loss_mask_N.sum()).backward()
+    with torch.no_grad():
+        model.w -= 4.0 * model.w.grad
+    torch.testing.assert_close(w, model.w.detach(), rtol=0, atol=1e-12)
+    assert res[0].stats["clipped"] > 0  # u moved past 1 +- clip_eps after the first update

@@ -207,7 +207,7 @@ def _step_setup(folder, units, parallelize=None):
     return cfg, model, opt, build_scheduler(opt, cfg.trainer), groups
 
 
-def _fsdp_step_worker(rank, world, folder, units):
+def _fsdp_step_worker(rank, world, folder, units, updates=1):
     """One real train_step on fsdp=`world` ranks, each with its half of the groups in several
     micro-batches; counts the gradient reduce-scatters."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -222,6 +222,7 @@ def _fsdp_step_worker(rank, world, folder, units):
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
     cfg, model, opt, sched, groups = _step_setup(
         folder, units, lambda m: sh.parallelize_trainer(m, mesh, units=units))
+    cfg.trainer.updates_per_step = updates
     res = train_step(model, opt, sched, groups[rank::world], cfg, mesh["fsdp"].get_group(), "cpu", 0)
     return {"params": {n: _full(p.detach()) for n, p in model.named_parameters()},
             "norm": res.grad_norm, "reduce_scatters": calls[0]}
@@ -244,6 +245,23 @@ def test_fsdp_train_step_with_micro_batches_matches_single_process(tmp_path, uni
         for name, p in model.named_parameters():
             _close(res["params"][name], p.detach())
         assert res["reduce_scatters"] == (1 if units == "model" else (2 + 1) * n_micro)
+
+
+@pytest.mark.parametrize("units", ["model", "layer"])
+def test_fsdp_updates_per_step_match_single_process(tmp_path, units):
+    """trainer.updates_per_step = 2 on 2 FSDP ranks (one group per rank and update) equals one
+    process making the same two updates; gradients are reduce-scattered once per update (one
+    unit) or per unit and micro-batch."""
+    from trainer.step import train_step
+    tiny.save_hf("llama3", tmp_path)
+    cfg, model, opt, sched, groups = _step_setup(tmp_path, units)
+    cfg.trainer.updates_per_step = 2
+    ref = train_step(model, opt, sched, groups, cfg, None, "cpu", 0)  # [g0, g1], [g2, g3]
+    for res in run_ranks(_fsdp_step_worker, 2, str(tmp_path), units, 2):
+        _close(torch.tensor(res["norm"]), torch.tensor(ref.grad_norm))
+        for name, p in model.named_parameters():
+            _close(res["params"][name], p.detach())
+        assert res["reduce_scatters"] == (2 if units == "model" else 3 * 2)
 
 
 def _kl_reference_worker(rank, world, folder, ref_folder):

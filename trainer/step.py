@@ -1,8 +1,9 @@
 """One trainer step over this data-parallel rank's prompt groups.
 
 Loss normalisation: every micro-batch's token-summed loss is divided by the GLOBAL number of loss
-tokens of the step (all micro-batches of all data-parallel ranks), and FSDP sums gradients, so
-gradient accumulation and data parallelism give exactly the gradient of one big batch.
+tokens of its update (all micro-batches of all data-parallel ranks; one update per step unless
+trainer.updates_per_step says more), and FSDP sums gradients, so gradient accumulation and data
+parallelism give exactly the gradient of one big batch.
 FSDP runs collectives in every forward/backward, so all data-parallel ranks run the same number of
 micro-batches; a rank with fewer pads with a zero-weighted copy of one of its own micro-batches.
 """
@@ -103,50 +104,107 @@ def _autocast(model):
 
 
 def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
+    """`logp_prox`: the policy before the step's first update (`_Update.prox`); None where this
+    is the step's only update, whose forward gives those same values (`logp.detach()`)."""
     m, mu, adv = batch.loss_mask_N, batch.logp_mu_N, batch.adv_N
+    prox = logp.detach() if logp_prox is None else logp_prox
     if acfg.loss == "aipo":
         return losses.aipo_loss(logp, mu, adv, m, rho=acfg.rho)
     if acfg.loss == "decoupled_ppo":
-        return losses.decoupled_ppo_loss(logp, logp_prox, mu, adv, m, eps=acfg.clip_eps,
+        return losses.decoupled_ppo_loss(logp, prox, mu, adv, m, eps=acfg.clip_eps,
                                          prox_cap=acfg.prox_cap)
     if acfg.token_is == "none":  # naive PPO: the generator's mu is pi_old
         return losses.ppo_clip_loss(logp, mu, adv, m, eps=acfg.clip_eps)
     # Token IS (verl's TIS): the weight pi_old/mu corrects the generator's samples to pi_old, the
-    # policy before this update (one update a step: the current weights), and the clip works on
-    # pi/pi_old. Clipping around mu as well counted pi/mu twice: (pi/mu)^2 in the gradient.
-    weight = losses.token_is(logp, mu, acfg.token_is, acfg.token_is_cap)
-    return losses.ppo_clip_loss(logp, logp.detach(), adv, m, eps=acfg.clip_eps, is_weight_N=weight)
+    # policy before the step's updates, and the clip works on pi/pi_old. Clipping around mu as
+    # well counted pi/mu twice: (pi/mu)^2 in the gradient.
+    weight = losses.token_is(prox, mu, acfg.token_is, acfg.token_is_cap)
+    return losses.ppo_clip_loss(logp, prox, adv, m, eps=acfg.clip_eps, is_weight_N=weight)
+
+
+@dataclass
+class _Update:
+    """One optimizer update's micro-batches on this rank, and what all ranks agreed on."""
+
+    batches: list[PackedBatch]
+    n_micro: int  # the most micro-batches of any rank: the others pad (FSDP's collectives)
+    global_tokens: int  # loss tokens of this update on all data-parallel ranks
+    prox: list | None = None  # per micro-batch, pi_prox (`_loss`); None: not needed
+
+
+def minibatches(groups: list[Group], updates: int) -> list[list[Group]]:
+    """The step's groups in `updates` contiguous parts, as even as whole groups allow."""
+    n = len(groups)
+    return [groups[u * n // updates:(u + 1) * n // updates] for u in range(updates)]
+
+
+def _plan_updates(groups, cfg, dp_group, device) -> list[_Update]:
+    """Micro-batches per update (trainer.updates_per_step), and one gather of every rank's
+    counts: each update runs as many micro-batches as the busiest rank's and is normalised by
+    the tokens of all ranks."""
+    tcfg, acfg = cfg.trainer, cfg.algo
+    parts = [[b.to(device) for b in micro_batches(g, acfg.advantage, tcfg.micro_batch_tokens,
+                                                  tcfg.share_prompts)]
+             for g in minibatches(groups, getattr(tcfg, "updates_per_step", 1))]
+    counts = torch.tensor([x for bs in parts for x in (len(bs), sum(int(b.loss_mask_N.sum())
+                                                                    for b in bs))])
+    rows = gather_rows(counts, dp_group).view(-1, len(parts), 2)  # [ranks, updates, 2]
+    empty = rows[:, :, 0].eq(0).any(1)
+    if bool(empty.any()):  # on every rank: one that went on would wait in FSDP's gathers
+        raise ValueError(f"trainer ranks {empty.nonzero().flatten().tolist()} of the data-parallel "
+                         "group got no samples for an update; raise trainer.prompts_per_step to at "
+                         "least parallel.trainer_fsdp x trainer.updates_per_step")
+    return [_Update(bs, int(rows[:, u, 0].max()), int(rows[:, u, 1].sum()))
+            for u, bs in enumerate(parts)]
 
 
 def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, device,
                version: int, ref_model=None, before_update=None) -> StepResult:
-    """Forward/backward over micro-batches, clip, and (if finite) one optimizer step.
-    `before_update()` runs just before the parameters change (the weight sender waits there
-    until the previous version has left, so it streams while we compute)."""
+    """Forward/backward over micro-batches, clip, and (if finite) an optimizer update, once per
+    minibatch of the step's groups (`trainer.updates_per_step`, AReaL's PPO minibatches; 1 by
+    default); the LR schedule moves once per step. `before_update()` runs just before the
+    parameters first change (the weight sender waits there until the previous version has
+    left, so it streams while we compute)."""
     acfg, temp = cfg.algo, trainer_temperature(cfg.generator.temperature)
     if acfg.kl_coef > 0 and ref_model is None:
         raise ValueError(f"algo.kl_coef={acfg.kl_coef} but no reference model was given to the "
                          "trainer step (trainer.role.build_ref_model builds it)")
-    tcfg = cfg.trainer
-    batches = [b.to(device) for b in micro_batches(groups, acfg.advantage, tcfg.micro_batch_tokens,
-                                                   tcfg.share_prompts)]
-    counts = torch.tensor([len(batches), sum(int(b.loss_mask_N.sum()) for b in batches)])
-    rows = gather_rows(counts, dp_group)  # every rank runs the most micro-batches of any
-    n_micro, global_tokens = int(rows[:, 0].max()), int(rows[:, 1].sum())
-    if int(rows[:, 0].min()) == 0:  # on every rank: one that went on would wait in FSDP's gathers
-        raise ValueError(f"trainer ranks {rows[:, 0].eq(0).nonzero().flatten().tolist()} of the "
-                         "data-parallel group got no samples; raise trainer.prompts_per_step to at "
-                         "least parallel.trainer_fsdp")
-    prox = _prox_logps(model, batches, temp) if acfg.loss == "decoupled_ppo" else [None] * len(batches)
-    stats = _zero_stats()
-    for i in range(n_micro):
-        _sync_on_last(model, i == n_micro - 1)
-        real = i < len(batches)
-        batch = batches[i if real else 0]
+    updates = _plan_updates(groups, cfg, dp_group, device)
+    # pi_prox: the policy before the first update, for the losses that need it past that update
+    if len(updates) > 1 and (acfg.loss == "decoupled_ppo" or
+                             (acfg.loss == "ppo" and acfg.token_is != "none")):
+        for up in updates:
+            up.prox = _prox_logps(model, up.batches, temp)
+    stats, norms, applied = _zero_stats(), [], 0
+    lr = optimizer.param_groups[0]["lr"]  # this step's: scheduler.step() sets the next one's
+    for u, up in enumerate(updates):
+        _backward(model, up, acfg, temp, ref_model, stats, version)
+        norms.append(float(clip_grad_norm(list(model.parameters()), cfg.trainer.grad_clip)))
+        # The global gradient norm is the same on every rank (a non-finite loss makes it
+        # non-finite too), so every rank takes the same skip decision.
+        finite = bool(torch.isfinite(torch.tensor(norms[-1])))
+        if u == 0 and before_update is not None:
+            before_update()
+        if finite:
+            optimizer.step()
+            applied += 1
+        optimizer.zero_grad(set_to_none=True)
+    if applied:
+        scheduler.step()
+    grad_norm = float(torch.tensor(norms).max())  # non-finite if any update's was
+    return StepResult(stats, grad_norm, skipped=applied < len(updates), lr=lr)
+
+
+def _backward(model, up: _Update, acfg, temp, ref_model, stats: dict, version: int) -> None:
+    """One update's gradient, accumulated over its micro-batches (padded to `up.n_micro`)."""
+    for i in range(up.n_micro):
+        _sync_on_last(model, i == up.n_micro - 1)
+        real = i < len(up.batches)
+        batch = up.batches[i if real else 0]
         logp, entropy = losses.logprobs_and_entropy(_logits(model, batch), batch.targets_N,
                                                     batch.loss_mask_N, temp,
                                                     entropy_grad=acfg.entropy_coef > 0)
-        out = _loss(acfg, logp, batch, prox[i if real else 0])
+        out = _loss(acfg, logp, batch, None if up.prox is None else up.prox[i if real else 0])
         loss_sum = out.loss_sum
         if acfg.entropy_coef > 0:  # a bonus: maximising entropy lowers the loss
             loss_sum = loss_sum - acfg.entropy_coef * entropy
@@ -156,21 +214,9 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
             loss_sum = loss_sum + acfg.kl_coef * kl
             stats["kl_sum"] += float(kl.detach()) if real else 0.0
         scale = 1.0 if real else 0.0  # padding micro-batch: keeps FSDP collectives aligned
-        (losses.normalize(loss_sum, max(global_tokens, 1)) * scale).backward()
+        (losses.normalize(loss_sum, max(up.global_tokens, 1)) * scale).backward()
         if real:
             _accumulate(stats, out, logp.detach(), entropy, batch, version)
-    grad_norm = float(clip_grad_norm(list(model.parameters()), cfg.trainer.grad_clip))
-    # The global gradient norm is the same on every rank (a non-finite loss makes it non-finite
-    # too), so every rank takes the same skip decision.
-    finite = bool(torch.isfinite(torch.tensor(grad_norm)))
-    if before_update is not None:
-        before_update()
-    lr = optimizer.param_groups[0]["lr"]  # this update's: scheduler.step() sets the next one's
-    if finite:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(stats, grad_norm, skipped=not finite, lr=lr)
 
 
 def _sync_on_last(model, last: bool) -> None:
@@ -184,7 +230,7 @@ def _sync_on_last(model, last: bool) -> None:
 
 @torch.no_grad()
 def _prox_logps(model, batches, temp):
-    """Decoupled PPO's pi_prox: the policy before this update, one extra forward (AReaL)."""
+    """pi_prox: the policy before the step's first update, one extra forward (AReaL)."""
     return [policy_logp(model, b, temp) for b in batches]
 
 
