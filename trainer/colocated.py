@@ -82,6 +82,7 @@ class ColocatedWorker:
         self.step = self.version = self.started = 0
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.warm = False  # past the first step: the process groups wait parallel.timeout_s
+        self.last_stamp: float | None = None  # as TrainerWorker's, evaluations left out
 
     def run(self, evaluator=None) -> None:
         """`evaluator` (rollout.evaluate.PeriodicEval, on the ranks of generator replica 0): the
@@ -90,6 +91,7 @@ class ColocatedWorker:
             evaluator.maybe_run(0)
         while self.step < self.cfg.trainer.max_steps:
             t0 = time.perf_counter()
+            start = t0 if self.last_stamp is None else self.last_stamp
             groups = gather_groups(self._generate())
             mine = groups[self.dp_rank::self.meshes.dims.trainer_fsdp]
             res = train_step(self.t_model, self.opt, self.sched, mine, self.cfg, self.dp_group,
@@ -105,12 +107,14 @@ class ColocatedWorker:
                 self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
                 self.warm = True
             stats = reduce_stats(res.stats, self.dp_group)
+            stamp = time.perf_counter()
             if self.logger is not None:
                 self.logger.log(step_metrics(self.step, self.version, groups, stats, res,
-                                             time.perf_counter() - t0, time.perf_counter() - t1,
-                                             self.nonfinite.total))
+                                             stamp - start, stamp - t1, self.nonfinite.total))
+            t_eval = time.perf_counter()
             if evaluator is not None:  # after the step's metrics: its time is in eval.jsonl
                 evaluator.maybe_run(self.version)
+            self.last_stamp = stamp + time.perf_counter() - t_eval  # the next step's start
 
     def _generate(self) -> list[dict]:
         """This replica's share of the step's groups, all sampled with the current weights."""

@@ -85,6 +85,10 @@ class TrainerWorker:
         self.acks: dict[int, float] = {}
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.nonfinite_total = 0
+        # when the previous step was stamped for its metrics row (None before the first): a
+        # step's time runs from there, so that it includes the previous row's logging and the
+        # steps' times add up to the run's wall time (the bench's TRL clock measures so)
+        self.last_stamp: float | None = None
         self.evaluating: tuple[int, int, float] | None = None  # (rank, version, since) of an eval
         self.stopped: dict | None = None  # the owner's stop decision (SIGTERM: launch/preemption.py)
 
@@ -136,8 +140,10 @@ class TrainerWorker:
         self._push_weights()
         t_sync = time.perf_counter() - t1
         stats = reduce_stats(res.stats, self.dp_group)
+        stamp, start = time.perf_counter(), t0 if self.last_stamp is None else self.last_stamp
+        self.last_stamp = stamp
         if self.is_owner and self.logger is not None:
-            m = self._metrics(groups, stats, res, time.perf_counter() - t0, t_sync)
+            m = self._metrics(groups, stats, res, stamp - start, t_sync)
             self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
 
     def _push_weights(self) -> None:
