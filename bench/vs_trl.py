@@ -30,9 +30,9 @@ and 1 trainer rank (world 2), then 1 generator and 2 FSDP trainer ranks (world 3
 count in `--trl-threads` (default 1 and all cores); its best is the baseline. Both sides discard
 `--warmup` steps; throughput = completion tokens (or samples) of the remaining steps over their
 summed step times (tandem: `time_step_s` of metrics.jsonl, which since 2026-12-05 runs from the
-previous step's stamp and so includes that row's logging, ~1.4-3 ms of TensorBoard writes then:
-left out before; TRL: a callback's clock between step ends), and the ratio from median step
-times is printed beside it.
+previous step's stamp and so includes that row's logging; here only the metrics.jsonl line, ~10
+us, since these runs write no TensorBoard events; TRL: a callback's clock between step ends),
+and the ratio from median step times is printed beside it.
 
 Beside each ratio the bench prints its ceiling on this machine (`ceiling_w2` in the JSON): one
 step's matmul FLOPs on each side of tandem's split (`step_work`) over one core's measured matmul
