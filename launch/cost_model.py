@@ -145,7 +145,9 @@ class Workload:
     `max_prompt_len`: data.max_prompt_len, the longest prompt admitted (0: prompt_len); the
     engine's KV slots hold it plus response_len positions (rollout/role.py), whatever the mean.
     `kl_reference`: each trainer rank also holds its shard of a frozen KL reference model
-    (algo.kl_coef > 0, trainer.role.build_ref_model)."""
+    (algo.kl_coef > 0, trainer.role.build_ref_model). `updates`: optimizer updates per step
+    (trainer.updates_per_step); `prox_loss`: the loss needs pi_prox (decoupled PPO, PPO with
+    token IS), one more forward a micro-batch when updates > 1 (trainer.step)."""
     prompts_per_step: int
     group_size: int
     prompt_len: int
@@ -157,10 +159,12 @@ class Workload:
     stack_weights: str = "auto"  # generator.stack_weights: the GPU engine's stacked copies
     max_prompt_len: int = 0
     kl_reference: bool = False
+    updates: int = 1
+    prox_loss: bool = False
 
     def __post_init__(self) -> None:
         _at_least(1, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                  prompt_len=self.prompt_len, response_len=self.response_len)
+                  prompt_len=self.prompt_len, response_len=self.response_len, updates=self.updates)
         _at_least(0, eta=self.eta)
         if self.max_prompt_len and self.max_prompt_len < self.prompt_len:
             raise ValueError(f"max_prompt_len={self.max_prompt_len} < prompt_len={self.prompt_len}: "
@@ -562,23 +566,26 @@ BROADCAST, DP_REDUCTIONS = 2, 2
 
 
 def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool,
-                        units: str = "layer", kl_reference: bool = False) -> dict:
+                        units: str = "layer", forwards: int = 0, updates: int = 1) -> dict:
     """Collectives of one trainer step. FSDP2 "layer" units: per micro-batch and unit (L layers +
     root) an all-gather in forward and in backward and a reduce-scatter; one "model" unit: one
     all-gather and one reduce-scatter per step. TP: per micro-batch 2 all-reduces
     per layer in forward and 2 in backward (+2 recomputed with AC), and embedding + head (4).
     Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), the
     batch broadcast, and with fsdp > 1 the token counts and statistics; they are charged to FSDP
-    when fsdp > 1. A frozen KL reference (`kl_reference`) runs one forward per micro-batch:
-    its all-gathers (L + 1 units, or the one "model" unit, resharded after each forward:
-    trainer.step.reference_logp) and its forward's TP all-reduces (2L + 2).
+    when fsdp > 1. Each extra forward a micro-batch (`forwards`: a frozen KL reference's, pi_prox's)
+    adds its all-gathers (L + 1 units, or the one "model" unit, resharded after a forward under
+    no_grad: trainer.step.reference_logp) and its TP all-reduces (2L + 2); with `updates` > 1
+    the "model" unit gathers and reduce-scatters once per update, and the norm is taken per update.
     Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 2 + 2 = 41, tp = 0;
     with a KL reference 41 + 3*4 = 53."""
-    L, ref = args.num_layers, int(kl_reference)
-    per_step = norm_reductions(fsdp, tp) + BROADCAST + DP_REDUCTIONS * (fsdp > 1) if fsdp * tp > 1 else 0
+    L, U = args.num_layers, updates
+    norms = norm_reductions(fsdp, tp) * U
+    per_step = norms + BROADCAST + DP_REDUCTIONS * (fsdp > 1) if fsdp * tp > 1 else 0
     units_n = 1 if units == "model" else L + 1
-    f = ((2 if units == "model" else 3 * units_n * micro) + ref * units_n * micro) if fsdp > 1 else 0
-    t = (4 * L + 4 + 2 * L * ac + ref * (2 * L + 2)) * micro if tp > 1 else 0
+    f = ((2 * U if units == "model" else 3 * units_n * micro) + forwards * units_n * micro
+         if fsdp > 1 else 0)
+    t = (4 * L + 4 + 2 * L * ac + forwards * (2 * L + 2)) * micro if tp > 1 else 0
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
 
 
@@ -613,30 +620,32 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     groups_per_rank = -(-wl.prompts_per_step // fsdp)
     seqs_per_rank = groups_per_rank * wl.group_size
     tokens = groups_per_rank * wl.group_train_tokens
-    mbt = max(micro_batch_tokens, wl.seq_len)
-    micro = -(-tokens // mbt)
-    mb_tokens = min(tokens, mbt)
+    mbt, U = max(micro_batch_tokens, wl.seq_len), wl.updates
+    per_update = -(-tokens // U)  # each update packs its own share of the groups
+    micro = U * -(-per_update // mbt)
+    mb_tokens = min(per_update, mbt)
     cb = cl.compute_bytes
     n, L, h = args.num_params(), args.num_layers, args.hidden_size
     bw_f, bw_t, lat = link_bw(cl, fsdp * tp), link_bw(cl, tp), cl.link_latency_s
-    ref = int(wl.kl_reference)  # a frozen KL reference: one more forward per micro-batch
-    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units, wl.kl_reference)
-    # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp; the
-    # reference's shards are gathered once per micro-batch
-    fsdp_bytes = n / tp * ((cb + 4) if cl.fsdp_units == "model" else micro * (2 * cb + 4))
+    # one more forward a micro-batch: a frozen KL reference's, and pi_prox's past one update
+    ref = int(wl.kl_reference) + int(wl.prox_loss and U > 1)
+    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units, ref, U)
+    # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp; an
+    # extra forward's shards are gathered once per micro-batch
+    fsdp_bytes = n / tp * ((cb + 4) * U if cl.fsdp_units == "model" else micro * (2 * cb + 4))
     fsdp_bytes += ref * micro * n / tp * cb
     measured = prof is not None and prof.matches(args)
     if measured:
         compute = micro * (prof.train_microbatch_s(mb_tokens, tp, ac)
                            + ref * prof.forward_microbatch_s(mb_tokens, tp)) \
-            + prof.train_overhead_s(fsdp, tp)
+            + U * prof.train_overhead_s(fsdp, tp)  # its optimizer part runs per update
         optimizer = 0.0  # measured inside train_overhead_s
     else:
         q = args.num_heads * args.head_dim
         flops = ((6 + 2 * ac + 2 * ref) * matmul_params(args) * tokens
                  + (3 + ac + ref) * 2 * L * q * wl.seq_len ** 2 * seqs_per_rank) / tp
         compute = flops / (cl.flops * cl.mfu_train)
-        optimizer = n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
+        optimizer = U * n / (fsdp * tp) * 32 / (cl.hbm_gbps * GB * cl.hbm_eff)  # AdamW + clip: ~32 B/param
     if measured and prof.has_links:
         fsdp_comm, tp_comm = _measured_train_comm(prof, n_coll, fsdp, tp, fsdp_bytes)
     else:  # the cluster's link numbers (a profile of one GPU has none: calibrate.py skips them)

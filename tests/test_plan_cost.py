@@ -134,14 +134,16 @@ def test_base_config_settings_reach_the_search():
     base = load_config(None, ["--algo.kl_coef=0.1", "--parallel.fsdp_units=model",
                               "--model.compute_dtype=float32", "--generator.stack_weights=all",
                               "--trainer.share_prompts=false", "--data.max_prompt_len=1024",
-                              "--parallel.ipc_buffers=0"])
+                              "--parallel.ipc_buffers=0", "--trainer.updates_per_step=4",
+                              "--algo.loss=decoupled_ppo"])
     wl, cl = base_settings(base, 512, "cuda")
     assert wl == dict(master_dtype="float32", share_prompts=False, stack_weights="all",
-                      max_prompt_len=1024, kl_reference=True)
+                      max_prompt_len=1024, kl_reference=True, updates=4, prox_loss=True)
     assert cl == dict(fsdp_units="model", compute_bytes=4)
     assert base_settings(load_config(None), 512, "cuda") == (
         dict(master_dtype="float32", share_prompts=True, stack_weights="auto", max_prompt_len=512,
-             kl_reference=False), dict(fsdp_units="layer", compute_bytes=2))
+             kl_reference=False, updates=1, prox_loss=False),
+        dict(fsdp_units="layer", compute_bytes=2))
     assert base_settings(load_config(None), 8, "cpu")[1] == dict(fsdp_units="model", compute_bytes=4)
     # the KL reference: frozen fp32 parameters, sharded like the trainer (fsdp 2 x tp 2): 8.03 GB
     h100, n = cm.gpu_cluster("h100", 1), L8B.num_params()
@@ -327,9 +329,9 @@ def test_a_kl_reference_costs_one_forward_per_micro_batch():
     assert t1["fsdp_comm"] - t0["fsdp_comm"] == pytest.approx(
         micro * 2 * 63 / 64 * L8B.num_params() / 40e9 + 33 * micro * 63 * 10e-6)
     # collectives: + (L + 1) all-gathers (or the one "model" unit) and 2L + 2 TP all-reduces
-    assert cm.trainer_collectives(TINY, 4, 2, 1, False, kl_reference=True) == {"fsdp": 53, "tp": 0}
-    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model", True)["fsdp"] == 2 + 4 + 1 + 4
-    assert cm.trainer_collectives(TINY, 4, 1, 2, True, kl_reference=True)["tp"] == \
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, forwards=1) == {"fsdp": 53, "tp": 0}
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model", 1)["fsdp"] == 2 + 4 + 1 + 4
+    assert cm.trainer_collectives(TINY, 4, 1, 2, True, forwards=1)["tp"] == \
         (8 + 4 + 4 + 6) * 4 + 1 + 2
     # measured: each micro-batch adds L layer forwards and the head's forward of the profile;
     # 4 groups of a 4-token prompt, shared (less its last token), and 2 x 8: 76 tokens
@@ -339,6 +341,25 @@ def test_a_kl_reference_costs_one_forward_per_micro_batch():
     assert m1["compute"] - m0["compute"] == pytest.approx(prof.forward_microbatch_s(76))
     assert prof.forward_microbatch_s(76) == pytest.approx(2 * 76 * 1e-5)  # 2 layers, no head
 
+
+
+def test_updates_per_step_cost_their_optimizer_steps_and_the_prox_forward():
+    """trainer.updates_per_step = 4 with decoupled PPO: the same tokens in 4 updates (each its own
+    micro-batches), 4 optimizer steps, one pi_prox forward a micro-batch; one FSDP "model" unit
+    gathers and reduce-scatters once per update. Hand-computed from the toy profile."""
+    prof, cpu = _toy_profile(), cm.cpu_cluster(4, 2)
+    one, four = (cm.train_time(TINY, cpu, cm.Workload(8, 2, 4, 8, updates=u, prox_loss=True), 1, 1,
+                               False, 10_000, prof) for u in (1, 4))
+    assert one["micro_batches"] == 1 and four["micro_batches"] == 4  # 152 tokens, 38 an update
+    # compute: the same layer work (linear in tokens) plus the prox forward of each update's 38
+    assert four["compute"] - one["compute"] == pytest.approx(4 * prof.forward_microbatch_s(38))
+    plain = cm.train_time(TINY, cpu, cm.Workload(8, 2, 4, 8, updates=4), 1, 1, False, 10_000, prof)
+    assert plain["compute"] == pytest.approx(one["compute"])  # AIPO needs no pi_prox
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model", 0, 4)["fsdp"] == 2 * 4 + 4 + 4
+    h100 = cm.gpu_cluster("h100", 1)
+    o1, o4 = (cm.train_time(L8B, h100, cm.Workload(64, 8, 512, 2048, updates=u), 8, 1, False,
+                            16384)["optimizer"] for u in (1, 4))
+    assert o4 == pytest.approx(4 * o1)
 
 
 def test_step_time_formulas():
