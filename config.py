@@ -171,7 +171,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     """Checkpoints, resume and Hugging Face export."""
-    every_steps: int = _f(0, "Checkpoint every N trainer steps; 0 = off.", ge=0)
+    every_steps: int = _f(0, "Checkpoint every N trainer steps and after the last one (split mode; colocated runs have no checkpoints); 0 = off.", ge=0)
     keep_last: int = _f(2, "Checkpoints kept on disk.", ge=1)
     resume: str = _f("auto", "'auto' = latest checkpoint in run.dir if any, 'never', or a checkpoint path.")
     hf_export_every: int = _f(0, "Export a Hugging Face model folder every N steps; 0 = off.", ge=0)

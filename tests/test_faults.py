@@ -130,9 +130,27 @@ def test_a_run_stopped_in_a_completed_runs_folder_is_not_reported_complete(refer
     run_dir = tmp_path / "run"
     shutil.copytree(ref_dir, run_dir)
     assert json.loads((run_dir / "COMPLETE").read_text())["steps"] == STEPS
+    # the earlier run's last checkpoint moved away, as check_resume asks for a resume before it
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:06d}")
     ckpt = run_dir / "checkpoints" / "step_000004"
     proc = launch(model, run_dir, max_restarts=0, kill="rank=1,step=5,signal=TERM",
                   extra=[f"--checkpoint.resume={ckpt}"])
     out, err = proc.communicate(timeout=300)
     assert "fault injection: SIGTERM" in out and "SIGTERM: stopped after step" in err, err[-3000:]
     assert proc.returncode != 0 and not (run_dir / "COMPLETE").exists(), (proc.returncode, err[-3000:])
+
+
+def test_a_finished_run_trains_on_from_its_last_step(reference, tmp_path):
+    """The last step is checkpointed too: raising trainer.max_steps, as the 'already completed'
+    line says, resumes at the finished step. Its last checkpoint was the last multiple of
+    checkpoint.every_steps before it, so the steps after that were trained twice."""
+    import shutil
+    model, ref_dir = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    proc = launch(model, run_dir, max_restarts=0, extra=[f"--trainer.max_steps={STEPS + 2}"])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert f"at step {STEPS} (version {STEPS})" in out
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 3))

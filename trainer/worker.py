@@ -159,8 +159,10 @@ class TrainerWorker:
         checkpointing.maybe_export_hf(self.cfg, self.model, self.step,
                                       self.tokenizer if self.is_owner else None,
                                       self.meshes.trainer_group)
-        c = self.cfg.checkpoint
-        if c.every_steps and self.step % c.every_steps == 0 and self.step < self.cfg.trainer.max_steps:
+        c, last = self.cfg.checkpoint, self.step == self.cfg.trainer.max_steps
+        # the last step too: a finished run trained on (a raised max_steps, as the "already
+        # completed" line says) resumes there; without it, it redid the steps since the last N
+        if c.every_steps and (self.step % c.every_steps == 0 or last):
             checkpointing.save(self, self.step)
 
     def _stop(self) -> None:
