@@ -310,6 +310,11 @@ class Config:
         given = {key: value_of(cfg, key) for key in DERIVED}
         _resolve_layout(cfg.parallel, world_size)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
+        if t.prompts_per_step < cfg.parallel.gen_dp:  # each replica generates its own share
+            raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} leaves some of the "
+                              f"parallel.gen_dp={cfg.parallel.gen_dp} generator replicas without a "
+                              f"prompt group to generate; set --trainer.prompts_per_step to >= "
+                              f"{cfg.parallel.gen_dp}, or fewer generator replicas")
         least = cfg.parallel.trainer_fsdp * t.updates_per_step  # groups are dealt out whole
         if t.prompts_per_step < least:
             raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} leaves some of the "

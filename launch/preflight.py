@@ -37,10 +37,6 @@ def preflight(cfg, dims):
         raise ConfigError(f"generator.stop_token_ids has {bad}, outside the model's vocabulary "
                           f"[0, {args.vocab_size}): no token could ever stop on them; use ids of "
                           f"this model's tokenizer")
-    B = cfg.trainer.prompts_per_step
-    if B < dims.gen_dp or B < dims.trainer_fsdp:
-        raise ConfigError(f"trainer.prompts_per_step={B} must be >= gen_dp={dims.gen_dp} and "
-                          f"trainer_fsdp={dims.trainer_fsdp} (every replica and rank needs a group)")
     if dims.mode == "colocated" and cfg.checkpoint.every_steps:
         raise ConfigError("checkpoints are implemented for split mode only; with "
                           "parallel.mode='colocated' set checkpoint.every_steps=0")

@@ -281,6 +281,9 @@ def test_cross_field_rules():
                                           r"parallel.trainer_fsdp=2 .*>= 2"):
         load_config(None, ["--trainer.prompts_per_step=1", "--parallel.generator_ranks=1"]).resolve(3)
     load_config(None, ["--trainer.prompts_per_step=2", "--parallel.generator_ranks=1"]).resolve(3)
+    with pytest.raises(ConfigError, match=r"prompts_per_step=1 leaves some of the "
+                                          r"parallel.gen_dp=2 generator replicas.*>= 2"):
+        load_config(None, ["--trainer.prompts_per_step=1", "--parallel.generator_ranks=2"]).resolve(3)
     with pytest.raises(ConfigError, match=r"prompts_per_step=3 leaves .*trainer.updates_per_step=2 "
                                           r"updates; set --trainer.prompts_per_step to >= 4"):
         load_config(None, ["--trainer.prompts_per_step=3", "--trainer.updates_per_step=2",
