@@ -46,14 +46,16 @@ def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, dir) of every finished checkpoint under root, oldest first."""
+    """(step, dir) of every finished checkpoint under root, oldest first: a folder named like one
+    with DCP's .metadata in it (written last; a half-copied folder lacks it, and 'auto' resumed
+    from one and failed on every rank)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _STEP_DIR.fullmatch(child.name)
-        if m and child.is_dir():
+        if m and (child / ".metadata").is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
 

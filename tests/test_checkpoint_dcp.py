@@ -17,9 +17,12 @@ ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
 
 # ----- latest / prune / RNG: pure, no process group ------------------------------------------
-def _make(root, *names):
+def _make(root, *names, finished=True):
+    """Checkpoint-like folders; `finished`: with DCP's .metadata (written last) in each."""
     for n in names:
         (root / n).mkdir(parents=True)
+        if finished:
+            (root / n / ".metadata").write_text("")
 
 
 def test_latest_picks_highest_finished_step_never_tmp(tmp_path):
@@ -29,6 +32,9 @@ def test_latest_picks_highest_finished_step_never_tmp(tmp_path):
     (tmp_path / "step_000300").write_text("a file, not a checkpoint")
     assert latest_checkpoint(tmp_path) == tmp_path / "step_000010"
     _make(tmp_path, "step_1234567")  # past the padding width: ordered by number, not by name
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1234567"
+    # a half-copied folder (no .metadata): 'auto' took it and every rank failed to read it
+    _make(tmp_path, "step_2000000", finished=False)
     assert latest_checkpoint(tmp_path) == tmp_path / "step_1234567"
     assert checkpoint_dir(tmp_path, 123) == tmp_path / "step_000123"
 
@@ -255,3 +261,113 @@ def test_export_hf_loads_in_transformers_with_same_logits(sharded_run):
         for res in results:
             torch.testing.assert_close(res["logits"], ref, rtol=1e-5,
                                        atol=1e-6 * float(ref.abs().max()))
+
+
+def _checkpoints(root, extras: dict):
+    from trainer.checkpointing import EXTRA_FILE
+    for step, extra in extras.items():
+        d = root / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_text("")
+        (d / EXTRA_FILE).write_text(json.dumps({"step": step, **extra}))
+
+
+def test_a_resume_refuses_settings_its_state_was_not_counted_in(tmp_path):
+    """prompts_per_step, n_samples or the generator replicas changed between attempts: the
+    generators' gates count groups in the old step size (the resumed run waited forever or
+    overfilled the buffer), the buffer holds groups of the old size, the cursors belong to the old
+    replicas; they failed late or hung. Refused before any process group, naming the keys; a
+    checkpoint from before settings were saved is checked on its replicas; a buffer that no
+    longer fits is refused naming algo.buffer_capacity. Colocated mode, which has no
+    checkpoints, refuses to start over a run it would resume."""
+    from config import load_config
+    from trainer.checkpointing import check_resume
+    settings = {"trainer.prompts_per_step": 4, "generator.n_samples": 4, "parallel.gen_dp": 1}
+    group = {"prompt_id": 0, "trajectories": [{}] * 4}
+    _checkpoints(tmp_path / "checkpoints", {2: {"settings": settings, "generators": {"0": {}},
+                                                "buffer": {"groups": [group] * 8}}})
+    cfg = lambda *o: load_config("configs/tiny_cpu.toml", [  # noqa: E731
+        f"--run.dir={tmp_path}", "--trainer.prompts_per_step=4", "--generator.n_samples=4",
+        "--parallel.generator_ranks=1", *o]).resolve(3)
+    check_resume(cfg())
+    with pytest.raises(ValueError, match=r"with trainer.prompts_per_step=2 \(the checkpoint's run: "
+                                         r"4\).*Resume with --trainer.prompts_per_step=4"):
+        check_resume(cfg("--trainer.prompts_per_step=2"))
+    with pytest.raises(ValueError, match=r"generator.n_samples=8 \(the checkpoint's run: 4\)"):
+        check_resume(cfg("--generator.n_samples=8"))
+    with pytest.raises(ValueError, match=r"parallel.gen_dp=2 \(the checkpoint's run: 1\)"):
+        check_resume(cfg("--parallel.generator_ranks=2"))
+    # saved at max_staleness 1 (room for 2 steps, 32 samples), resumed at 0: room for 16
+    with pytest.raises(ValueError, match=r"buffer holds 32 samples, more than "
+                                         r"algo.buffer_capacity=16 .*--algo.buffer_capacity=32"):
+        check_resume(cfg("--algo.max_staleness=0"))
+    check_resume(cfg("--algo.max_staleness=0", "--algo.buffer_capacity=32"))
+    with pytest.raises(ValueError, match=r"parallel.mode='colocated' has no checkpoints, but this "
+                                         r"run would resume from .*step_000002"):
+        check_resume(load_config("configs/tiny_cpu.toml", [
+            f"--run.dir={tmp_path}", "--parallel.mode=colocated",
+            "--checkpoint.every_steps=0"]).resolve(2))
+    old = tmp_path / "old"
+    _checkpoints(old / "checkpoints", {2: {"generators": {"0": {}, "1": {}}}})
+    with pytest.raises(ValueError, match=r"parallel.gen_dp=1 \(the checkpoint's run: 2\)"):
+        check_resume(cfg(f"--run.dir={old}"))
+
+
+def test_an_explicit_resume_path_restarts_from_the_runs_own_checkpoints(tmp_path):
+    """checkpoint.resume=<another run's checkpoint>: once this run saved its own (which record
+    that origin), a restart or requeue of the same command was refused ('later checkpoints of an
+    earlier run'); it now resumes from its latest own one, also after pruning removed the path."""
+    import shutil
+    from config import load_config
+    from trainer.checkpointing import check_resume, origin_of, resume_path
+    start = tmp_path / "other" / "checkpoints" / "step_000002"
+    _checkpoints(tmp_path / "other" / "checkpoints", {2: {}})
+    run = tmp_path / "run"
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={run}", f"--checkpoint.resume={start}"])
+    assert resume_path(cfg) == start  # nothing of its own yet
+    _checkpoints(run / "checkpoints", {4: {"origin": origin_of(start)}, 6: {"origin": origin_of(start)}})
+    assert resume_path(cfg) == run / "checkpoints" / "step_000006"
+    check_resume(cfg)
+    shutil.rmtree(start)
+    assert resume_path(cfg) == run / "checkpoints" / "step_000006"
+    # checkpoints of another lineage are not this run's: refused as before
+    unrelated = tmp_path / "run2"
+    _checkpoints(unrelated / "checkpoints", {6: {"origin": "/elsewhere"}})
+    _checkpoints(tmp_path / "third" / "checkpoints", {2: {}})
+    with pytest.raises(ValueError, match="later checkpoints of an earlier run"):
+        check_resume(load_config("configs/tiny_cpu.toml", [
+            f"--run.dir={unrelated}",
+            f"--checkpoint.resume={tmp_path / 'third' / 'checkpoints' / 'step_000002'}"]))
+
+
+def test_a_resumed_optimizer_takes_the_configs_settings():
+    """The optimizer's param_groups came back from the checkpoint: a changed trainer.lr was
+    ignored (metrics logged the old one), and an FSDP run's fused AdamW resumed on a TP layout
+    failed at its first step (fused kernels refuse plain tensors beside DTensors). The config's
+    settings win; the schedule keeps its position."""
+    from trainer.checkpointing import keep_config_hyperparameters
+    from trainer.optim import lr_lambda
+    def build(lr, fused):
+        p = [torch.nn.Parameter(torch.ones(3))]
+        opt = torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.99), **({"fused": True} if fused else {"foreach": False}))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, 4, 10, "cosine", 0.1))
+    old, old_sched = build(1e-2, fused=True)
+    for _ in range(3):
+        old.param_groups[0]["params"][0].grad = torch.ones(3)
+        old.step()
+        old_sched.step()
+    opt, sched = build(1e-3, fused=False)
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    opt.load_state_dict(old.state_dict())
+    sched.load_state_dict(old_sched.state_dict())
+    assert opt.param_groups[0]["fused"] and opt.param_groups[0]["lr"] == pytest.approx(
+        1e-2 * lr_lambda(3, 4, 10, "cosine", 0.1))  # the checkpoint's, before
+    keep_config_hyperparameters(opt, sched, fresh)
+    g = opt.param_groups[0]
+    assert not g["fused"] and g["foreach"] is False and g["betas"] == (0.9, 0.99)
+    assert g["lr"] == pytest.approx(1e-3 * lr_lambda(3, 4, 10, "cosine", 0.1))
+    assert sched.get_last_lr() == [g["lr"]] and opt.state_dict()["state"][0]["step"] == 3
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    opt.step()
+    sched.step()
+    assert g["lr"] == pytest.approx(1e-3 * lr_lambda(4, 4, 10, "cosine", 0.1))

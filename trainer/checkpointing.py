@@ -34,17 +34,37 @@ def checkpoint_root(cfg) -> Path:
 
 def resume_path(cfg) -> Path | None:
     """The checkpoint to resume from, the same on every rank: 'auto' (latest, if any), 'never', or
-    an explicit path (which must exist)."""
+    an explicit path (which must exist). An explicit path starts a lineage: once this run has
+    saved checkpoints of its own that descend from it (`origin`), a restart or requeue of the
+    same command resumes from the latest of those, not from the path again."""
     mode = cfg.checkpoint.resume
     if mode == "never":
         return None
+    latest = latest_checkpoint(checkpoint_root(cfg))
     if mode == "auto":
-        return latest_checkpoint(checkpoint_root(cfg))
+        return latest
     path = Path(mode)
+    if latest is not None and read_extra(latest).get("origin") == origin_of(path):
+        return latest  # also once pruning (checkpoint.keep_last) removed the path itself
     if not (path / ".metadata").is_file():
         raise ValueError(f"checkpoint.resume={mode!r} is not a finished checkpoint folder (no .metadata); "
-                         f"latest under {checkpoint_root(cfg)}: {latest_checkpoint(checkpoint_root(cfg))}")
+                         f"latest under {checkpoint_root(cfg)}: {latest}")
     return path
+
+
+def origin_of(path: Path) -> str:
+    """How a checkpoint records the explicit checkpoint.resume its lineage started from."""
+    return str(Path(path).resolve())
+
+
+# The settings a checkpoint's generator gates, cursors and buffer were counted in: a resume with
+# others does not work (the gates wait forever or overfill the buffer, cursors refuse late).
+RESUME_SETTINGS = ("trainer.prompts_per_step", "generator.n_samples", "parallel.gen_dp")
+
+
+def settings_of(cfg) -> dict:
+    from config import value_of
+    return {key: value_of(cfg, key) for key in RESUME_SETTINGS}
 
 
 def check_resume(cfg) -> None:
@@ -53,7 +73,15 @@ def check_resume(cfg) -> None:
     later checkpoints would outrank this run's: pruning keeps the highest steps (it deleted the
     one just saved) and an 'auto' resume would take them, mixing two runs in one folder."""
     start = resume_path(cfg)  # raises for a path that is not a finished checkpoint
+    if start is not None and cfg.parallel.mode == "colocated":
+        raise ValueError(
+            f"parallel.mode='colocated' has no checkpoints, but this run would resume from {start} "
+            f"(checkpoint.resume={cfg.checkpoint.resume!r}): it would start over at step 0 and "
+            f"overwrite {cfg.run.dir}'s metrics; resume it with --parallel.mode=split, or pass a "
+            "new --run.dir")
     step = 0 if start is None else read_extra(start)["step"]
+    if start is not None:
+        check_settings(cfg, start, read_extra(start))
     later = [d for s, d in complete_checkpoints(checkpoint_root(cfg)) if s > step]
     if later:
         raise ValueError(
@@ -61,6 +89,30 @@ def check_resume(cfg) -> None:
             f"{checkpoint_root(cfg)} holds later checkpoints of an earlier run ({later[-1].name}"
             f"{f' and {len(later) - 1} more' if len(later) > 1 else ''}), which would outrank "
             "this run's; pass a new --run.dir, or move those checkpoints away")
+
+
+def check_settings(cfg, path: Path, extra: dict) -> None:
+    """A resume keeps the settings its checkpoint's state was counted in (`RESUME_SETTINGS`;
+    checkpoints from before they were saved: the generator replicas, counted from their states),
+    and a buffer that still fits its groups."""
+    saved = extra.get("settings") or {"parallel.gen_dp": len(extra.get("generators") or {}) or None}
+    now = settings_of(cfg)
+    changed = [f"{k}={now[k]} (the checkpoint's run: {v})" for k, v in saved.items()
+               if v is not None and now.get(k) != v]
+    if changed:
+        keep = " ".join(f"--{k}={v}" for k, v in saved.items() if v is not None and now.get(k) != v)
+        raise ValueError(
+            f"resuming {path} with {', '.join(changed)}: the generators' staleness gates, prompt "
+            f"cursors and the buffer were counted in the old values, and a resume with others "
+            f"waits forever or overfills the buffer. Resume with {keep}, or start a new --run.dir "
+            "(its --model.path an HF export of this run to keep the weights)")
+    samples = sum(len(g["trajectories"]) for g in (extra.get("buffer") or {}).get("groups", []))
+    if samples > cfg.algo.buffer_capacity:
+        raise ValueError(
+            f"resuming {path}: its buffer holds {samples} samples, more than algo.buffer_capacity="
+            f"{cfg.algo.buffer_capacity} (derived from prompts_per_step, n_samples and "
+            f"max_staleness={cfg.algo.max_staleness} unless set); set --algo.buffer_capacity="
+            f"{samples} or more")
 
 
 COMPLETE_FILE = "COMPLETE"
@@ -159,7 +211,8 @@ def save(worker, step: int) -> Path:
     if worker.is_owner:
         extra = {"step": step, "version": worker.version, "scheduler": worker.sched.state_dict(),
                  "generators": worker.collect_generator_states(step), "rng": rng_state(),
-                 "buffer": worker.buffer.state_dict(), "nonfinite_total": worker.nonfinite_total}
+                 "buffer": worker.buffer.state_dict(), "nonfinite_total": worker.nonfinite_total,
+                 "settings": settings_of(worker.cfg), "origin": worker.origin}
     extra = broadcast_json(extra, worker.meshes.dims.trainer_rank_list[0], worker.meshes.trainer_group)
     root = checkpoint_root(worker.cfg)
     path = save_sharded(checkpoint_dir(root, step), worker.model, worker.opt, extra,
@@ -175,14 +228,32 @@ def load(worker, path: Path) -> dict:
     """Collective over the trainer mesh: restore shards, schedule, buffer and counters."""
     from parallel.checkpoint import load_sharded, set_rng_state
 
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in worker.opt.param_groups]
     extra = load_sharded(path, worker.model, worker.opt, group=worker.meshes.trainer_group)
     worker.sched.load_state_dict(extra["scheduler"])
+    keep_config_hyperparameters(worker.opt, worker.sched, fresh)
+    mode = worker.cfg.checkpoint.resume
+    worker.origin = extra.get("origin") if mode in ("auto", "never") else origin_of(Path(mode))
     worker.step, worker.version = extra["step"], extra["version"]
     worker.nonfinite_total = worker.nonfinite.total = extra.get("nonfinite_total", 0)
     set_rng_state(extra["rng"])
     if worker.is_owner:
         worker.buffer.load_state_dict(extra["buffer"])
     return extra
+
+
+def keep_config_hyperparameters(opt, sched, fresh: list[dict]) -> None:
+    """After loading an optimizer's state: the settings are this run's config's, not the
+    checkpoint's (which `load_state_dict` restores with the state): lr, betas, eps, weight decay
+    and the kernel choice (`fused`: FSDP's optimizer was fused, a TP one cannot be; resumed as
+    fused, its first step failed). The schedule keeps its position, from the config's lr."""
+    for group, mine in zip(opt.param_groups, fresh):
+        group.update({k: v for k, v in mine.items() if k not in ("lr", "initial_lr")})
+        group["initial_lr"] = mine.get("initial_lr", mine["lr"])
+    sched.base_lrs = [g["initial_lr"] for g in opt.param_groups]
+    for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 def interrupted_line(cfg) -> str:

@@ -90,6 +90,7 @@ class TrainerWorker:
         # steps' times add up to the run's wall time (the bench's TRL clock measures so)
         self.last_stamp: float | None = None
         self.evaluating: tuple[int, int, float] | None = None  # (rank, version, since) of an eval
+        self.origin: str | None = None  # the explicit checkpoint.resume this run descends from
         self.stopped: dict | None = None  # the owner's stop decision (SIGTERM: launch/preemption.py)
 
     def resume(self, path) -> None:
