@@ -42,13 +42,14 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 
 import torch
 import torch.distributed as dist
 
 from weights_sync import stream
-from weights_sync.sync import VersionThread, staged_apply
+from weights_sync.sync import HISTORY, VersionThread, staged_apply
 
 # ----- handles: JSON-able descriptions of a shared buffer ---------------------------------------
 
@@ -298,7 +299,7 @@ class IpcSender:
         self.held: dict[int, list[int | None]] = {d: [None] * max(1, buffers) for d in self.peers}
         self.next_slot = dict.fromkeys(self.peers, 0)
         self._inflight = VersionThread()
-        self.history: list[dict] = []  # bytes, seconds (fill + publish) per version
+        self.history: deque[dict] = deque(maxlen=HISTORY)  # bytes, seconds (fill + publish) per version
 
     def _handles(self, d: int) -> dict:
         if self.zero_copy:  # export (on CPU: move into shared memory) before any view is taken
@@ -410,7 +411,7 @@ class IpcReceiver:
         self.sources: dict[int, list[list[torch.Tensor]]] = {}  # src -> per slot, its boxes
         self._unapplied: tuple[int, dict[int, int]] | None = None  # direct: (version, slots)
         self.staged_version: int | None = None  # staged: what the staging holds (`staged_apply`)
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=HISTORY)
 
     @property
     def staging_bytes(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections import deque
 from collections.abc import Collection, Mapping
 from datetime import timedelta
 
@@ -35,6 +36,9 @@ from parallel.mesh import gpu_key, same_gpu, shared_host_memory
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
+# versions whose transfer stats (`history`) a sender or receiver keeps: a run of 100k steps kept
+# them all, one dict a version, read by nobody past the last few
+HISTORY = 64
 
 
 def small_numel(bucket_numel: int) -> int:
@@ -135,7 +139,7 @@ class WeightSender:
         self.pool = [torch.empty(longest, dtype=dtype, device=self.device)
                      for _ in range(2 if longest else 0)]
         self._inflight = VersionThread()
-        self.history: list[dict] = []  # bytes, seconds, GB/s per version
+        self.history: deque[dict] = deque(maxlen=HISTORY)  # bytes, seconds, GB/s per version
 
     @property
     def staging_bytes(self) -> int:
@@ -228,7 +232,7 @@ class WeightReceiver:
         # One flat staging buffer per source: the generator holds its shard plus one staged copy.
         self.staging = {s: torch.empty(stream.stream_numel(segs), dtype=self.dtype, device=self.device)
                         for s, segs in self.peers.items()}
-        self.history: list[dict] = []
+        self.history: deque[dict] = deque(maxlen=HISTORY)
         self.staged_version: int | None = None  # what the staging holds (`staged_apply`)
 
     @property
