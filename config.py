@@ -91,7 +91,7 @@ class GeneratorConfig:
     kv_policy: Literal["recompute", "keep"] = _f("keep", "On a weights update: 'keep' in-flight KV caches, or 'recompute' them with the new weights.")
     ignore_eos: bool = _f(False, "Generate exactly max_new_tokens (no EOS id stops, generation_config.json's included; stop_token_ids still do); for benchmarks with fixed lengths.")
     pack_weights: Literal["auto", "on", "off"] = _f("auto", "CPU engine: run the large fp32 linears on oneDNN-prepacked weights. 'auto' times a decode forward both ways at start-up and keeps the faster (it depends on the CPU; logged); 'on'/'off' pin it, e.g. for bitwise-repeatable runs (the two differ by fp32 rounding).")
-    decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (23.0k tok/s for the 1.1B shape on an H200, 5.7x eager), eager on CPU; 'compile' = torch.compile of the step (+ a CUDA graph on CUDA): it costs a start-up compilation (20-40 s) and fuses the step's small ops: 36.7k tok/s on the H200 with FlexAttention (BENCHMARKS.md, 'GPU'); on CPU the engine's step ran 1.15-1.45x faster than eager (BENCHMARKS.md, 'Generation').")
+    decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (23.0k tok/s for the 1.1B shape on an H200, 5.7x eager), eager on CPU; 'compile' = torch.compile of the step (+ a CUDA graph on CUDA): it costs a start-up compilation (20-40 s) and fuses the step's small ops: 36.7k tok/s on the H200 with FlexAttention (BENCHMARKS.md, 'GPU'); on CPU 1.3-1.9x faster than eager for small models (vs_trl's generator: 1.93x in bf16, 1.34x in fp32) and about even (0.98-1.05x) at rollout_vs_hf's fp32 model (BENCHMARKS.md, 'Generation').")
     stack_weights: Literal["auto", "all", "qkv", "off"] = _f("auto", "One matmul over each layer's stacked q|k|v weights, and one over gate|up, instead of one a projection (the compiled step of a 4-layer model on CPU: 0.93x the time for q|k|v, 0.97-0.98x more for gate|up). The stacked copies cost memory beside the model's own, mostly gate|up's (2 x hidden x intermediate a layer: 1.07 GB for the 1.1B shape in bf16, 7.5 GB for Llama-3-8B). 'auto' = on CUDA and in the compiled step on CPU, q|k|v, and gate|up while its copies take at most 2 GiB; 'all' = both; 'qkv' = q|k|v only; 'off' = neither. The planner counts the choice.")
     decode_attention: Literal["auto", "sdpa", "matmul", "flex"] = _f("auto", "Attention over the KV cache in decode: 'auto' = 'flex' (FlexAttention, reading each row's cache up to its length) for the compiled step on CUDA, 'sdpa' for the CUDA graph, 'matmul' on CPU. 'flex' needs generator.decode='compile'.")
 
@@ -148,13 +148,15 @@ class DataConfig:
     shuffle: bool = _f(True, "Shuffle prompts each epoch.")
     synthetic_digits: int = _f(2, "Digits per operand of synthetic arithmetic tasks.", ge=1)
     task_options: dict = _f({}, "Options of a synthetic or reasoning_gym task, as a TOML table "
-                                "(on the command line a JSON object), e.g. {max_digits = 1}.")
+                                "(on the command line a JSON object), e.g. {digits = 1} for "
+                                "synthetic:addition (it overrides synthetic_digits); a "
+                                "reasoning_gym task takes its dataset's options.")
 
 
 @dataclass
 class RewardConfig:
     """Reward function (it never crashes the run: failures score 0)."""
-    fn: str = _f("exact_match", "'exact_match', 'math', 'format', or 'package.module:function'.")
+    fn: str = _f("exact_match", "'exact_match', 'math', 'format', 'reasoning_gym' (the task's own scorer, for reasoning_gym sources), or 'package.module:function'.")
     timeout_s: float = _f(5.0, "Per-sample reward time limit, in seconds.", gt=0)
     format_weight: float = _f(0.0, "Weight of the format reward added to the task reward.", ge=0)
 
@@ -308,7 +310,7 @@ class Config:
         world size) instead of pinning this run's folder and layout."""
         cfg = copy.deepcopy(self).validate()
         given = {key: value_of(cfg, key) for key in DERIVED}
-        _resolve_layout(cfg.parallel, world_size)
+        _resolve_layout(cfg.parallel, world_size, cfg.model.path)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
         if t.prompts_per_step < cfg.parallel.gen_dp:  # each replica generates its own share
             raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} leaves some of the "
@@ -556,7 +558,7 @@ def _coerce(raw, tp, key: str, text: bool = False):
                 raw = json.loads(raw) if raw.strip() else {}
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{key}={raw!r} is not a JSON object ({e.msg}); write it as "
-                                  f"--{key}='{{\"max_digits\":1}}'") from None
+                                  f"--{key}='{{\"digits\":1}}'") from None
         if isinstance(raw, dict) and all(isinstance(k, str) for k in raw):
             return raw
     elif origin is list:
@@ -628,37 +630,120 @@ def value_of(cfg: Config, key: str):
     return getattr(getattr(cfg, section), name)
 
 
-def _resolve_layout(p: ParallelConfig, world: int) -> None:
-    """Fill gen_dp / trainer_fsdp (and colocated generator_ranks) and check the mesh arithmetic."""
-    def fail(problem: str, fix: str):
-        factors = ", ".join(f"{k}={getattr(p, k)}" for k in
-                            ("generator_ranks", "gen_tp", "gen_dp", "trainer_tp", "trainer_fsdp"))
+def _resolve_layout(p: ParallelConfig, world: int, model_path: str = "") -> None:
+    """Fill gen_dp / trainer_fsdp (and colocated generator_ranks) and check the mesh arithmetic.
+    The error's fixes come from `layout_fixes`, each a whole valid layout by itself; where
+    model_path's config.json can be read, only with degrees that split the model evenly."""
+    given = copy.copy(p)
+    problem = _layout_problem(p, world)
+    if problem:
+        factors = ", ".join(f"{k}={getattr(p, k)}" for k in _LAYOUT_KEYS)
         raise ConfigError(f"invalid parallel layout for world_size={world} (mode={p.mode!r}; {factors}): "
-                          f"{problem}. Fix: {fix}")
+                          f"{problem}. Fix: {layout_fixes(given, world, model_tp_fits(model_path))}")
 
+
+_LAYOUT_KEYS = ("generator_ranks", "gen_tp", "gen_dp", "trainer_tp", "trainer_fsdp")
+
+
+def _layout_problem(p: ParallelConfig, world: int) -> str | None:
+    """Fill p's derived degrees in place; the layout's first problem, or None when it is valid."""
     if world < 1:
-        fail("world_size must be >= 1", "launch at least one rank")
+        return "world_size must be >= 1"
     if p.mode == "colocated":
         p.generator_ranks = world
         gen_ranks = trainer_ranks = world
+    elif not 1 <= p.generator_ranks < world:
+        return "split mode needs 1 <= generator_ranks < world_size"
     else:
-        if not 1 <= p.generator_ranks < world:
-            fix = (f"set --parallel.generator_ranks to a value in 1..{world - 1}" if world > 1 else
-                   "launch at least 2 ranks")
-            fail("split mode needs 1 <= generator_ranks < world_size", fix + ", or --parallel.mode=colocated")
         gen_ranks, trainer_ranks = p.generator_ranks, world - p.generator_ranks
-    good = [g for g in range(1, world) if g % p.gen_tp == 0 and (world - g) % p.trainer_tp == 0 and g != gen_ranks]
-    move = (f" or set --parallel.generator_ranks={min(good, key=lambda g: abs(g - gen_ranks))}"
-            if good and p.mode == "split" else "")
     for mesh, ranks, tp_key, dp_key in (("generator", gen_ranks, "gen_tp", "gen_dp"),
                                         ("trainer", trainer_ranks, "trainer_tp", "trainer_fsdp")):
         tp = getattr(p, tp_key)
         if ranks % tp:
-            divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
-            fail(f"{tp_key}={tp} does not divide the {ranks} {mesh} ranks",
-                 f"set --parallel.{tp_key} to one of {divisors}{move}")
+            return f"{tp_key}={tp} does not divide the {ranks} {mesh} ranks"
         if getattr(p, dp_key) == 0:
             setattr(p, dp_key, ranks // tp)
         if tp * getattr(p, dp_key) != ranks:
-            fail(f"{tp_key}*{dp_key} = {tp}*{getattr(p, dp_key)} != {ranks} {mesh} ranks",
-                 f"set --parallel.{dp_key}={ranks // tp} (or 0 to derive it){move}")
+            return f"{tp_key}*{dp_key} = {tp}*{getattr(p, dp_key)} != {ranks} {mesh} ranks"
+    return None
+
+
+def layout_fixes(p: ParallelConfig, world: int, tp_fits=None) -> str:
+    """The changes that make the layout `p` (as given: derived degrees 0) valid for `world` ranks,
+    with every tp degree passing `tp_fits` (None: any degree), as the text after "Fix: ".
+    Alternatives are joined by "; or instead ": each one is a whole fix by itself, so that
+    following one never leads to an error suggesting the other (an error once suggested
+    trainer_tp 3 "or" generator_ranks=2, and the pair of them suggested trainer_tp 1 or 2)."""
+    def valid(**change) -> bool:
+        q = dataclasses.replace(p, **change)
+        return _layout_problem(q, world) is None and all(
+            tp_fits is None or tp_fits(tp) for tp in (q.gen_tp, q.trainer_tp))
+
+    split = p.mode == "split"
+    problem = _layout_problem(copy.copy(p), world) or ""
+    keys = sorted((k for k in _LAYOUT_KEYS if split or k != "generator_ranks"),
+                  key=lambda k: k not in problem)  # the degrees the problem names first
+    alternatives = []
+    for key in keys:
+        values = [v for v in _candidates(key, p, world) if valid(**{key: v})]
+        if key == "generator_ranks" and len(values) > 4:  # a large world has hundreds: the nearest
+            values = sorted(sorted(values, key=lambda v: abs(v - p.generator_ranks))[:2])
+        if values:
+            alternatives.append("set " + _change(key, values))
+    if not alternatives and world > 1:  # no single change does: the fewest of the simplest degrees
+        simplest = {"generator_ranks": 1 if split else p.generator_ranks, "gen_tp": 1, "gen_dp": 0,
+                    "trainer_tp": 1, "trainer_fsdp": 0}
+        change = {k: v for k, v in simplest.items() if getattr(p, k) != v}
+        for key in list(change):
+            if valid(**{k: v for k, v in change.items() if k != key}):
+                del change[key]
+        if valid(**change):
+            alternatives.append("set " + " and ".join(_change(k, [v]) for k, v in change.items()))
+    if split and not 1 <= p.generator_ranks < world:
+        if world == 1:
+            alternatives.insert(0, "launch at least 2 ranks")
+        if valid(mode="colocated"):
+            alternatives.append("set --parallel.mode=colocated")
+    return "; or instead ".join(alternatives) or "launch at least one rank"
+
+
+def _candidates(key: str, p: ParallelConfig, world: int) -> list[int]:
+    """The values of `key` worth trying, other than its own: any degree up to the world size, and
+    0 (derive it) for a data-parallel one."""
+    if key == "generator_ranks":
+        values = range(1, world)
+    elif key in ("gen_dp", "trainer_fsdp"):
+        values = range(0, world + 1)
+    else:
+        values = range(1, world + 1)
+    return [v for v in values if v != getattr(p, key)]
+
+
+def _change(key: str, values: list[int]) -> str:
+    """'--parallel.key=v' or '--parallel.key to one of [...]'; a data-parallel degree's 0 (derive
+    it) as a note."""
+    shown = [v for v in values if v != 0] or values
+    text = (f"--parallel.{key}={shown[0]}" if len(shown) == 1 else
+            f"--parallel.{key} to one of {shown}")
+    return text + (" (or 0 to derive it)" if 0 in values and len(values) > 1 else "")
+
+
+def model_tp_fits(path: str):
+    """tp degree -> whether it splits the model in folder `path` evenly: whole query and KV heads,
+    an even share of the MLP's width, and no tied embeddings (ParallelDims.check_model's rules,
+    read from config.json); None where there is no readable config.json (start-up checks the
+    degrees then)."""
+    if not path:
+        return None
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            c = json.load(fh)
+        heads = c["num_attention_heads"]
+        sizes = (heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size") or 0)
+        tied = bool(c.get("tie_word_embeddings", False))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not all(isinstance(n, int) and n >= 0 for n in sizes):
+        return None
+    from parallel.dims import tp_fits_model
+    return tp_fits_model(sizes, tied)

@@ -8,6 +8,7 @@ config -> checks that need no process group -> ParallelDims -> meshes -> this ra
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         if section is not None:
             text = help_text(section or None)  # an unknown section: ConfigError, below
             if rank == 0:
-                print(USAGE + "\n" + text)
+                print(USAGE + "\n" + text, flush=True)  # a broken pipe raises here, not at exit
             return 0
         cfg = resolve_config(argv)
         if cfg.run.dry_run:
@@ -116,6 +117,11 @@ def main(argv=None) -> int:
         who = f" (rank {rank})" if rank or _STARTED else ""
         print(f"error{who}: {e}", file=sys.stderr, flush=True)
         return 2
+    except BrokenPipeError:  # `train_rl.py --help | head`: the reader is gone, as for any CLI tool
+        _drop_stdout()
+        if _STARTED:  # mid-run, its peers will time out waiting for it: leave the reason
+            print(f"error (rank {rank}): stdout was closed (BrokenPipeError)", file=sys.stderr)
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback from each
         if rank == 0:
             from trainer.checkpointing import interrupted_line
@@ -124,6 +130,16 @@ def main(argv=None) -> int:
     except Exception:
         print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail on the
+    closed pipe again (and print 'Exception ignored ... BrokenPipeError')."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,16 @@ def held_out_accuracy(model_dir: Path, cfg) -> float:
                     chat_template=cfg.data.chat_template, stop_token_ids=stop_token_ids(cfg, tok))
 
 
+USAGE = f"""usage: python launch/demo.py [--section.key=value ...]   (what `make demo` runs)
+
+{__doc__.strip()}"""
+
+
 def main(argv: list[str]) -> int:
     from config import ConfigError, load_config, parse_cli
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return 0
     os.chdir(ROOT)
     if not any(a.startswith("--run.dir") for a in argv):  # a fresh run, not a resumed one
         argv = [*argv, f"--run.dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"]

@@ -2,10 +2,14 @@
 bad config fails in seconds with one message instead of a hang or a wall of tracebacks."""
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
 from config import ConfigError
+
+# where tools/make_tiny_model.py writes by default (its --out), the tiny preset's model.path
+TINY_MODEL = Path("runs/_models/tiny_addition")
 
 
 def preflight(cfg, dims):
@@ -19,12 +23,11 @@ def preflight(cfg, dims):
     from rollout.role import load_eval_items, load_items
     from trainer.checkpointing import check_resume
 
-    if not cfg.model.path:
-        raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
-                          "(for the demo: python tools/make_tiny_model.py)")
+    _check_model_folder(cfg)
     args = load_model_args(cfg.model.path)
     with torch.device("meta"):
         check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
+    _check_tp_fits_model(cfg, dims, args)
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
                      args.intermediate_size)
     _check_device_choices(cfg)
@@ -47,6 +50,69 @@ def preflight(cfg, dims):
     check_resume(cfg)
     _check_writable(Path(cfg.run.dir))
     return tok
+
+
+def _check_model_folder(cfg) -> None:
+    """An empty or missing model.path, the usual first run of the tiny preset (its model is made,
+    not downloaded): say which command writes it."""
+    path = cfg.model.path
+    if not path:
+        raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
+                          "(config.json + safetensors)" + missing_model_hint(cfg, empty=True))
+    if not Path(path).exists():
+        raise ConfigError(f"model folder {path!r} (model.path) does not exist; point --model.path at "
+                          "a Hugging Face model folder (config.json + safetensors)"
+                          + missing_model_hint(cfg))
+
+
+def missing_model_hint(cfg, empty: bool = False) -> str:
+    """'; ...' naming the command that writes a model for cfg's synthetic task (`make demo` for the
+    tiny preset's own), or '' for other sources. `empty`: model.path is '', so name the folder
+    the command writes and how to point model.path at it."""
+    kind, _, task = cfg.data.source.partition(":")
+    if kind != "synthetic" or not task:
+        return ""
+    digits = cfg.data.task_options.get("digits", cfg.data.synthetic_digits)  # as the loader reads them
+    out = TINY_MODEL if empty else Path(cfg.model.path)
+    flags = ([] if out == TINY_MODEL else ["--out", str(out)]) + (
+        [] if task == "addition" else ["--task", task]) + ["--digits", str(digits)]
+    command = " ".join(["python tools/make_tiny_model.py", *flags])
+    if empty:
+        return f"; for {cfg.data.source}: {command} writes {out}, then --model.path={out}"
+    demo = out == TINY_MODEL and task == "addition" and digits == 1  # configs/tiny_cpu.toml's
+    return (f"; `make demo` writes it, or {command}" if demo else
+            f"; for {cfg.data.source} with {digits} digit(s): {command}")
+
+
+def _check_tp_fits_model(cfg, dims, args) -> None:
+    """Tensor parallelism splits whole heads and an even share of the MLP. A degree that does not
+    is refused with the fixes that suit both the model and the world size (config.layout_fixes),
+    as the layout's own errors are: ParallelDims.check_model's fix ("pick trainer_tp from
+    [1, 2]") once suggested a degree that the trainer ranks could not take."""
+    from config import layout_fixes
+    from parallel.dims import tp_fits_model
+    fits = tp_fits_model((args.num_heads, args.num_kv_heads, args.intermediate_size),
+                         args.tie_word_embeddings)
+    for key in ("gen_tp", "trainer_tp"):
+        tp = getattr(cfg.parallel, key)
+        if not fits(tp):
+            sizes = (f"num_heads={args.num_heads} and num_kv_heads={args.num_kv_heads} and "
+                     f"intermediate_size={args.intermediate_size}")
+            why = ("the model ties its input and output embeddings, which tensor parallelism "
+                   "does not split" if args.tie_word_embeddings else f"it does not divide {sizes}")
+            fix = layout_fixes(_given_layout(cfg), dims.world_size, fits)
+            raise ConfigError(f"parallel.{key}={tp} does not fit the model in {cfg.model.path} "
+                              f"({why}). Fix: {fix}")
+
+
+def _given_layout(cfg):
+    """cfg.parallel with the degrees resolve() derived given back as the user gave them (0)."""
+    given = copy.copy(cfg.parallel)
+    for key, value in getattr(cfg, "_derived", {}).items():
+        section, name = key.split(".")
+        if section == "parallel":
+            setattr(given, name, value)
+    return given
 
 
 def _check_device_choices(cfg) -> None:

@@ -2,12 +2,16 @@
 # Single-node launcher: one torchrun, NPROC ranks, driven by environment variables.
 #
 #   launch/run_local.sh                                    # tiny CPU demo, 3 ranks
-#   CONFIG=configs/tiny_cpu.toml NPROC=4 LOG_RANK=all launch/run_local.sh --trainer.lr=1e-4
+#   CONFIG=configs/tiny_cpu.toml NPROC=4 LOG_RANK=0 launch/run_local.sh --trainer.lr=1e-4
 #
 # CONFIG       TOML preset, relative to the repo root    (default configs/tiny_cpu.toml)
 # NPROC        ranks (= world size)                      (default: derived from CONFIG, see below)
 # PYTHON       interpreter                               (default .venv/bin/python, else python3)
-# LOG_RANK     local ranks shown on the console, "0,2" or "all"   (default 0)
+# LOG_RANK     local ranks shown on the console, "0,2" or "all"   (default all)
+#              Every rank's lines, prefixed [rankN]: train_rl.py keeps each role to its own few
+#              (rank 0 the rank map, the first trainer rank the step lines, the first generator
+#              rank its set-up, weight-sync and eval lines; logging.log_rank). LOG_RANK=0 shows
+#              the trainer's alone; the filtered ranks' output is still kept in LOG_DIR.
 # MAX_RESTARTS torchrun restarts of the whole worker group (default 0)
 # RDZV_PORT    fixed rendezvous port                     (default: a free port, via --standalone)
 # LOG_DIR      where torchrun keeps every rank's stdout/stderr (default runs/torchrun_logs)
@@ -21,7 +25,7 @@ CONFIG=${CONFIG:-configs/tiny_cpu.toml}
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-LOG_RANK=${LOG_RANK:-0}
+LOG_RANK=${LOG_RANK:-all}  # the generator's eval and weight-sync lines come from its own rank
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 LOG_DIR=${LOG_DIR:-runs/torchrun_logs}
 

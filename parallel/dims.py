@@ -93,12 +93,13 @@ class ParallelDims:
         """TP shards whole heads and the MLP's intermediate size evenly: every tp degree must
         divide both head counts and intermediate_size (an uneven split passed here and then
         broke every forward: the row-parallel down projection assumes equal shards)."""
+        sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
+        if intermediate_size:
+            sizes["intermediate_size"] = intermediate_size
+        divides = tp_fits_model(tuple(sizes.values()), tied=False)
         for name, tp in (("trainer_tp", self.trainer_tp), ("gen_tp", self.gen_tp)):
-            sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
-            if intermediate_size:
-                sizes["intermediate_size"] = intermediate_size
-            if any(n % tp for n in sizes.values()):
-                fits = [d for d in range(1, num_kv_heads + 1) if not any(n % d for n in sizes.values())]
+            if not divides(tp):
+                fits = [d for d in range(1, num_kv_heads + 1) if divides(d)]
                 self._fail(f"{name}={tp} does not divide "
                            + " and ".join(f"{k}={v}" for k, v in sizes.items()),
                            f"pick {name} from {fits}")
@@ -218,3 +219,9 @@ def _check_divides(*meshes: tuple) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def tp_fits_model(sizes, tied: bool):
+    """tp degree -> whether it splits a model evenly: it divides every size in `sizes` (head
+    counts, the MLP's width; 0: none given) and, above 1, the model has untied embeddings."""
+    return lambda tp: tp == 1 or (not tied and all(n % tp == 0 for n in sizes if n))

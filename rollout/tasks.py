@@ -117,6 +117,9 @@ def make_task(name: str, **kwargs) -> Task:
     except TypeError as e:
         import inspect
 
-        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        raise ValueError(f"synthetic task {name!r} got parameters {sorted(kwargs)}; it accepts "
-                         f"{params} ({e})") from e
+        # seed comes from data.seed, and data.task_options refuses it: not the user's to give
+        params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "seed")]
+        unknown = sorted(set(kwargs) - set(params) - {"seed"})
+        raise ValueError(f"synthetic task {name!r} does not take {unknown or sorted(kwargs)}: it "
+                         f"accepts {params} (data.task_options; digits defaults to "
+                         f"data.synthetic_digits){'' if unknown else f' ({e})'}") from e

@@ -58,7 +58,20 @@ def _case(name, tmp_path, good_model):
         "impossible_layout": ([m, "--parallel.generator_ranks=3"], ["generator_ranks", "world_size=3"]),
         # world 5 (set below): 4 trainer ranks as tp=4, but the model has 2 kv heads
         "tp_vs_heads": ([m, "--parallel.trainer_tp=4"], ["trainer_tp=4", "num_kv_heads=2"]),
-        "missing_model": (["--model.path=" + str(tmp_path / "nomodel")], ["does not exist"]),
+        # the usual first run of the tiny preset: the hint names the command that writes it
+        "missing_model": (["--model.path=" + str(tmp_path / "nomodel")],
+                          ["does not exist", f"python tools/make_tiny_model.py --out "
+                           f"{tmp_path / 'nomodel'} --digits 1"]),
+        "empty_model_path": (["--model.path="], ["model.path is empty",
+                                                 "python tools/make_tiny_model.py --digits 1"]),
+        # world 4 (set below): 3 trainer ranks; the model's 4 heads and 2 KV heads allow tp 1 or 2
+        "layout_vs_heads": ([m, "--parallel.trainer_tp=2"],
+                            ["trainer_tp=2 does not divide the 3 trainer ranks",
+                             "set --parallel.trainer_tp=1; or instead set --parallel.generator_ranks=2"]),
+        "tp_vs_heads_and_layout": ([m, "--parallel.trainer_tp=3"],
+                                   ["trainer_tp=3", "num_kv_heads=2", "Fix: set --parallel.trainer_tp=1"]),
+        "unknown_task_option": ([m, '--data.task_options={"max_digits":1}'],
+                                ["synthetic task 'addition'", "'max_digits'", "accepts ['digits']"]),
         "corrupt_model": (["--model.path=" + _corrupt(good_model, tmp_path / "c1", "truncated")],
                           ["truncated or corrupt"]),
         "unsupported_arch": (["--model.path=" + _corrupt(good_model, tmp_path / "c2", "arch")],
@@ -88,7 +101,12 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "impossible_layout", "tp_vs_heads", "missing_model", "corrupt_model", "unsupported_arch",
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
          "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda",
-         "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab"]
+         "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab",
+         "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option"]
+WORLDS = {"tp_vs_heads": "5", "layout_vs_heads": "4", "tp_vs_heads_and_layout": "4"}  # else 3
+# what a case's message must not say: a degree the other check refuses, a key task_options refuses
+ABSENT = {"layout_vs_heads": ["[1, 3]"], "tp_vs_heads_and_layout": ["[1, 2]"],
+          "unknown_task_option": ["'seed'"]}
 
 
 # Each case runs train_rl.main in this process (a fresh interpreter per case cost ~5-9 s of
@@ -130,7 +148,7 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model, monke
     if "--config" not in argv:
         argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
     # As rank 0 of a job: every check here runs before any process group exists.
-    world = "5" if name == "tp_vs_heads" else "3"
+    world = WORLDS.get(name, "3")
     t0 = time.monotonic()
     if name in IN_A_PROCESS:
         rc, err = _in_a_process(argv, world)
@@ -142,6 +160,28 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model, monke
     assert err.count("error") >= 1 and len(err.strip().splitlines()) <= 3, err
     for w in words:
         assert w in err, (w, err)
+    for w in ABSENT.get(name, []):
+        assert w not in err, (w, err)
+
+
+def test_missing_model_hints_name_the_command_that_writes_it(tmp_path):
+    """The tiny preset's folder is written by `make demo`; another synthetic task's or digit
+    count's by make_tiny_model.py with its flags; other sources get no command."""
+    from config import load_config
+    from launch.preflight import TINY_MODEL, missing_model_hint
+    tiny = "configs/tiny_cpu.toml"
+    # `make demo` writes the preset's folder; make_tiny_model.py without --out writes TINY_MODEL
+    assert Path(load_config(os.path.join(ROOT, tiny)).model.path) == TINY_MODEL
+    assert f'default=Path("{TINY_MODEL}")' in (ROOT / "tools" / "make_tiny_model.py").read_text()
+    hint = missing_model_hint(load_config(os.path.join(ROOT, tiny)))
+    assert "`make demo`" in hint and "python tools/make_tiny_model.py --digits 1" in hint
+    hint = missing_model_hint(load_config(os.path.join(ROOT, tiny), [
+        "--data.source=synthetic:reverse", "--data.synthetic_digits=3", f"--model.path={tmp_path}/m"]))
+    assert "make demo" not in hint
+    assert f"python tools/make_tiny_model.py --out {tmp_path}/m --task reverse --digits 3" in hint
+    hint = missing_model_hint(load_config(os.path.join(ROOT, tiny), ['--data.task_options={"digits":2}']))
+    assert "make demo" not in hint and "--digits 2" in hint  # task_options override the digits
+    assert missing_model_hint(load_config(None, ["--data.source=reasoning_gym:basic_arithmetic"])) == ""
 
 
 def test_a_rank_other_than_0_reports_the_error_when_still_running_after_the_grace(

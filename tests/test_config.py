@@ -1,5 +1,7 @@
 """Tests for config.py: defaults, help text, presets, overrides, errors, TOML round trip, resolve()."""
 import dataclasses
+import itertools
+import json
 import os
 import re
 import tomllib
@@ -74,7 +76,7 @@ def test_task_options_table_from_toml_and_json_from_the_command_line(tmp_path):
                                    r"config.toml cannot hold.*leave the key out"),
         ("{start = 1979-05-27}", r"data.task_options\['start'\] is date"),
         ("{digits: 2}", r"data.task_options='\{digits: 2\}' is not a JSON object .*"
-                        r"--data.task_options='\{\"max_digits\":1\}'"),
+                        r"--data.task_options='\{\"digits\":1\}'"),
         ("[1]", r"data.task_options=\[1\] has the wrong type: expected a table \(on the command "
                 r"line a JSON object\)"),
         ("3", r"c.toml: data.task_options=3 has the wrong type"),
@@ -387,12 +389,13 @@ def test_resolve_colocated_and_explicit_values_are_kept():
 
 @pytest.mark.parametrize("world,overrides,expected", [
     (1, [], r"world_size=1 .*split mode needs 1 <= generator_ranks < world_size.*launch at least 2 ranks"),
-    (4, ["--parallel.generator_ranks=4"], r"generator_ranks=4.*set --parallel.generator_ranks to a value in 1..3"),
+    (4, ["--parallel.generator_ranks=4"], r"generator_ranks=4.*set --parallel.generator_ranks to one of \[1, 2, 3\]"),
     (4, ["--parallel.generator_ranks=0"], r"generator_ranks=0.*--parallel.mode=colocated"),
     (4, ["--parallel.generator_ranks=2", "--parallel.gen_tp=4"],
      r"gen_tp=4 does not divide the 2 generator ranks. Fix: set --parallel.gen_tp to one of \[1, 2\]"),
     (8, ["--parallel.generator_ranks=2", "--parallel.trainer_tp=4"],
-     r"trainer_tp=4 does not divide the 6 trainer ranks.*one of \[1, 2, 3, 6\] or set --parallel.generator_ranks=4"),
+     r"trainer_tp=4 does not divide the 6 trainer ranks.*one of \[1, 2, 3, 6\]; or instead set "
+     r"--parallel.generator_ranks=4"),
     (8, ["--parallel.generator_ranks=2", "--parallel.trainer_fsdp=4"],
      r"trainer_tp\*trainer_fsdp = 1\*4 != 6 trainer ranks. Fix: set --parallel.trainer_fsdp=6"),
     (6, ["--parallel.generator_ranks=2", "--parallel.gen_dp=1"], r"gen_tp\*gen_dp = 1\*1 != 2 generator ranks"),
@@ -477,3 +480,133 @@ def test_log_rank_selects_the_ranks_that_print():
     from config import prints
     assert prints("all", 7) and prints("0", 0) and not prints("0", 1)
     assert prints("0, 4", 4) and not prints("0,4", 40) and not prints("10", 1)
+
+
+def test_train_rl_help_into_a_closed_pipe_exits_quietly():
+    """`python train_rl.py --help | head` printed BrokenPipeError tracebacks: the generic except
+    in main caught it. The pipe's read end is closed before the program starts, so every write
+    fails, whatever the timing."""
+    import subprocess
+    import sys
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "train_rl.py", "--help"], cwd=REPO, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == 141, proc.stderr  # 128 + SIGPIPE, as `yes | head`
+
+
+# ---- help strings that name choices, examples and measurements --------------------------------------
+
+def _help(key: str) -> str:
+    return C.field_docs()[key]
+
+
+def test_task_options_examples_work_on_the_default_source():
+    """The help's example ({max_digits = 1}) and the JSON error's suggestion failed on the
+    default source, synthetic:addition, which takes `digits`."""
+    from rollout.data import load_prompts, task_options
+    example = re.search(r"e\.g\. (\{.*?\})", _help("data.task_options")).group(1)
+    options = tomllib.loads(f"x = {example}")["x"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--data.task_options={digits: 1}"])
+    suggested = re.search(r"write it as (--data\.task_options=\S+)", str(e.value)).group(1)
+    for given in (load_config(None, [f"--data.task_options={json.dumps(options)}"]),
+                  load_config(None, [suggested.replace("'", "")])):
+        assert given.data.source == C.DataConfig().source  # the default source
+        assert load_prompts(given.data.source, num_prompts=2, **task_options(given.data))
+
+
+def test_reward_fn_help_lists_every_builtin():
+    from rollout.rewards import BUILTIN_REWARDS
+    for name in BUILTIN_REWARDS:
+        assert f"'{name}'" in _help("reward.fn"), name
+
+
+def test_compiled_cpu_decode_speedup_is_the_same_in_help_and_readme():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    in_readme = re.search(r"on CPU (\d\.\d+-\d\.\d+)x\s+eager", readme).group(1)
+    in_help = re.search(r"on CPU .*?(\d\.\d+-\d\.\d+)x", _help("generator.decode")).group(1)
+    assert in_help == in_readme
+
+
+def test_example_1024_header_quotes_the_planner(capsys):
+    """The header's prediction is what its own planner command prints now (the cost model
+    changes: it once quoted T_train 7.6 s and 1.17x after the model had moved on)."""
+    from launch import plan
+    header = open(os.path.join(REPO, "configs", "example_1024.toml")).read().split("\n\n")[0]
+    text = " ".join(line.lstrip("#").strip() for line in header.splitlines())
+    command = re.search(r"python launch/plan\.py (.*?) picks", text).group(1).replace("\\", " ")
+    quoted = re.search(r"picks (G=.*?) \(predicted: T_gen ([\d.]+) s, T_train ([\d.]+) s, T_sync "
+                       r"([\d.]+) s, async step ([\d.]+) s, ([\d.]+x) the best", text).groups()
+    assert plan.main(command.split()) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(" 1 "))
+    placement, rest = best[3:].split("  ", 1)
+    t_gen, t_train, t_sync, step, ratio = rest.split()[:5]
+    assert (placement.strip(), *(f"{float(x):.1f}" for x in (t_gen, t_train, t_sync, step)), ratio) \
+        == quoted
+
+
+# ---- layout errors: every fix they suggest resolves -------------------------------------------------
+
+def _suggested_fixes(message: str) -> list[list[str]]:
+    """The alternatives after 'Fix: ' as override lists: 'set --parallel.k to one of [a, b]' is
+    one alternative per value; '... and --parallel.k2=v' changes both keys at once."""
+    fixes = []
+    for alternative in message.split("Fix: ", 1)[1].split("; or instead "):
+        choices = [[f"--parallel.{key}={value}"] if value else
+                   [f"--parallel.{key}={v.strip()}" for v in values.split(",")]
+                   for key, value, values in re.findall(
+                       r"--parallel\.(\w+)(?:=(\w+)| to one of \[([^\]]*)\])", alternative)]
+        fixes += [list(fix) for fix in itertools.product(*choices)] if choices else []
+    return fixes
+
+
+ROOMY = ["--trainer.prompts_per_step=1024"]  # enough groups for any layout's data-parallel ranks
+
+
+@pytest.mark.parametrize("world, overrides", [
+    (4, ["--parallel.trainer_tp=2"]),  # it once suggested trainer_tp 3 "or" generator_ranks=2 ...
+    (4, ["--parallel.trainer_tp=3", "--parallel.generator_ranks=2"]),  # ... and then 1 or 2
+    (1, []),
+    (4, ["--parallel.generator_ranks=4"]),
+    (4, ["--parallel.generator_ranks=4", "--parallel.trainer_tp=2"]),  # 1..3 were not all valid
+    (4, ["--parallel.generator_ranks=0"]),
+    (4, ["--parallel.generator_ranks=2", "--parallel.gen_tp=4"]),
+    (8, ["--parallel.generator_ranks=2", "--parallel.trainer_tp=4"]),
+    (8, ["--parallel.generator_ranks=2", "--parallel.trainer_fsdp=4"]),
+    (8, ["--parallel.generator_ranks=2", "--parallel.trainer_tp=4", "--parallel.trainer_fsdp=2"]),
+    (6, ["--parallel.generator_ranks=2", "--parallel.gen_dp=1"]),
+    (8, ["--parallel.generator_ranks=4", "--parallel.gen_tp=3", "--parallel.trainer_tp=3"]),  # no one change
+    (8, ["--parallel.mode=colocated", "--parallel.gen_tp=3"]),
+    (8, ["--parallel.mode=colocated", "--parallel.trainer_tp=2", "--parallel.trainer_fsdp=2"]),
+    (1024, ["--parallel.generator_ranks=500", "--parallel.gen_tp=8", "--parallel.trainer_tp=8"]),
+])
+def test_each_suggested_layout_fix_resolves(world, overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*ROOMY, *overrides]).resolve(world)
+    fixes = _suggested_fixes(str(e.value))
+    assert fixes, str(e.value)
+    for fix in fixes:
+        load_config(None, [*ROOMY, *overrides, *fix]).resolve(world)  # raises if the fix is wrong
+
+
+def test_layout_fixes_respect_the_models_head_counts(tmp_path):
+    """The audit's loop on the tiny demo model (4 heads, 2 KV heads) at world 4: trainer_tp=2
+    suggested trainer_tp=3, which start-up then refused for the heads ("pick trainer_tp from
+    [1, 2]"), and trainer_tp=2 again suggested 3. A readable model folder limits the suggestions
+    to degrees its heads and MLP split evenly."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 384}))
+    given = [*ROOMY, f"--model.path={model}", "--parallel.trainer_tp=2"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, given).resolve(4)
+    fixes = _suggested_fixes(str(e.value))
+    assert sorted(fixes) == [["--parallel.generator_ranks=2"], ["--parallel.trainer_tp=1"]], str(e.value)
+    for fix in fixes:
+        p = load_config(None, [*given, *fix]).resolve(4).parallel
+        assert all(n % tp == 0 for tp in (p.gen_tp, p.trainer_tp) for n in (4, 2, 384))

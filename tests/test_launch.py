@@ -4,6 +4,7 @@ The shell scripts run for real with stub executables (a fake PYTHON, fake srun/s
 PATH) that record their arguments, so nothing is launched and no SLURM is needed.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -218,10 +219,12 @@ def _run_local(fake_python, args=(), **env):
 
 
 def test_run_local_command_line(fake_python):
+    """Every rank's console by default: with LOG_RANK=0 the generator's lines (its set-up, the
+    eval lines) never showed; train_rl.py keeps each role's output to its own few lines."""
     proc, args = _run_local(fake_python, ["--trainer.lr=1e-4", "--run.name=x"], NPROC="4", MAX_RESTARTS="2")
     assert proc.returncode == 0, proc.stderr
     assert args == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "2",
-                    "--role", "rank", "--tee", "3", "--log-dir", "runs/torchrun_logs", "--local-ranks-filter", "0",
+                    "--role", "rank", "--tee", "3", "--log-dir", "runs/torchrun_logs",
                     "train_rl.py", "--config", TINY, "--trainer.lr=1e-4", "--run.name=x"]
     assert proc.stderr.startswith(f"+ {fake_python[0]} -m torch.distributed.run --standalone")
 
@@ -265,6 +268,8 @@ def slurm(tmp_path):
                                 f"echo \"$TORCH_ELASTIC_SHUTDOWN_TIMEOUT\" > {record}.shutdown_timeout\n")
     for tool in ("bash", "sed", "grep", "basename"):  # a PATH with nothing else on it
         os.symlink(shutil.which(tool), bin_dir / tool)
+    os.symlink(sys.executable, bin_dir / "python3")  # what the activated virtualenv provides
+    shutil.copytree(os.path.join(ROOT, "configs"), tmp_path / "configs")  # the submit dir's
     env = {"PATH": str(bin_dir), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "1234",
            "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[07-08]", "HOME": str(tmp_path)}
     return env, record
@@ -297,7 +302,7 @@ def test_sbatch_array_task_reads_its_sweep_line(slurm, tmp_path):
     assert args[args.index("--rdzv-id") + 1] == "1238"
     # The sweep line comes last, so its run name wins over the job-id default.
     assert args[args.index("train_rl.py"):] == [
-        "train_rl.py", "--config", "configs/example_multinode.toml", "--run.name=example_multinode_1230_4",
+        "train_rl.py", "--config", "configs/example_multinode.toml", "--run.name=llama8b_math_64r_4",
         *runs[4].overrides]
 
 
@@ -328,3 +333,50 @@ def test_demo_reports_a_bad_override_in_one_line(capsys, monkeypatch):
     assert err.startswith("error: override 'trainer.lrr=1': unknown key") and err.count("\n") == 1
     assert demo.main(["--config", "x.toml"]) == 2
     assert "takes --section.key=value overrides only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config_text, env, name", [
+    ('[run]\nname = "mine"\n', {}, "mine"),              # the config's name, as torchrun would use it
+    ("[trainer]\nlr = 1e-6\n", {}, "own_1234"),           # none in the config: file name + job id
+    ('[run]\nname = "mine"\n', {"RUN_NAME": "x"}, "x_1234"),
+    ('[run]\nname = "mine"\n', {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_JOB_ID": "1230"}, "mine_4"),
+])
+def test_sbatch_run_name_is_the_configs_own(slurm, tmp_path, config_text, env, name):
+    """tandem.sbatch passed --run.name=<config file>_<job id> always, so a config's run.name
+    never took effect."""
+    (tmp_path / "own.toml").write_text(config_text)
+    proc, args = _sbatch(slurm, ["--trainer.lr=1e-6"], CONFIG="own.toml", **env)
+    assert proc.returncode == 0, proc.stderr
+    assert args[args.index("train_rl.py"):] == [
+        "train_rl.py", "--config", "own.toml", f"--run.name={name}", "--trainer.lr=1e-6"]
+
+
+def test_sbatch_run_name_of_a_preset(slurm):
+    proc, args = _sbatch(slurm, CONFIG="configs/example_multinode.toml")
+    assert proc.returncode == 0, proc.stderr
+    assert "--run.name=llama8b_math_64r" in args
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_demo_help_prints_its_usage(capsys, monkeypatch, flag):
+    """`python launch/demo.py --help` failed: 'takes --section.key=value overrides only'."""
+    from launch import demo
+    monkeypatch.chdir(ROOT)
+    assert demo.main([flag]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "make demo" in captured.out and "--trainer.max_steps=50" in captured.out
+
+
+def test_the_final_export_line_names_its_seconds(tmp_path, monkeypatch, capsys):
+    """README: each checkpoint and Hugging Face export is reported with its folder and the
+    seconds it took; the final export's line had no seconds."""
+    import types
+    from parallel import checkpoint
+    from trainer import role
+    monkeypatch.setattr(checkpoint, "export_hf", lambda model, out, tokenizer, group: out)
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}"]).resolve(3)
+    role.finish_run(cfg, types.SimpleNamespace(trainer_group=None), model=None, tokenizer=object(),
+                    version=6, owner=True)
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"exported the final policy \(version 6\) to {tmp_path / 'hf_final'} "
+                        r"\(\d+\.\ds\)\n", out), out

@@ -45,6 +45,9 @@ def check(argv: list[str]) -> str:
     """What the command is, after checking that it parses; an unknown form fails the test, so
     that a new kind of README command gets a check here."""
     env, argv = _env_and_argv(list(argv))
+    if argv[0] == "source":  # the virtualenv that `make demo` / `make test` create
+        assert argv[1:] == [".venv/bin/activate"] and os.path.exists(os.path.join(REPO, "Makefile")), argv
+        return "venv"
     if argv[0] == "make":
         assert argv[1] in ("demo", "test"), argv
         return "make"
@@ -88,3 +91,17 @@ def test_a_broken_command_is_caught():
         check(["python", "launch/calibrate.py", "--out", "profile.json"])  # no --model
     with pytest.raises(ValueError, match="unknown key"):
         check(["python", "train_rl.py", "--config", "configs/tiny_cpu.toml", "--trainer.lrr=1"])
+
+
+def test_the_venv_is_activated_before_the_first_bare_command():
+    """`make demo` / `make test` install into .venv, but the README's later `python ...` and
+    `torchrun ...` lines ran whatever python the shell had (no torch there): the reader must
+    meet `source .venv/bin/activate` first. The newcomer's set-up stays two commands."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    quick_start = [line.split("#")[0].strip() for line in blocks[0].splitlines()]
+    assert [line for line in quick_start if line] == ["make demo", "make test"]
+    first_bare = min(block.start(1) + line.start() for block in re.finditer(r"```bash\n(.*?)```", text, re.S)
+                     for line in re.finditer(r"^(python|torchrun) ", block.group(1), flags=re.M))
+    activate = text.find("source .venv/bin/activate")
+    assert 0 <= activate < first_bare, "the first bare command comes before the activation"

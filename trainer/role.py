@@ -1,6 +1,7 @@
 """Build and run the trainer role on this rank: sharded model, optimizer, weight sender, link."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -73,8 +74,10 @@ def finish_run(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None
     if cfg.checkpoint.hf_export_final:
         from parallel.checkpoint import export_hf
         out = Path(cfg.run.dir) / "hf_final"
+        t0 = time.perf_counter()
         export_hf(model, out, tokenizer=tokenizer if owner else None, group=meshes.trainer_group)
-        if owner:
-            print(f"exported the final policy (version {version}) to {out}", flush=True)
+        if owner:  # as each export is reported: its folder and the seconds it took
+            print(f"exported the final policy (version {version}) to {out} "
+                  f"({time.perf_counter() - t0:.1f}s)", flush=True)
     if owner:
         mark_complete(cfg, version)
