@@ -180,7 +180,7 @@ def check_sweep_file_words(runs: list[Run]) -> None:
         if bad:
             raise ValueError(f"--slurm: override(s) {bad} hold whitespace, which the sweep file "
                              "cannot carry; write them without spaces (e.g. "
-                             "--data.task_options={\"max_digits\":1})")
+                             "--data.task_options={\"digits\":1})")
 
 
 def write_sweep_file(path: str, runs: list[Run]) -> None:

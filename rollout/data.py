@@ -12,6 +12,7 @@ Prompts become ids exactly once (`render_prompt`); completions are never decoded
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -388,6 +389,7 @@ class PromptSource:
         self.seed, self.shuffle, self.rank, self.world = int(seed), bool(shuffle), rank, world
         self._epoch, self._offset = 0, 0
         self._order = self._epoch_order(0)
+        self._fingerprint: str | None = None
 
     def shard(self, rank: int, world: int) -> "PromptSource":
         """Replica `rank` of `world` over the same (full) item list, cursor at the start."""
@@ -431,16 +433,32 @@ class PromptSource:
     def state_dict(self) -> dict:
         return {"epoch": self._epoch, "offset": self._offset, "seed": self.seed,
                 "shuffle": self.shuffle, "rank": self.rank, "world": self.world,
-                "num_items": len(self._items)}
+                "num_items": len(self._items), "fingerprint": self.fingerprint}
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of the prompt set (ids, prompts, answers, in order), made once: a resume over
+        another file of the same length went on silently, the in-flight ids naming other
+        prompts and the cursor another order."""
+        if self._fingerprint is None:
+            h = hashlib.sha1()
+            for it in self._items:
+                h.update(json.dumps([it.id, it.prompt, it.messages, it.answer],
+                                    sort_keys=True, default=str).encode())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next `next_batch` continues exactly where `state` was taken."""
         mine = self.state_dict()
-        for key in ("seed", "shuffle", "rank", "world", "num_items"):
+        for key in ("seed", "shuffle", "rank", "world", "num_items", "fingerprint"):
+            if key == "fingerprint" and key not in state:  # a checkpoint from before it was kept
+                continue
             if state.get(key) != mine[key]:
                 raise ValueError(f"prompt cursor was saved with {key}={state.get(key)!r} but this "
                                  f"source has {key}={mine[key]!r}; resume with the same data "
-                                 f"config and generator layout")
+                                 f"config (data.source/path, task options, filters) and "
+                                 f"generator layout, or start a new --run.dir")
         epoch, offset = int(state["epoch"]), int(state["offset"])
         order = self._epoch_order(epoch)
         if not 0 <= offset <= len(order):

@@ -1,4 +1,5 @@
 """rollout.tasks and rollout.data: synthetic tasks, loading errors, sharding, resume, rendering."""
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -227,6 +228,13 @@ def test_cursor_resume_yields_exactly_the_remaining_sequence():
     with pytest.raises(ValueError, match="saved with rank=1 but this source has rank=0"):
         other.load_state_dict(state)
     assert [it.id for it in resumed.lookup([3, 5])] == [3, 5]
+    # another prompt set of the same length (an edited or swapped file): it resumed silently
+    edited = [dataclasses.replace(it, answer="0") if it.id == 6 else it for it in items]
+    with pytest.raises(ValueError, match=r"saved with fingerprint='[0-9a-f]{16}' but this source "
+                                         r"has fingerprint=.*same data config"):
+        PromptSource(edited, seed=4).shard(1, 3).load_state_dict(state)
+    del state["fingerprint"]  # a cursor from before fingerprints: resumed as before
+    PromptSource(items, seed=4).shard(1, 3).load_state_dict(state)
 
 
 def test_source_errors():
