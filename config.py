@@ -122,7 +122,7 @@ class AlgoConfig:
     """RL objective, advantages and the off-policy buffer."""
     loss: Literal["aipo", "ppo", "decoupled_ppo"] = _f("aipo", "Policy loss: AIPO truncated IS, PPO-clip, or decoupled PPO.")
     rho: float = _f(4.0, "AIPO truncation of the IS ratio pi/mu: min(pi/mu, rho).", ge=1)
-    clip_eps: float = _f(0.2, "PPO clip range epsilon (decoupled PPO: inert, the step makes one update per batch; trainer/losses.decoupled_ppo_loss).", gt=0)
+    clip_eps: float = _f(0.2, "PPO clip range epsilon (decoupled PPO: acts from a step's second update on, so it is inert with trainer.updates_per_step=1; trainer/losses.decoupled_ppo_loss).", gt=0)
     prox_cap: float = _f(5.0, "Decoupled PPO: cap on the behaviour-to-proximal IS weight.", ge=1)
     advantage: Literal["group_mean", "grpo", "rloo"] = _f("group_mean", "Baseline: group mean, GRPO (mean/std), or leave-one-out.")
     max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy.", ge=0)

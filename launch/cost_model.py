@@ -566,7 +566,8 @@ BROADCAST, DP_REDUCTIONS = 2, 2
 
 
 def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: bool,
-                        units: str = "layer", forwards: int = 0, updates: int = 1) -> dict:
+                        units: str = "layer", forwards: int = 0, updates: int = 1,
+                        regathers: int | None = None) -> dict:
     """Collectives of one trainer step. FSDP2 "layer" units: per micro-batch and unit (L layers +
     root) an all-gather in forward and in backward and a reduce-scatter; one "model" unit: one
     all-gather and one reduce-scatter per step. TP: per micro-batch 2 all-reduces
@@ -574,8 +575,10 @@ def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: boo
     Per step once the params are DTensors: the gradient norm (one reduction per mesh dim), the
     batch broadcast, and with fsdp > 1 the token counts and statistics; they are charged to FSDP
     when fsdp > 1. Each extra forward a micro-batch (`forwards`: a frozen KL reference's, pi_prox's)
-    adds its all-gathers (L + 1 units, or the one "model" unit, resharded after a forward under
-    no_grad: trainer.step.reference_logp) and its TP all-reduces (2L + 2); with `updates` > 1
+    adds its TP all-reduces (2L + 2) and its all-gathers: L + 1 units; the one "model" unit only
+    for the `regathers` of them (default all) that reshard after their forward (the KL
+    reference: trainer.step.reference_logp; pi_prox's forwards keep the policy's gathered
+    parameters for the first update); with `updates` > 1
     the "model" unit gathers and reduce-scatters once per update, and the norm is taken per update.
     Tiny Llama (L = 2), fsdp 2, tp 1, 4 micro-batches: fsdp = 3*3*4 + 1 + 2 + 2 = 41, tp = 0;
     with a KL reference 41 + 3*4 = 53."""
@@ -583,7 +586,8 @@ def trainer_collectives(args: ModelArgs, micro: int, fsdp: int, tp: int, ac: boo
     norms = norm_reductions(fsdp, tp) * U
     per_step = norms + BROADCAST + DP_REDUCTIONS * (fsdp > 1) if fsdp * tp > 1 else 0
     units_n = 1 if units == "model" else L + 1
-    f = ((2 * U if units == "model" else 3 * units_n * micro) + forwards * units_n * micro
+    gathering = (forwards if regathers is None else regathers) if units == "model" else forwards
+    f = ((2 * U if units == "model" else 3 * units_n * micro) + gathering * units_n * micro
          if fsdp > 1 else 0)
     t = (4 * L + 4 + 2 * L * ac + forwards * (2 * L + 2)) * micro if tp > 1 else 0
     return {"fsdp": f + (per_step if fsdp > 1 else 0), "tp": t + (per_step if fsdp == 1 else 0)}
@@ -628,12 +632,14 @@ def train_time(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: int, a
     n, L, h = args.num_params(), args.num_layers, args.hidden_size
     bw_f, bw_t, lat = link_bw(cl, fsdp * tp), link_bw(cl, tp), cl.link_latency_s
     # one more forward a micro-batch: a frozen KL reference's, and pi_prox's past one update
-    ref = int(wl.kl_reference) + int(wl.prox_loss and U > 1)
-    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units, ref, U)
+    kl, prox = int(wl.kl_reference), int(wl.prox_loss and U > 1)
+    ref = kl + prox
+    n_coll = trainer_collectives(args, micro, fsdp, tp, ac, cl.fsdp_units, ref, U, regathers=kl)
     # bytes through FSDP2 per step: all-gathers (cb) and reduce-scatters (fp32) of n / tp; an
-    # extra forward's shards are gathered once per micro-batch
+    # extra forward's shards are gathered once per micro-batch (one "model" unit: the KL
+    # reference's only; pi_prox's forwards use the policy's first gather)
     fsdp_bytes = n / tp * ((cb + 4) * U if cl.fsdp_units == "model" else micro * (2 * cb + 4))
-    fsdp_bytes += ref * micro * n / tp * cb
+    fsdp_bytes += (kl if cl.fsdp_units == "model" else ref) * micro * n / tp * cb
     measured = prof is not None and prof.matches(args)
     if measured:
         compute = micro * (prof.train_microbatch_s(mb_tokens, tp, ac)

@@ -371,3 +371,15 @@ def test_a_resumed_optimizer_takes_the_configs_settings():
     opt.step()
     sched.step()
     assert g["lr"] == pytest.approx(1e-3 * lr_lambda(4, 4, 10, "cosine", 0.1))
+    # the other way (TP to FSDP): a fused optimizer over a per-parameter one's state, whose step
+    # counts the fused kernel wants on the parameters' device as float32
+    fused, fused_sched = build(1e-3, fused=True)
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in fused.param_groups]
+    fused.load_state_dict(opt.state_dict())
+    fused_sched.load_state_dict(sched.state_dict())
+    keep_config_hyperparameters(fused, fused_sched, fresh)
+    assert fused.param_groups[0]["fused"]
+    step = fused.state_dict()["state"][0]["step"]
+    assert step.dtype == torch.float32 and int(step) == 4
+    fused.param_groups[0]["params"][0].grad = torch.ones(3)
+    fused.step()

@@ -1,4 +1,5 @@
 """Losses, log-prob helpers and packing, against hand-computed values."""
+import dataclasses
 import doctest
 import math
 import random
@@ -675,3 +676,26 @@ def test_updates_per_step_trains_the_step_in_minibatches():
         model.w -= 4.0 * model.w.grad
     torch.testing.assert_close(w, model.w.detach(), rtol=0, atol=1e-12)
     assert res[0].stats["clipped"] > 0  # u moved past 1 +- clip_eps after the first update
+
+
+def test_a_step_with_a_nonfinite_update_among_others_is_not_skipped():
+    """updates_per_step = 2, the first update's loss NaN (a NaN behaviour log-prob), the second
+    finite: the second moves the weights, so the step is not 'skipped' (the non-finite guard
+    counted such steps and could abort a run whose weights still moved); its grad_norm is NaN."""
+    import trainer.step as S
+    groups = _two_groups()
+    t = groups[0].trajectories[0]
+    groups[0].trajectories[0] = dataclasses.replace(t, logp_mu=[float("nan")] + t.logp_mu[1:])
+    model = _embedding_policy()
+    before = model.w.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    res = S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups,
+                       _step_cfg("aipo", 2), None, "cpu", 0)
+    assert not res.skipped and math.isnan(res.grad_norm)
+    assert not torch.equal(model.w.detach(), before)
+    everything_bad = _two_groups()
+    for g in everything_bad:
+        g.trajectories[0] = dataclasses.replace(g.trajectories[0], logp_mu=[float("nan")] * 3)
+    res = S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                       everything_bad, _step_cfg("aipo", 2), None, "cpu", 0)
+    assert res.skipped

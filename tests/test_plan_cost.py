@@ -356,6 +356,11 @@ def test_updates_per_step_cost_their_optimizer_steps_and_the_prox_forward():
     plain = cm.train_time(TINY, cpu, cm.Workload(8, 2, 4, 8, updates=4), 1, 1, False, 10_000, prof)
     assert plain["compute"] == pytest.approx(one["compute"])  # AIPO needs no pi_prox
     assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model", 0, 4)["fsdp"] == 2 * 4 + 4 + 4
+    # pi_prox's forwards gather again per layer unit, not with the one "model" unit (its
+    # parameters stay gathered from the first forward to the first update's backward)
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "model", 1, 4, regathers=0)["fsdp"] == \
+        2 * 4 + 4 + 4
+    assert cm.trainer_collectives(TINY, 4, 2, 1, False, "layer", 1, 1, regathers=0)["fsdp"] == 53
     h100 = cm.gpu_cluster("h100", 1)
     o1, o4 = (cm.train_time(L8B, h100, cm.Workload(64, 8, 512, 2048, updates=u), 8, 1, False,
                             16384)["optimizer"] for u in (1, 4))

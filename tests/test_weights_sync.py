@@ -120,12 +120,18 @@ def _stale_apply_worker(rank, world, folder):
         return None
     recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30)
     stale = recv.receive(1)
-    current = recv.receive(2)
+    ticket = recv.post(2)  # the staging is being overwritten from here on
+    try:
+        stale()
+        return "applied while v2 was arriving"
+    except RuntimeError as e:
+        during = str(e)
+    current = recv.finish(ticket)
     try:
         stale()
     except RuntimeError as e:
         current()
-        return str(e)
+        return during + " | " + str(e)
     return "applied"
 
 
@@ -134,7 +140,9 @@ def test_an_apply_kept_past_a_later_receive_is_refused(tmp_path):
     it installed v+1's weights under version v's number (the engine tags tokens with it)."""
     tiny.save_hf("llama3", tmp_path)
     msg = run_ranks(_stale_apply_worker, 2, str(tmp_path), timeout=120)[1]
-    assert "apply() of weights version 1 after receive() of version 2" in msg
+    during, after = msg.split(" | ")
+    assert "apply() of weights version 1 after receive() of version None" in during
+    assert "apply() of weights version 1 after receive() of version 2" in after
 
 
 def _timeout_worker(rank, world, folder, silent_side):

@@ -93,9 +93,9 @@ class ColocatedWorker:
             t0 = time.perf_counter()
             start = t0 if self.last_stamp is None else self.last_stamp
             groups = gather_groups(self._generate())
-            mine = groups[self.dp_rank::self.meshes.dims.trainer_fsdp]
-            res = train_step(self.t_model, self.opt, self.sched, mine, self.cfg, self.dp_group,
-                             self.meshes.device, self.version, self.ref_model)
+            res = train_step(self.t_model, self.opt, self.sched, groups, self.cfg, self.dp_group,
+                             self.meshes.device, self.version, self.ref_model,
+                             shard=(self.dp_rank, self.meshes.dims.trainer_fsdp))
             self.nonfinite.check(res)
             self.version += 1
             self.step += 1

@@ -164,9 +164,9 @@ def decoupled_ppo_loss(logp_N: Tensor, logp_prox_N: Tensor, logp_mu_N: Tensor, a
     exactly `ppo_clip_loss` (weight 1).
 
     The trust region acts only when a batch is trained in several optimizer updates (AReaL's PPO
-    minibatches): tandem's train step makes one, so its recomputed pi_prox equals pi, u = 1 and
-    `clipped_count` stays 0; the loss is then the behaviour-weighted policy gradient with the
-    prox_cap mask (an audit measured exactly that; trainer.step).
+    minibatches, `trainer.updates_per_step`): in a step's first update pi_prox equals pi, u = 1
+    and nothing is clipped, so with one update a step the loss is the behaviour-weighted policy
+    gradient with the prox_cap mask (trainer.step passes the forward's own log-probs then).
 
     Worked example: pi = pi_prox = 0.5, mu = 0.25 (behaviour weight 2), A = 1: loss = -2 * 1,
     d loss / d logp = -2. With mu = 0.05 (weight 10 > cap 5) the token is dropped: loss 0.

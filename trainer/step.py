@@ -26,7 +26,7 @@ from trainer.optim import clip_grad_norm
 class StepResult:
     stats: dict  # summed over this rank's tokens (reduce across dp ranks before dividing)
     grad_norm: float
-    skipped: bool  # non-finite loss or gradient norm: the update was not applied
+    skipped: bool  # non-finite loss or gradient norm: no update of the step was applied
     lr: float  # the learning rate of this step's update (read before the scheduler steps)
 
 
@@ -132,20 +132,22 @@ class _Update:
     prox: list | None = None  # per micro-batch, pi_prox (`_loss`); None: not needed
 
 
-def minibatches(groups: list[Group], updates: int) -> list[list[Group]]:
-    """The step's groups in `updates` contiguous parts, as even as whole groups allow."""
-    n = len(groups)
-    return [groups[u * n // updates:(u + 1) * n // updates] for u in range(updates)]
+def minibatches(groups: list[Group], updates: int, shard: tuple[int, int] = (0, 1)) -> list[list[Group]]:
+    """The step's groups in `updates` contiguous parts, as even as whole groups allow, then each
+    part dealt out over the `shard = (rank, ranks)` data-parallel ranks: the updates are the same
+    whatever the layout (split per rank first, 6 groups on 2 ranks made updates of 2 and 4)."""
+    n, (rank, ranks) = len(groups), shard
+    return [groups[u * n // updates:(u + 1) * n // updates][rank::ranks] for u in range(updates)]
 
 
-def _plan_updates(groups, cfg, dp_group, device) -> list[_Update]:
+def _plan_updates(groups, cfg, dp_group, device, shard) -> list[_Update]:
     """Micro-batches per update (trainer.updates_per_step), and one gather of every rank's
     counts: each update runs as many micro-batches as the busiest rank's and is normalised by
     the tokens of all ranks."""
     tcfg, acfg = cfg.trainer, cfg.algo
     parts = [[b.to(device) for b in micro_batches(g, acfg.advantage, tcfg.micro_batch_tokens,
                                                   tcfg.share_prompts)]
-             for g in minibatches(groups, getattr(tcfg, "updates_per_step", 1))]
+             for g in minibatches(groups, getattr(tcfg, "updates_per_step", 1), shard)]
     counts = torch.tensor([x for bs in parts for x in (len(bs), sum(int(b.loss_mask_N.sum())
                                                                     for b in bs))])
     rows = gather_rows(counts, dp_group).view(-1, len(parts), 2)  # [ranks, updates, 2]
@@ -159,17 +161,20 @@ def _plan_updates(groups, cfg, dp_group, device) -> list[_Update]:
 
 
 def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, device,
-               version: int, ref_model=None, before_update=None) -> StepResult:
+               version: int, ref_model=None, before_update=None,
+               shard: tuple[int, int] = (0, 1)) -> StepResult:
     """Forward/backward over micro-batches, clip, and (if finite) an optimizer update, once per
     minibatch of the step's groups (`trainer.updates_per_step`, AReaL's PPO minibatches; 1 by
-    default); the LR schedule moves once per step. `before_update()` runs just before the
-    parameters first change (the weight sender waits there until the previous version has
-    left, so it streams while we compute)."""
+    default); the LR schedule moves once per step. `groups`: the step's, of which this rank
+    trains its `shard = (rank, ranks)` share of each minibatch (`minibatches`); with the default
+    (0, 1), all of them. `before_update()` runs just before the parameters first change (the
+    weight sender waits there until the previous version has left, so it streams while we
+    compute). `skipped`: no update was applied (every one non-finite)."""
     acfg, temp = cfg.algo, trainer_temperature(cfg.generator.temperature)
     if acfg.kl_coef > 0 and ref_model is None:
         raise ValueError(f"algo.kl_coef={acfg.kl_coef} but no reference model was given to the "
                          "trainer step (trainer.role.build_ref_model builds it)")
-    updates = _plan_updates(groups, cfg, dp_group, device)
+    updates = _plan_updates(groups, cfg, dp_group, device, shard)
     # pi_prox: the policy before the first update, for the losses that need it past that update
     if len(updates) > 1 and (acfg.loss == "decoupled_ppo" or
                              (acfg.loss == "ppo" and acfg.token_is != "none")):
@@ -192,7 +197,8 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     if applied:
         scheduler.step()
     grad_norm = float(torch.tensor(norms).max())  # non-finite if any update's was
-    return StepResult(stats, grad_norm, skipped=applied < len(updates), lr=lr)
+    # skipped only if the weights did not move: the guard aborts after K such steps in a row
+    return StepResult(stats, grad_norm, skipped=applied == 0, lr=lr)
 
 
 def _backward(model, up: _Update, acfg, temp, ref_model, stats: dict, version: int) -> None:

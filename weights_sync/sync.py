@@ -248,6 +248,7 @@ class WeightReceiver:
         receiver that waited on one sender before posting for the others could close a cycle of
         waits. Returns the ticket `finish` waits on."""
         t0 = time.perf_counter()
+        self.staged_version = None  # the staging is being overwritten: no earlier apply() may run
         heads = {s: torch.empty(1, dtype=torch.int64, device=self.device) for s in self.staging}
         works = []
         for src, flat in self.staging.items():
