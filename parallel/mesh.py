@@ -78,13 +78,17 @@ def shutdown_barrier(timeout_s: float, group=None) -> None:
     """Wait until every rank arrives, for at most `timeout_s`. On a gloo group (CPU) rank 0 names
     the ranks that did not arrive (monitored_barrier) and the others that rank 0 did not answer; a
     bare barrier's time-out says neither. torch has monitored_barrier for plain gloo groups only:
-    others ("cpu:gloo,cuda:nccl" on GPUs) take a barrier, bounded by the group's own timeout."""
+    others ("cpu:gloo,cuda:nccl" on GPUs) take a barrier under the group's timeout, set to
+    `timeout_s` first (warm-up over, it was parallel.timeout_s: the final export's longer wait
+    was cut to it)."""
     timeout = timedelta(seconds=timeout_s)
-    if dist.get_backend(group) != "gloo":
-        dist.barrier(group=group)
-        return
     try:
-        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        if dist.get_backend(group) != "gloo":
+            from torch.distributed.distributed_c10d import _set_pg_timeout  # no public API yet
+            _set_pg_timeout(timeout, group)
+            dist.barrier(group=group)
+        else:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
         raise TimeoutError(f"rank {dist.get_rank()}: the shutdown barrier (every rank of both meshes "
                            f"done) timed out after {timeout_s:g}s: {e}") from e

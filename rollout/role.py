@@ -11,7 +11,7 @@ from rollout.packed_linear import describe as describe_packing
 from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker, stop_token_ids
 from trainer.checkpointing import generator_state, read_extra, resume_path
-from trainer.link import Link
+from trainer.link import Link, PeerError
 from weights_sync.sync import describe_receiver, make_receiver, plan_between_meshes
 
 
@@ -111,6 +111,8 @@ def run_generator(cfg, meshes, tokenizer) -> None:
         if worker.evaluator is not None and path is None:
             worker.evaluate(0)  # the starting policy (a resumed run: at its swap)
         worker.run()
+    except PeerError:  # the trainer's own shutdown: it is gone, nobody to tell
+        raise
     except BaseException as e:
         if link is not None:
             link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}")

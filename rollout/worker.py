@@ -32,7 +32,7 @@ from rollout.engine import Completion, Engine, Request, SamplingParams
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import GenerationGate
-from trainer.link import Link, Msg
+from trainer.link import Link, Msg, PeerError
 
 
 def stop_token_ids(cfg, tokenizer) -> list[int]:
@@ -85,6 +85,10 @@ class GeneratorWorker:
         self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
         self.replica = replica
         self.on_first_swap = None
+        # swaps until the warm-up is over: the first version a trainer step of this process made
+        # (a resumed run first gets the resumed version back); until then a pause may last the
+        # trainer's first step (compile, model load): parallel.warmup_timeout_s
+        self.cold_swaps = 1
         self.evaluator = None  # rollout.evaluate.PeriodicEval on replica 0 with eval.every_steps
         self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
         self.awaiting = 0  # generate nothing until weights of this version are applied
@@ -99,6 +103,7 @@ class GeneratorWorker:
                                    n_started=state["started"] - len(inflight))
         self._redo = [(self.prompts.lookup([pid])[0], idx) for pid, idx in inflight]
         self.awaiting = version
+        self.cold_swaps = 2  # the resumed version, then the resumed trainer's first step's
 
     # ----- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -133,6 +138,9 @@ class GeneratorWorker:
             if mtype == Msg.WEIGHTS_READY:
                 self._swap(version, (payload or {}).get("dropped", 0))
             elif mtype == Msg.SHUTDOWN:
+                error = (payload or {}).get("error")
+                if error:  # the trainer failed: its cause, not a normal end and a barrier timeout
+                    raise PeerError(f"trainer shut the run down: {error}")
                 self.stop = True
                 preemption.stopping()  # a SIGTERM here has done its part
             elif mtype == Msg.CHECKPOINT:
@@ -165,7 +173,8 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         apply = self.receiver.receive(version)  # blocking (with timeout) into staging
         self.engine.load_weights(apply, version)  # atomic: between two engine steps
-        if self.on_first_swap is not None:
+        self.cold_swaps -= 1
+        if self.cold_swaps <= 0 and self.on_first_swap is not None:
             self.on_first_swap()  # warm-up is over: e.g. shorten collective timeouts
             self.on_first_swap = None
         self.version = version
@@ -191,9 +200,11 @@ class GeneratorWorker:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""
         t0 = time.perf_counter()
         if self.link is not None:
+            p = self.cfg.parallel
+            timeout = (max(p.timeout_s, p.warmup_timeout_s) if self.cold_swaps > 0 else None)
             self.link.wait_for({Msg.WEIGHTS_READY, Msg.SHUTDOWN, Msg.CHECKPOINT},
                                f"a new weight version after v{self.version} (generation is "
-                               f"paused by the staleness gate)", consume=False)
+                               f"paused by the staleness gate)", timeout_s=timeout, consume=False)
         self.stats["paused_s"] += time.perf_counter() - t0
 
     def _admit(self) -> None:

@@ -36,7 +36,8 @@ class _Link:
 
 
 def _worker(model, link):
-    cfg = ns(trainer=ns(prompts_per_step=2), parallel=ns(gen_dp=1), algo=ns(max_staleness=1),
+    cfg = ns(trainer=ns(prompts_per_step=2), algo=ns(max_staleness=1),
+             parallel=ns(gen_dp=1, timeout_s=10.0, warmup_timeout_s=100.0),
              generator=ns(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
                           n_samples=2, stop_token_ids=[], ignore_eos=True, seed=0))
     items = [PromptItem(id=i, prompt=f"p{i}", messages=None, answer="") for i in range(10)]
@@ -122,7 +123,7 @@ class _TrainerLink:
     def send(self, dst, kind, version, payload=None):
         self.sent.append((kind, version))
 
-    def flush(self):
+    def flush(self, timeout_s=None):
         pass
 
 
@@ -275,3 +276,70 @@ def test_step_times_add_up_to_the_wall_time(tmp_path):
     times = [r["time_step_s"] for r in rows]
     assert len(times) == 3 and all(t >= 0.3 for t in times[1:])  # the previous row's 0.3 s
     assert sum(times) == pytest.approx(wall - 0.3, abs=0.05)  # all but the last row's logging
+
+
+def test_the_generator_waits_out_the_trainers_first_step(model):
+    """A generator with its staleness window full waits for the next weights: until the first
+    version a trainer step of this process made, with parallel.warmup_timeout_s (the trainer is
+    loading, compiling, taking its first step; with timeout_s a compiling trainer failed the run
+    at its first step), then timeout_s; a resumed run first gets the resumed version back."""
+    waits, shortened = [], []
+    link = _Link()
+    link.wait_for = lambda types, what, timeout_s=None, consume=True: waits.append(timeout_s)
+    w = _worker(model, link)
+    w.on_first_swap = lambda: shortened.append(w.version)
+    w._pause()
+    w._swap(1)
+    w._pause()
+    assert waits == [100.0, None] and shortened == [0]  # called inside the swap of v1
+    resumed = _worker(model, link)
+    resumed.on_first_swap = lambda: shortened.append(resumed.version)
+    resumed.resume(w._cut(), 1)
+    resumed._swap(1)  # the resumed weights, back from the trainer
+    resumed._pause()
+    resumed._swap(2)  # the resumed trainer's first step
+    resumed._pause()
+    assert waits[2:] == [100.0, None] and shortened == [0, 1]
+
+
+def test_a_trainer_shutdown_with_an_error_fails_the_generator_with_its_cause(model):
+    """The trainer's failure reaches the generator as a SHUTDOWN carrying the error: it was taken
+    for a normal end (the run then failed later, at the shutdown barrier, without the cause)."""
+    from trainer.link import PeerError
+    w = _worker(model, _Link())
+    with pytest.raises(PeerError, match="trainer shut the run down: trainer rank 1: boom"):
+        w._handle([Message(Msg.SHUTDOWN, -1, 0, {"error": "trainer rank 1: boom"})])
+    w._handle([Message(Msg.SHUTDOWN, 3, 0)])  # the normal end
+    assert w.stop
+
+
+def test_the_trainers_batch_timeout_names_an_evaluation_under_way():
+    import time
+    from trainer.worker import TrainerWorker
+    note = TrainerWorker._evaluating_note(ns(evaluating=(2, 4, time.monotonic() - 7)))
+    assert note.startswith("; generator rank 2 has been evaluating v4 for 7s") and "eval.num_prompts" in note
+    assert TrainerWorker._evaluating_note(ns(evaluating=None)) == ""
+
+
+def test_a_checkpoint_cut_waits_one_deadline_for_all_replies():
+    """The cut's wait for the generators' replies had a fresh timeout_s per message that arrived
+    meanwhile (groups, acks): one deadline for them all now."""
+    from trainer.checkpointing import gather_cut
+    budgets = []
+    inbox = [Message(Msg.TRAJECTORIES, 0, 2, []), Message(Msg.ACK, 0, 2, {}),
+             Message(Msg.CHECKPOINT, 2, 2, {"started": 4})]
+
+    class CutLink(_Link):
+        timeout_s = 10.0
+
+        def wait_for(self, types, what, timeout_s=None, **kw):
+            import time
+            time.sleep(0.05)
+            budgets.append(timeout_s)
+            return inbox.pop(0)
+
+        def put_back(self, msgs):
+            pass
+    replies, before = gather_cut(CutLink(), [2], 2)
+    assert replies == {2: {"started": 4}} and len(before) == 2
+    assert budgets[0] <= 10.0 and budgets[0] > budgets[1] > budgets[2] > 9.5

@@ -187,10 +187,12 @@ def gather_cut(link, leaders: list[int], step: int) -> tuple[dict[int, object], 
     for leader in leaders:
         link.send(leader, Msg.CHECKPOINT, step)
     replies, before, after = {}, [], []
+    deadline = time.monotonic() + link.timeout_s  # one for all replies, not one per message
     while len(replies) < len(leaders):
         # every type a generator sends (a SHUTDOWN raises): the queue's order is the send order
         m = link.wait_for({Msg.CHECKPOINT, Msg.TRAJECTORIES, Msg.ACK, Msg.STOP, Msg.STATS, Msg.EVALUATING},
-                          f"generator states for checkpoint {step} (from {sorted(set(leaders) - set(replies))})")
+                          f"generator states for checkpoint {step} (from {sorted(set(leaders) - set(replies))})",
+                          timeout_s=max(deadline - time.monotonic(), 0.0))
         if m.src in replies:
             after.append(m)
         elif m.type == Msg.CHECKPOINT:
@@ -247,12 +249,18 @@ def keep_config_hyperparameters(opt, sched, fresh: list[dict]) -> None:
     checkpoint's (which `load_state_dict` restores with the state): lr, betas, eps, weight decay
     and the kernel choice (`fused`: FSDP's optimizer was fused, a TP one cannot be; resumed as
     fused, its first step failed). The schedule keeps its position, from the config's lr."""
+    import torch
     for group, mine in zip(opt.param_groups, fresh):
         group.update({k: v for k, v in mine.items() if k not in ("lr", "initial_lr")})
         group["initial_lr"] = mine.get("initial_lr", mine["lr"])
     sched.base_lrs = [g["initial_lr"] for g in opt.param_groups]
     for group, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
         group["lr"] = base * fn(sched.last_epoch)
+        if group.get("fused"):  # a non-fused checkpoint left its step counts on the CPU
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(p.device, torch.float32)
     sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 

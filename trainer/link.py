@@ -125,14 +125,15 @@ class Link:
         while len(self._sends) > self.max_in_flight:
             self._wait_send()
 
-    def _wait_send(self) -> None:
+    def _wait_send(self, timeout_s: float | None = None) -> None:
         work, _, dst, type = self._sends.popleft()
-        self._wait(work, f"rank {dst} to receive a {type.name} message")
+        self._wait(work, f"rank {dst} to receive a {type.name} message", timeout_s)
 
-    def flush(self) -> None:
-        """Wait until every message sent so far has been received."""
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every message sent so far has been received, each for at most `timeout_s`
+        (None: the link's)."""
         while self._sends:
-            self._wait_send()
+            self._wait_send(timeout_s)
 
     # ----- receiving --------------------------------------------------------------------------
     def _receive_published(self) -> None:
@@ -251,19 +252,26 @@ class Link:
                 self._waiter = False
         return self._waiter or None
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+            work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
             if "imed out" in str(e):
-                raise TimeoutError(f"rank {self.rank} timed out after {self.timeout_s:.0f}s waiting "
+                raise TimeoutError(f"rank {self.rank} timed out after {timeout_s:.0f}s waiting "
                                    f"for {what} ({e})") from None
             raise ConnectionError(f"rank {self.rank} lost its peer while waiting for {what} ({e})") from None
 
-    def broadcast_shutdown(self, error: str | None = None) -> None:
-        """Best effort: tell every peer to stop (with the cause), without waiting long."""
+    def broadcast_shutdown(self, error: str | None = None, timeout_s: float = 5.0) -> None:
+        """Best effort: tell every peer to stop (with the cause), waiting at most `timeout_s` a
+        peer for it to arrive: a process that exits right after would take the message's body
+        with it (the peer then failed on the missing body, without the cause)."""
         for p in self.peers:
             try:
                 self.send(p, Msg.SHUTDOWN, -1, {"error": error} if error else None)
             except Exception:
                 pass
+        try:
+            self.flush(timeout_s)
+        except Exception:
+            self._sends.clear()  # a dead or busy peer: the cause goes to the log instead

@@ -121,10 +121,9 @@ class TrainerWorker:
             self._stop()
             return
         t_wait = time.perf_counter() - t0
-        mine = groups[self.dp_rank::self.dp]
-        res = train_step(self.model, self.opt, self.sched, mine, self.cfg, self.dp_group,
+        res = train_step(self.model, self.opt, self.sched, groups, self.cfg, self.dp_group,
                          self.meshes.device, self.version, self.ref_model,
-                         before_update=self.sender.wait_sent)
+                         before_update=self.sender.wait_sent, shard=(self.dp_rank, self.dp))
         self._check_finite(res)
         if not self.warm:
             self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
@@ -224,13 +223,24 @@ class TrainerWorker:
                 raise TimeoutError(
                     f"trainer rank 0 waited {timeout:.0f}s for {B} prompt groups at version "
                     f"{self.version} from generator ranks {self.leaders}; buffer holds "
-                    f"{len(self.buffer)} groups, stats {self.buffer.stats()}")
+                    f"{len(self.buffer)} groups, stats {self.buffer.stats()}"
+                    + self._evaluating_note())
             try:  # in slices, for the heartbeat and a SIGTERM; the deadline decides when to give up
                 m = self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK, Msg.STOP}, f"{B} prompt groups for "
                                        f"step {self.step}", timeout_s=min(left, beat.beat(), 1.0))
             except TimeoutError:
                 continue
             self._on_message(m)
+
+    def _evaluating_note(self) -> str:
+        """Why a replica ships nothing, where it is evaluating (eval.every_steps)."""
+        if self.evaluating is None:
+            return ""
+        rank, version, since = self.evaluating
+        return (f"; generator rank {rank} has been evaluating v{version} for "
+                f"{time.monotonic() - since:.0f}s (an evaluation must finish within "
+                "parallel.timeout_s: lower eval.num_prompts or eval.max_new_tokens, or raise "
+                "parallel.timeout_s)")
 
     def _waiting_line(self, B: int) -> str:
         return waiting_line(self.step, B, self.leaders, len(self.buffer), self.evaluating,
@@ -255,7 +265,10 @@ class TrainerWorker:
         if self.is_owner:
             for leader in self.leaders:
                 self.link.send(leader, Msg.SHUTDOWN, self.version)
-            self.link.flush()
+            # replica 0 evaluates the final version before it reads this (eval.every_steps):
+            # the start-up budget, as for the barrier after the final export
+            p = self.cfg.parallel
+            self.link.flush(max(p.timeout_s, p.warmup_timeout_s))
         self.sender.close()
 
     # ----- bookkeeping ----------------------------------------------------------------------
