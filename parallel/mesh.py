@@ -132,14 +132,25 @@ class Meshes:
 
     def shorten_timeouts(self, seconds: float) -> None:
         """After warm-up (model load, compile, first step), collectives of this rank's groups wait
-        at most `seconds` (parallel.timeout_s) instead of the start-up timeout."""
+        at most `seconds` (parallel.timeout_s) instead of the start-up timeout. Twice that in the
+        groups where ranks wait for their leader's decisions (trainer rank 0's batch broadcast,
+        a generator TP group's message broadcast), while the leader itself waits up to `seconds`
+        on the other mesh: its error, which it sends them, comes first (at equal timeouts they
+        failed with a bare gloo time-out, and torchrun's teardown could cut the leader's off)."""
         from torch.distributed.distributed_c10d import _set_pg_timeout  # no public API yet
-        groups = [None, self.trainer_group, self.generator_group, self.weights_group]
+        groups = [None, self.generator_group, self.weights_group]
         for mesh in (self.trainer, self.generator):
             if mesh is not None:
-                groups += [mesh.get_group(name) for name in mesh.mesh_dim_names]
+                groups += [mesh.get_group(name) for name in mesh.mesh_dim_names
+                           if (mesh is self.trainer or name != "tp")]
         for g in groups:  # None is the default group
             _set_pg_timeout(timedelta(seconds=seconds), g)
+        followers = [self.trainer_group]
+        if self.generator is not None:
+            followers.append(self.generator.get_group("tp"))
+        for g in followers:
+            if g is not None:
+                _set_pg_timeout(timedelta(seconds=2 * seconds), g)
 
     @property
     def role(self) -> str:

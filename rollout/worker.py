@@ -57,6 +57,10 @@ def replica_share(batch_groups: int, dp: int, replica: int) -> int:
     return batch_groups // dp + (1 if replica < batch_groups % dp else 0)
 
 
+# the message type a TP leader broadcasts when it fails while its followers wait for messages
+_LEADER_FAILED = -1
+
+
 @dataclass
 class _Pending:
     """One prompt group on its way: completions, then reward futures."""
@@ -129,6 +133,8 @@ class GeneratorWorker:
             return msgs
         box = [[(int(m.type), m.version, m.payload) for m in msgs]]
         dist.broadcast_object_list(box, group_src=0, group=self.tp_group)
+        if box[0] and box[0][0][0] == _LEADER_FAILED:
+            raise PeerError(f"this TP group's leader failed: {box[0][0][2]['error']}")
         return box[0] if self.link is None else msgs
 
     def _handle(self, msgs) -> None:
@@ -202,9 +208,15 @@ class GeneratorWorker:
         if self.link is not None:
             p = self.cfg.parallel
             timeout = (max(p.timeout_s, p.warmup_timeout_s) if self.cold_swaps > 0 else None)
-            self.link.wait_for({Msg.WEIGHTS_READY, Msg.SHUTDOWN, Msg.CHECKPOINT},
-                               f"a new weight version after v{self.version} (generation is "
-                               f"paused by the staleness gate)", timeout_s=timeout, consume=False)
+            try:
+                self.link.wait_for({Msg.WEIGHTS_READY, Msg.SHUTDOWN, Msg.CHECKPOINT},
+                                   f"a new weight version after v{self.version} (generation is "
+                                   f"paused by the staleness gate)", timeout_s=timeout, consume=False)
+            except Exception as e:  # TP followers wait in the next poll's broadcast: the cause
+                if self.tp_group is not None:
+                    box = [[(_LEADER_FAILED, -1, {"error": f"{type(e).__name__}: {e}"})]]
+                    dist.broadcast_object_list(box, group_src=0, group=self.tp_group)
+                raise
         self.stats["paused_s"] += time.perf_counter() - t0
 
     def _admit(self) -> None:

@@ -343,3 +343,71 @@ def test_a_checkpoint_cut_waits_one_deadline_for_all_replies():
     replies, before = gather_cut(CutLink(), [2], 2)
     assert replies == {2: {"started": 4}} and len(before) == 2
     assert budgets[0] <= 10.0 and budgets[0] > budgets[1] > budgets[2] > 9.5
+
+
+def _leader_fails(rank, world):
+    """Trainer rank 0 and a generator TP leader fail while waiting on the other mesh; their
+    followers wait for them in a broadcast. What each rank raises."""
+    import torch.distributed as dist
+    from trainer.link import PeerError
+    from trainer.worker import TrainerWorker
+    out = {}
+
+    def collect():
+        raise TimeoutError("trainer rank 0 waited 10s for 4 prompt groups")
+    trainer = ns(is_owner=rank == 0, _collect=collect,
+                 meshes=ns(dims=ns(trainer_rank_list=[0]), trainer_group=dist.group.WORLD))
+    gen_link = ns(wait_for=lambda *a, **k: (_ for _ in ()).throw(
+        TimeoutError("rank 0 timed out after 10s waiting for a new weight version")))
+    gen = ns(link=gen_link if rank == 0 else None, tp_group=dist.group.WORLD, cold_swaps=0,
+             cfg=ns(parallel=ns(timeout_s=10.0, warmup_timeout_s=20.0)), stats={"paused_s": 0.0},
+             version=3)
+    for name, call in (("trainer", lambda: TrainerWorker._take_batch(trainer)),
+                       ("generator", lambda: (GeneratorWorker._pause(gen),
+                                              GeneratorWorker._poll(gen)))):
+        try:
+            call()
+            out[name] = "no error"
+        except (TimeoutError, PeerError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_followers_fail_with_their_leaders_cause():
+    """The ranks that wait for a leader's decisions (trainer ranks in the batch broadcast, TP
+    followers in the message broadcast) timed out with a bare gloo error, at the same moment as
+    the leader's own, named one or before it. The leader now sends them its error."""
+    from tests.dist import run_ranks
+    leader, follower = run_ranks(_leader_fails, 2, timeout=60)
+    assert leader["trainer"].startswith("TimeoutError: trainer rank 0 waited 10s")
+    assert follower["trainer"] == ("PeerError: trainer rank 0 failed: TimeoutError: trainer rank 0 "
+                                   "waited 10s for 4 prompt groups")
+    assert leader["generator"].startswith("TimeoutError: rank 0 timed out")
+    assert follower["generator"].startswith("PeerError: this TP group's leader failed: "
+                                            "TimeoutError: rank 0 timed out after 10s")
+
+
+def _late_owner(rank, world):
+    import time
+    import torch
+    from config import load_config
+    from parallel.dims import ParallelDims
+    from parallel.mesh import build_meshes
+    from trainer.worker import broadcast_json
+    cfg = load_config(None, ["--parallel.generator_ranks=1"]).resolve(world)
+    meshes = build_meshes(ParallelDims.from_config(cfg.parallel, world), torch.device("cpu"))
+    meshes.shorten_timeouts(1.0)
+    got = "generator"
+    if meshes.role == "trainer":
+        if rank == 0:
+            time.sleep(1.6)  # the owner waited (up to timeout_s) for the generators' groups
+        got = broadcast_json({"step": 1} if rank == 0 else None, 0, meshes.trainer_group)
+    meshes.shorten_timeouts(60.0)  # the harness's barrier: the ranks come at different times
+    return got
+
+
+def test_trainer_ranks_wait_longer_for_the_owner_than_it_waits_for_the_generators():
+    """After warm-up the groups wait timeout_s, the trainer group twice that: its ranks wait for
+    trainer rank 0's batch while rank 0 waits up to timeout_s for the generators."""
+    from tests.dist import run_ranks
+    assert run_ranks(_late_owner, 3, timeout=60) == [{"step": 1}, {"step": 1}, "generator"]

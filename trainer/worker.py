@@ -188,11 +188,17 @@ class TrainerWorker:
     def _take_batch(self) -> list[Group] | None:
         """The step's groups on every trainer rank, or None (and `stopped` set) when the owner
         was asked to stop: its decision travels in this broadcast, which every step has."""
-        groups = None
+        groups, owner = None, self.meshes.dims.trainer_rank_list[0]
         if self.is_owner:
-            got = self._collect()
+            try:
+                got = self._collect()
+            except Exception as e:  # the other trainer ranks wait in this broadcast: the cause
+                broadcast_json({"error": f"{type(e).__name__}: {e}"}, owner, self.meshes.trainer_group)
+                raise
             groups = self._stop_decision() if got is None else [g.to_dict() for g in got]
-        groups = broadcast_json(groups, self.meshes.dims.trainer_rank_list[0], self.meshes.trainer_group)
+        groups = broadcast_json(groups, owner, self.meshes.trainer_group)
+        if isinstance(groups, dict) and "error" in groups:  # (they wait twice as long: mesh.py)
+            raise PeerError(f"trainer rank {owner} failed: {groups['error']}")
         if isinstance(groups, dict):
             self.stopped = groups
             return None
