@@ -68,8 +68,8 @@ class ParallelConfig:
     backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
     ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC), or on the same host's CPUs (cpu_shm): staging buffers per pair. 0 = zero copy: the generator reads the trainer's shards directly (no staging memory, fastest; the trainer's next update waits until the generator has read the version); 2 = double buffering.", ge=0)
     cpu_shm: bool = _f(True, "Weight sync between CPU ranks on the same host through a shared-memory file (the protocol of ipc_buffers) instead of gloo over TCP loopback. false = gloo, e.g. for containers on one host that do not share /dev/shm.")
-    timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds (a weight version's transfer to or from all of a rank's peers shares one); also how long a rank that got SIGTERM waits for the run to stop at a step boundary before it exits (launch/preemption.py).", gt=0)
-    warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile), in seconds.", gt=0)
+    timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds (a weight version's transfer to or from all of a rank's peers shares one; ranks waiting for their mesh leader's decisions wait twice as long, so that the leader's error reaches them first); also how long a rank that got SIGTERM waits for the run to stop at a step boundary before it exits (launch/preemption.py).", gt=0)
+    warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile; the generators wait for that step's weights as long), and for the end (the final evaluation and export), in seconds.", gt=0)
 
 
 @dataclass
