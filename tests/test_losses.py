@@ -699,3 +699,16 @@ def test_a_step_with_a_nonfinite_update_among_others_is_not_skipped():
     res = S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                        everything_bad, _step_cfg("aipo", 2), None, "cpu", 0)
     assert res.skipped
+
+
+def test_a_masked_token_adds_nothing_even_where_its_ratio_overflows():
+    """token_is='mask' drops a token by weight 0; with A < 0 and pi/mu past float32's range its
+    surrogate is inf, and 0 * inf made the whole loss NaN (the step skipped)."""
+    logp = torch.tensor([0.0, -0.6], requires_grad=True)
+    mu = torch.tensor([-100.0, -0.6])  # pi/mu = e^100 on the first token
+    mask = torch.tensor([True, True])
+    weight = trainer.losses.token_is(logp, mu, "mask", 5.0)
+    out = ppo_clip_loss(logp, mu, torch.tensor([-1.0, -1.0]), mask, 0.2, is_weight_N=weight)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and out.loss_sum.item() == pytest.approx(1.0)
+    assert logp.grad.tolist() == [0.0, pytest.approx(1.0)]

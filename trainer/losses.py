@@ -143,9 +143,11 @@ def ppo_clip_loss(logp_N: Tensor, logp_old_N: Tensor, adv_N: Tensor, mask_N: Ten
     1
     """
     mask_N = mask_N.bool()
-    u_N = torch.where(mask_N, logp_N - logp_old_N, 0.0).exp()
+    weight_N = torch.ones_like(logp_N) if is_weight_N is None else is_weight_N.detach()
+    # a token weighted 0 (token_is="mask") gets ratio 1, as a masked position: its surrogate
+    # overflowed where pi/mu passed float32's range, and 0 * inf made the step's loss NaN
+    u_N = torch.where(mask_N & (weight_N != 0), logp_N - logp_old_N, 0.0).exp()
     surrogate_N = torch.minimum(u_N * adv_N, u_N.clamp(1 - eps, 1 + eps) * adv_N)
-    weight_N = torch.ones_like(u_N) if is_weight_N is None else is_weight_N.detach()
     loss_N = -weight_N * surrogate_N
     u_N = u_N.detach()
     clipped_N = ((u_N > 1 + eps) & (adv_N > 0)) | ((u_N < 1 - eps) & (adv_N < 0))
