@@ -104,6 +104,7 @@ def run_generator(cfg, meshes, tokenizer) -> None:
         state = generator_state(extra, replica)
         if state is not None:
             worker.resume(state, start)
+        worker.cold_swaps = 2  # the resumed version, then the resumed trainer's first step's
     if replica == 0:
         worker.evaluator = build_eval(cfg, engine, tokenizer, rewards, writer=tp_rank == 0,
                                       start_version=start)
@@ -115,7 +116,8 @@ def run_generator(cfg, meshes, tokenizer) -> None:
         raise
     except BaseException as e:
         if link is not None:
-            link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}")
+            link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}",
+                                    announce=not isinstance(e, KeyboardInterrupt))
         raise
     finally:
         if worker.evaluator is not None:

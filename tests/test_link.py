@@ -47,19 +47,27 @@ def test_wait_times_out_naming_peer_and_what():
 
 
 def _shutdown(rank, world):
+    import contextlib
+    import io
     link = Link(rank, [1 - rank], timeout_s=30)
+    said = io.StringIO()
     if rank == 1:
-        link.broadcast_shutdown("trainer rank 1: loss is NaN")
-        link.flush()
+        with contextlib.redirect_stderr(said):
+            link.broadcast_shutdown("trainer rank 1: loss is NaN")  # waits until it arrived
+            link.broadcast_shutdown("KeyboardInterrupt", announce=False)
     else:
         with pytest.raises(PeerError, match="rank 1 shut down while rank 0 waited for trajectories: "
                                             "trainer rank 1: loss is NaN"):
             link.wait_for(Msg.TRAJECTORIES, "trajectories")
-    return {}
+        link.wait_for(Msg.SHUTDOWN, "the second")
+    return said.getvalue()
 
 
 def test_shutdown_with_error_reaches_the_peer():
-    run_ranks(_shutdown, 2, timeout=60)
+    """The cause travels with the SHUTDOWN, and the sender prints it first: torchrun's teardown
+    (SIGTERM, as its followers exit with the cause) could end it before its own traceback."""
+    said = run_ranks(_shutdown, 2, timeout=60)[1]
+    assert said == "error (rank 1): trainer rank 1: loss is NaN\n"  # once: not the Ctrl-C one
 
 
 def test_a_blocked_wait_does_not_hold_up_other_threads_store_calls():

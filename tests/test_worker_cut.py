@@ -187,7 +187,9 @@ def test_a_resumed_trainer_warms_up_like_a_fresh_one(tmp_path):
     folder = make_rl_model(tmp_path / "m")
     out = run_ranks(_resumed_trainer, 1, folder, str(tmp_path / "run"), timeout=300)[0]
     assert "waited 900s for 2 prompt groups at version 3" in out["first_wait"]
-    assert out["shortened"] == [(7.0, 3)]  # after the first step of this process, before step 4
+    # after the first step of this process (before step 4); at the end the start-up budget again
+    # on every trainer rank, for the final evaluation and export (rank 0 alone waited for them)
+    assert out["shortened"] == [(7.0, 3), (900.0, 5)]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 5]
     used = out["used"]  # in the warm-up: each step's lr differs from the next one's

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -262,10 +263,15 @@ class Link:
                                    f"for {what} ({e})") from None
             raise ConnectionError(f"rank {self.rank} lost its peer while waiting for {what} ({e})") from None
 
-    def broadcast_shutdown(self, error: str | None = None, timeout_s: float = 5.0) -> None:
+    def broadcast_shutdown(self, error: str | None = None, timeout_s: float = 5.0,
+                           announce: bool = True) -> None:
         """Best effort: tell every peer to stop (with the cause), waiting at most `timeout_s` a
         peer for it to arrive: a process that exits right after would take the message's body
-        with it (the peer then failed on the missing body, without the cause)."""
+        with it (the peer then failed on the missing body, without the cause). `announce`: print
+        the error first, in case that wait ends in torchrun's teardown (SIGTERM) before this
+        rank's traceback (not for Ctrl-C, which prints one line for the whole run)."""
+        if error and announce:
+            print(f"error (rank {self.rank}): {error}", file=sys.stderr, flush=True)
         for p in self.peers:
             try:
                 self.send(p, Msg.SHUTDOWN, -1, {"error": error} if error else None)

@@ -109,8 +109,13 @@ class TrainerWorker:
             raise
         except BaseException as e:
             if self.link is not None:
-                self.link.broadcast_shutdown(f"trainer rank {self.meshes.rank}: {type(e).__name__}: {e}")
+                self.link.broadcast_shutdown(f"trainer rank {self.meshes.rank}: {type(e).__name__}: {e}",
+                                             announce=not isinstance(e, KeyboardInterrupt))
             raise
+        # the end takes the start-up budget on every trainer rank: rank 0 waits for replica 0's
+        # final evaluation before the others meet it in the final export's collectives
+        p = self.cfg.parallel
+        self.meshes.shorten_timeouts(max(p.timeout_s, p.warmup_timeout_s))
         self._shutdown_generators()
 
     def _one_step(self) -> None:
