@@ -54,12 +54,10 @@ def _shutdown(rank, world):
     if rank == 1:
         with contextlib.redirect_stderr(said):
             link.broadcast_shutdown("trainer rank 1: loss is NaN")  # waits until it arrived
-            link.broadcast_shutdown("KeyboardInterrupt", announce=False)
     else:
         with pytest.raises(PeerError, match="rank 1 shut down while rank 0 waited for trajectories: "
                                             "trainer rank 1: loss is NaN"):
             link.wait_for(Msg.TRAJECTORIES, "trajectories")
-        link.wait_for(Msg.SHUTDOWN, "the second")
     return said.getvalue()
 
 
@@ -67,7 +65,18 @@ def test_shutdown_with_error_reaches_the_peer():
     """The cause travels with the SHUTDOWN, and the sender prints it first: torchrun's teardown
     (SIGTERM, as its followers exit with the cause) could end it before its own traceback."""
     said = run_ranks(_shutdown, 2, timeout=60)[1]
-    assert said == "error (rank 1): trainer rank 1: loss is NaN\n"  # once: not the Ctrl-C one
+    assert said == "error (rank 1): trainer rank 1: loss is NaN\n"
+
+
+def test_a_ctrl_c_shutdown_prints_nothing_of_its_own(capsys):
+    """Ctrl-C prints one line for the whole run (train_rl.py): the broadcast stays silent."""
+    from collections import deque
+    link = Link.__new__(Link)
+    link.rank, link.peers, link._sends = 1, [], deque()
+    link.broadcast_shutdown("trainer rank 1: KeyboardInterrupt: ", announce=False)
+    assert capsys.readouterr().err == ""
+    link.broadcast_shutdown("trainer rank 1: RuntimeError: boom")
+    assert capsys.readouterr().err == "error (rank 1): trainer rank 1: RuntimeError: boom\n"
 
 
 def test_a_blocked_wait_does_not_hold_up_other_threads_store_calls():
