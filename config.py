@@ -624,6 +624,12 @@ DERIVED = ("parallel.generator_ranks", "parallel.gen_dp", "parallel.trainer_fsdp
            "algo.buffer_capacity", "model.ref_path", "run.dir")
 
 
+def warmup_budget_s(p) -> float:
+    """How long a wait that spans the start-up, a first step or the run's end may take: the
+    longer of `parallel` section `p`'s timeout_s and warmup_timeout_s."""
+    return max(p.timeout_s, p.warmup_timeout_s)
+
+
 def value_of(cfg: Config, key: str):
     """The value of the key "section.name" in `cfg`."""
     section, name = key.split(".")

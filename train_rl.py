@@ -13,7 +13,8 @@ import sys
 import time
 import traceback
 
-from config import USAGE, ConfigError, help_requested, help_text, resolve_config, prints
+from config import (USAGE, ConfigError, help_requested, help_text, prints, resolve_config,
+                    warmup_budget_s)
 
 _STARTED = False  # process groups exist: every rank reports its own errors from here on
 # Before process groups, a rank other than 0 waits this long for rank 0 to print the error they
@@ -82,7 +83,7 @@ def _run_role(cfg, dims, tokenizer) -> None:
         run_generator(cfg, meshes, tokenizer)
     # both meshes are done; the trainer exports the final policy before it arrives, which takes
     # as long as a model load: the start-up timeout, not the per-step one
-    shutdown_barrier(max(cfg.parallel.timeout_s, cfg.parallel.warmup_timeout_s))
+    shutdown_barrier(warmup_budget_s(cfg.parallel))
     # every rank is done: the first to exit makes torchrun SIGTERM the others (and the pid-file
     # check would then find a rank gone), so from here SIGTERM is ignored and each rank exits
     # with its own code

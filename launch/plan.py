@@ -240,12 +240,13 @@ def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:
     reference (algo.kl_coef > 0), its updates per step and whether its loss needs pi_prox, its
     FSDP units and compute dtype."""
     from parallel.dims import resolve_fsdp_units
+    from trainer.step import needs_prox
     a = cfg.algo
     wl = dict(master_dtype=cfg.model.dtype, share_prompts=cfg.trainer.share_prompts,
               stack_weights=cfg.generator.stack_weights,
               max_prompt_len=max(cfg.data.max_prompt_len, prompt_len),
               kl_reference=a.kl_coef > 0, updates=cfg.trainer.updates_per_step,
-              prox_loss=a.loss == "decoupled_ppo" or (a.loss == "ppo" and a.token_is != "none"))
+              prox_loss=needs_prox(a))
     cl = dict(fsdp_units=resolve_fsdp_units(cfg.parallel.fsdp_units, device_type),
               compute_bytes=compute_dtype_of(cfg, device_type).itemsize)
     return wl, cl

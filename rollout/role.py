@@ -101,10 +101,7 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     if path is not None:
         extra = read_extra(path)
         start = extra["version"]
-        state = generator_state(extra, replica)
-        if state is not None:
-            worker.resume(state, start)
-        worker.cold_swaps = 2  # the resumed version, then the resumed trainer's first step's
+        worker.resume(generator_state(extra, replica), start)
     if replica == 0:
         worker.evaluator = build_eval(cfg, engine, tokenizer, rewards, writer=tp_rank == 0,
                                       start_version=start)

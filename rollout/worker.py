@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from config import warmup_budget_s
 from launch import preemption
 from launch.faults import maybe_kill
 from rollout.engine import Completion, Engine, Request, SamplingParams
@@ -98,16 +99,19 @@ class GeneratorWorker:
         self.awaiting = 0  # generate nothing until weights of this version are applied
         self.stop_passed = False  # this rank's SIGTERM was passed on to the trainer
 
-    def resume(self, state: dict, version: int) -> None:
+    def resume(self, state: dict | None, version: int) -> None:
         """Restore the cut of a checkpoint (trainer/checkpointing.py): the cursor, then regenerate
-        the in-flight prompts first, with their original seeds, once version `version` arrives."""
+        the in-flight prompts first, with their original seeds, once version `version` arrives.
+        `state` None (a checkpoint without this replica's): only the resumed run's warm-up."""
+        self.cold_swaps = 2  # the resumed version, then the resumed trainer's first step's
+        if state is None:
+            return
         self.prompts.load_state_dict(state["cursor"])
         inflight = state["inflight"]
         self.gate = GenerationGate(self.share, self.cfg.algo.max_staleness,
                                    n_started=state["started"] - len(inflight))
         self._redo = [(self.prompts.lookup([pid])[0], idx) for pid, idx in inflight]
         self.awaiting = version
-        self.cold_swaps = 2  # the resumed version, then the resumed trainer's first step's
 
     # ----- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -206,8 +210,7 @@ class GeneratorWorker:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""
         t0 = time.perf_counter()
         if self.link is not None:
-            p = self.cfg.parallel
-            timeout = (max(p.timeout_s, p.warmup_timeout_s) if self.cold_swaps > 0 else None)
+            timeout = warmup_budget_s(self.cfg.parallel) if self.cold_swaps > 0 else None
             try:
                 self.link.wait_for({Msg.WEIGHTS_READY, Msg.SHUTDOWN, Msg.CHECKPOINT},
                                    f"a new weight version after v{self.version} (generation is "

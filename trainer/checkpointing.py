@@ -79,9 +79,10 @@ def check_resume(cfg) -> None:
             f"(checkpoint.resume={cfg.checkpoint.resume!r}): it would start over at step 0 and "
             f"overwrite {cfg.run.dir}'s metrics; resume it with --parallel.mode=split, or pass a "
             "new --run.dir")
-    step = 0 if start is None else read_extra(start)["step"]
+    extra = {"step": 0} if start is None else read_extra(start)
     if start is not None:
-        check_settings(cfg, start, read_extra(start))
+        check_settings(cfg, start, extra)
+    step = extra["step"]
     later = [d for s, d in complete_checkpoints(checkpoint_root(cfg)) if s > step]
     if later:
         raise ValueError(
@@ -97,12 +98,12 @@ def check_settings(cfg, path: Path, extra: dict) -> None:
     and a buffer that still fits its groups."""
     saved = extra.get("settings") or {"parallel.gen_dp": len(extra.get("generators") or {}) or None}
     now = settings_of(cfg)
-    changed = [f"{k}={now[k]} (the checkpoint's run: {v})" for k, v in saved.items()
-               if v is not None and now.get(k) != v]
+    changed = {k: v for k, v in saved.items() if v is not None and now.get(k) != v}
     if changed:
-        keep = " ".join(f"--{k}={v}" for k, v in saved.items() if v is not None and now.get(k) != v)
+        was = ", ".join(f"{k}={now[k]} (the checkpoint's run: {v})" for k, v in changed.items())
+        keep = " ".join(f"--{k}={v}" for k, v in changed.items())
         raise ValueError(
-            f"resuming {path} with {', '.join(changed)}: the generators' staleness gates, prompt "
+            f"resuming {path} with {was}: the generators' staleness gates, prompt "
             f"cursors and the buffer were counted in the old values, and a resume with others "
             f"waits forever or overfills the buffer. Resume with {keep}, or start a new --run.dir "
             "(its --model.path an HF export of this run to keep the weights)")

@@ -122,6 +122,12 @@ def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
     return losses.ppo_clip_loss(logp, prox, adv, m, eps=acfg.clip_eps, is_weight_N=weight)
 
 
+def needs_prox(acfg) -> bool:
+    """Whether `algo` section `acfg`'s loss reads pi_prox, the policy before a step's first
+    update (`_loss`): decoupled PPO, and PPO with token IS."""
+    return acfg.loss == "decoupled_ppo" or (acfg.loss == "ppo" and acfg.token_is != "none")
+
+
 @dataclass
 class _Update:
     """One optimizer update's micro-batches on this rank, and what all ranks agreed on."""
@@ -176,8 +182,7 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
                          "trainer step (trainer.role.build_ref_model builds it)")
     updates = _plan_updates(groups, cfg, dp_group, device, shard)
     # pi_prox: the policy before the first update, for the losses that need it past that update
-    if len(updates) > 1 and (acfg.loss == "decoupled_ppo" or
-                             (acfg.loss == "ppo" and acfg.token_is != "none")):
+    if len(updates) > 1 and needs_prox(acfg):
         for up in updates:
             up.prox = _prox_logps(model, up.batches, temp)
     stats, norms, applied = _zero_stats(), [], 0

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from config import warmup_budget_s
 from launch import preemption
 from launch.faults import maybe_kill
 from trainer import checkpointing
@@ -114,8 +115,7 @@ class TrainerWorker:
             raise
         # the end takes the start-up budget on every trainer rank: rank 0 waits for replica 0's
         # final evaluation before the others meet it in the final export's collectives
-        p = self.cfg.parallel
-        self.meshes.shorten_timeouts(max(p.timeout_s, p.warmup_timeout_s))
+        self.meshes.shorten_timeouts(warmup_budget_s(self.cfg.parallel))
         self._shutdown_generators()
 
     def _one_step(self) -> None:
@@ -218,7 +218,7 @@ class TrainerWorker:
         """B groups from the buffer, waiting for the generators; None once a stop is asked for."""
         B, timeout = self.cfg.trainer.prompts_per_step, self.cfg.parallel.timeout_s
         if not self.warm:
-            timeout = max(timeout, self.cfg.parallel.warmup_timeout_s)  # compile, first prefill
+            timeout = warmup_budget_s(self.cfg.parallel)  # compile, first prefill
         deadline = time.monotonic() + timeout
         beat = Heartbeat(lambda: self._waiting_line(B), enabled=self.cfg.logging.progress)
         while True:
@@ -278,8 +278,7 @@ class TrainerWorker:
                 self.link.send(leader, Msg.SHUTDOWN, self.version)
             # replica 0 evaluates the final version before it reads this (eval.every_steps):
             # the start-up budget, as for the barrier after the final export
-            p = self.cfg.parallel
-            self.link.flush(max(p.timeout_s, p.warmup_timeout_s))
+            self.link.flush(warmup_budget_s(self.cfg.parallel))
         self.sender.close()
 
     # ----- bookkeeping ----------------------------------------------------------------------
