@@ -15,8 +15,8 @@
 #   b   bench/rollout_vs_hf.py --gpu (GPU section only; HF's static cache left out: it compiles
 #       for a minute, and REFERENCES.md has its number from this machine): the rollout issue's
 #       >= 40k tok/s. HF's dynamic cache first, then our decode variants one by one (a failed
-#       one is reported, the others still run), each with its top kernels, kernels a step and
-#       the device's idle time (--profile): the compiled step with FlexAttention (the default
+#       one is reported, the others still run), each with its top kernels, kernels a step,
+#       the device's idle time and the engine's host phases it stalled in (--profile): the compiled step with FlexAttention (the default
 #       attention of generator.decode=compile on CUDA; 36.7k on 2026-12-04 with q|k|v stacked;
 #       gate|up are stacked too since session 31, not yet measured here), the same with q|k|v
 #       stacked only (qkvonly: the A/B of gate|up), the compiled step again with inductor's GEMM

@@ -14,7 +14,8 @@ GPU section (`--gpu`, only when CUDA is available): the 1.1B Llama shape of shar
 +256 tokens. Ours in each of `--modes` (CUDA graph, compiled, attention kernels: see
 `engines_by_mode`) vs HF generate with the default dynamic cache and with
 `cache_implementation="static"`; `--profile` adds each variant's top kernels, kernels and kernel
-time a decode step, and the device's idle time (`device_timeline`).
+time a decode step, the device's idle time (`device_timeline`), and the engine's host time by
+phase with the device's stalls during each (`host_phases`).
 
     .venv/bin/python bench/rollout_vs_hf.py [--gpu] [--repeats 3]
 
@@ -23,6 +24,7 @@ Prints human-readable lines, then one JSON line (`{"bench": "rollout_vs_hf", ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import tempfile
@@ -193,9 +195,10 @@ def profile_run(fn, device: str, label: str, top: int = 25, steps=None) -> dict:
     with profile(activities=acts) as prof:
         fn()
     key = "device_time_total" if device == "cuda" else "cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    rows = sorted((e for e in prof.key_averages() if not getattr(e, "is_user_annotation", False)),
+                  key=lambda e: getattr(e, key), reverse=True)  # labels repeat their ops' time
     if device == "cuda":  # kernels only: a host op's row repeats its kernels' time (aten::mm)
-        rows = [e for e in rows if e.device_type.name == "CUDA"] or rows
+        rows = [e for e in rows if _kernel(e)] or rows
     out = [{"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)}
            for e in rows[:top]]
     total = sum(getattr(e, key) for e in rows) / 1e3
@@ -209,37 +212,100 @@ def profile_run(fn, device: str, label: str, top: int = 25, steps=None) -> dict:
         res.update(kernels_per_step=round(calls / steps, 1), ms_per_step=round(total / steps, 4))
         print(f"  {label}: {steps} decode steps, {calls / steps:.1f} kernels and "
               f"{total / steps:.3f} ms of kernel time a step (prefill included)")
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type.name == "CUDA"]
+    events = prof.events()
+    spans = [(e.time_range.start, e.time_range.end) for e in events if _kernel(e)]
+    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
+              if e.name.startswith(PHASE) and e.device_type.name == "CPU"]
     if spans:
         res["timeline"] = device_timeline(spans)
         t = res["timeline"]
         print(f"  {label}: device busy {t['busy_ms']} of {t['span_ms']} ms; idle {t['idle_ms']} ms "
               f"of which {t['stall_ms']} ms in {t['stalls']} gaps of >= {STALL_US} us (waiting "
               f"for the host), the rest between kernels")
+    if phases:
+        res["host"] = host_phases(phases, spans)
+        print(f"  {label}: host time by engine phase, and the device's stalls while the host was "
+              f"in it (ms): " + ", ".join(f"{k} {v['host_ms']} ({v['calls']}x), stalled "
+                                          f"{v['stall_ms']}" for k, v in res["host"].items()))
     return res
+
+
+def _kernel(e) -> bool:
+    """A device event that is not a label's device-side range (which spans the label's kernels
+    and the gaps between them: `engine_phases`'s labels have one on CUDA)."""
+    return e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+
+
+PHASE = "engine."  # the record_function labels `engine_phases` puts on the engine's methods
+PHASE_METHODS = ("_harvest", "_prefill", "_copy_prefixes", "_start_samples", "_decode")
+
+
+@contextlib.contextmanager
+def engine_phases(engine: Engine):
+    """Label the engine's phases (harvest, prefill, prefix copies, first tokens, decode step) for
+    the profiler while the block runs, so that the device's stalls can be put on the host work
+    they waited for (`host_phases`); the engine itself carries no labels (its hot path)."""
+    from torch.profiler import record_function
+
+    def labelled(name, fn):
+        @functools.wraps(fn)
+        def call(*a, **kw):
+            with record_function(PHASE + name.lstrip("_")):
+                return fn(*a, **kw)
+        return call
+    for name in PHASE_METHODS:
+        setattr(engine, name, labelled(name, getattr(engine, name)))
+    try:
+        yield
+    finally:
+        for name in PHASE_METHODS:
+            delattr(engine, name)  # the class's methods again
+
+
+def host_phases(phases: list[tuple[str, float, float]], spans: list[tuple[float, float]]) -> dict:
+    """Per labelled host phase (name, start, end in us; phases do not nest): its calls and host
+    time, and how much of the device's stalls (gaps of >= STALL_US between kernel spans) fell
+    while the host was in it; the stalls outside every phase are "other" (the engine's Python
+    between phases, the bench's loop)."""
+    out: dict = {}
+    for name, a, b in phases:
+        row = out.setdefault(name[len(PHASE):], {"calls": 0, "host_ms": 0.0, "stall_ms": 0.0})
+        row["calls"] += 1
+        row["host_ms"] += (b - a) / 1e3
+    gaps = [(a, b) for a, b in idle_gaps(spans) if b - a >= STALL_US] if spans else []
+    outside = sum(g1 - g0 for g0, g1 in gaps)
+    for name, a, b in phases:
+        hit = sum(max(0.0, min(b, g1) - max(a, g0)) for g0, g1 in gaps)
+        out[name[len(PHASE):]]["stall_ms"] += hit / 1e3
+        outside -= hit
+    if gaps:
+        out["other"] = {"calls": 0, "host_ms": 0.0, "stall_ms": outside / 1e3}
+    return {k: {f: round(v, 3) for f, v in row.items()} for k, row in out.items()}
 
 
 STALL_US = 50  # a gap between kernels this long is the host, not the device's launch latency
 
 
+def idle_gaps(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) gaps between kernel (start, end) spans, overlapping spans merged."""
+    gaps, end = [], None
+    for a, b in sorted(spans):
+        if end is not None and a > end:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    return gaps
+
+
 def device_timeline(spans: list[tuple[float, float]]) -> dict:
     """Busy and idle time of the device over kernel (start, end) spans in us: idle time in the
     gaps of at least STALL_US (the device waited for the host) and in the shorter ones."""
-    spans = sorted(spans)
-    busy = idle = stall = 0.0
-    stalls, end = 0, spans[0][0]
-    for a, b in spans:
-        gap = a - end
-        if gap > 0:
-            idle += gap
-            if gap >= STALL_US:
-                stall, stalls = stall + gap, stalls + 1
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
+    gaps = idle_gaps(spans)
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    idle = sum(b - a for a, b in gaps)
+    stalls = [b - a for a, b in gaps if b - a >= STALL_US]
     r3 = lambda us: round(us / 1e3, 3)  # noqa: E731
-    return {"span_ms": r3(end - spans[0][0]), "busy_ms": r3(busy), "idle_ms": r3(idle),
-            "stall_ms": r3(stall), "stalls": stalls}
+    return {"span_ms": r3(span), "busy_ms": r3(span - idle), "idle_ms": r3(idle),
+            "stall_ms": r3(sum(stalls)), "stalls": len(stalls)}
 
 
 def cpu_section(repeats: int, modes: tuple = ("eager", "compile")) -> dict:
@@ -322,8 +388,9 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
             if "failed" in res[k]:
                 continue
             try:
-                res["profile"][k] = profile_run(fns[k], device, k,
-                                                steps=lambda e=e: e.stats.decode_steps)
+                with engine_phases(e):
+                    res["profile"][k] = profile_run(fns[k], device, k,
+                                                    steps=lambda e=e: e.stats.decode_steps)
             except Exception as err:  # noqa: BLE001
                 print(f"  profile failed: {type(err).__name__}: {err}")
                 res["profile"][k] = f"failed: {type(err).__name__}: {err}"

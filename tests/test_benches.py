@@ -27,6 +27,9 @@ def test_rollout_gpu_section_runs_on_cpu_with_profile(monkeypatch):
     prof = out["profile"]["ours_eager"]
     assert prof["top"] and all(r["calls"] >= 1 for r in prof["top"])
     assert prof["kernels_per_step"] > 0 and prof["ms_per_step"] > 0
+    host = prof["host"]  # the engine's phases, labelled only while profiled
+    assert host["decode"]["calls"] == 7 and host["prefill"]["calls"] >= 1
+    assert host["start_samples"]["calls"] >= 1 and host["decode"]["host_ms"] > 0
 
 
 @pytest.mark.slow
@@ -159,6 +162,41 @@ def test_device_timeline_hand_computed(monkeypatch):
     import rollout_vs_hf
     t = rollout_vs_hf.device_timeline([(0, 20), (10, 30), (40, 50), (150, 160)])
     assert t == {"span_ms": 0.16, "busy_ms": 0.05, "idle_ms": 0.11, "stall_ms": 0.1, "stalls": 1}
+
+
+def test_host_phases_put_each_stall_on_the_host_work_it_overlaps(monkeypatch):
+    """Kernel spans (us) with stalls 30-130 and 140-200 (the 5 us gap is launch latency): the
+    harvest (20-100) overlaps 70 us of the first, the decode (100-150) 30 + 10, the rest (the
+    first stall's 110-130 is within decode's 100-150: 0; 150-200 outside every phase) is other."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+    spans = [(0, 30), (130, 135), (140, 140), (200, 210)]
+    phases = [("engine.harvest", 20, 100), ("engine.decode", 100, 150),
+              ("engine.decode", 205, 208)]
+    h = rollout_vs_hf.host_phases(phases, spans)
+    assert h == {"harvest": {"calls": 1, "host_ms": 0.08, "stall_ms": 0.07},
+                 "decode": {"calls": 2, "host_ms": 0.053, "stall_ms": 0.04},
+                 "other": {"calls": 0, "host_ms": 0.0, "stall_ms": 0.05}}
+    assert rollout_vs_hf.host_phases(phases, []) == {  # CPU: no kernel spans, host time only
+        "harvest": {"calls": 1, "host_ms": 0.08, "stall_ms": 0.0},
+        "decode": {"calls": 2, "host_ms": 0.053, "stall_ms": 0.0}}
+
+
+def test_engine_phases_label_an_engine_only_inside_the_block(monkeypatch):
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+    from model import ModelArgs, Transformer
+    from rollout.engine import Engine
+    from torch.profiler import profile
+    model = Transformer(ModelArgs(vocab_size=31, hidden_size=16, intermediate_size=24,
+                                  num_layers=1, num_heads=2, num_kv_heads=1))
+    model.init_weights(seed=0)
+    engine = Engine(model, num_slots=2, max_len=32)
+    with rollout_vs_hf.engine_phases(engine), profile() as prof:
+        rollout_vs_hf.run_ours(engine, [[1, 2, 3], [4, 5]], 4)
+    names = [e.name for e in prof.events() if e.name.startswith("engine.")]
+    assert names.count("engine.decode") == engine.stats.decode_steps == 3  # + the first token
+    assert not vars(engine).keys() & set(rollout_vs_hf.PHASE_METHODS)  # the class's again
 
 
 def test_logprob_mismatch_pairs_each_generator_dtype_with_each_trainer_precision(capsys):
