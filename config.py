@@ -123,6 +123,7 @@ class AlgoConfig:
     loss: Literal["aipo", "ppo", "decoupled_ppo"] = _f("aipo", "Policy loss: AIPO truncated IS, PPO-clip, or decoupled PPO.")
     rho: float = _f(4.0, "AIPO truncation of the IS ratio pi/mu: min(pi/mu, rho).", ge=1)
     clip_eps: float = _f(0.2, "PPO clip range epsilon (decoupled PPO: acts from a step's second update on, so it is inert with trainer.updates_per_step=1; trainer/losses.decoupled_ppo_loss).", gt=0)
+    dual_clip_c: float = _f(0.0, "Dual clip of PPO and decoupled PPO (Ye et al. 2020; verl's clip_ratio_c, 3 there): a token with advantage A < 0 has a surrogate of at least c*A, so a ratio above c gives it no gradient instead of one growing with the ratio. 0 = off, the references' PPO and decoupled PPO (AReaL); otherwise more than 1 + clip_eps. Not with algo.loss='aipo', whose weight is capped at rho.", ge=0)
     prox_cap: float = _f(5.0, "Decoupled PPO: cap on the behaviour-to-proximal IS weight.", ge=1)
     advantage: Literal["group_mean", "grpo", "rloo"] = _f("group_mean", "Baseline: group mean, GRPO (mean/std), or leave-one-out.")
     max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy.", ge=0)
@@ -265,6 +266,7 @@ class Config:
             raise ConfigError(f"algo.token_is={a.token_is!r} applies to algo.loss='ppo' only; "
                               f"algo.loss={a.loss!r} weights tokens by pi/mu itself (rho / "
                               "prox_cap): set --algo.token_is=none, or --algo.loss=ppo")
+        _check_dual_clip(a)
         if a.advantage == "rloo" and g.n_samples < 2:
             raise ConfigError(f"algo.advantage='rloo' needs generator.n_samples >= 2, got {g.n_samples} "
                               "(set --generator.n_samples=4 or --algo.advantage=group_mean)")
@@ -617,6 +619,22 @@ def _check_table_values(value, where: str) -> None:
         raise ConfigError(f"{where} is {what}, which a saved config.toml cannot hold (TOML has "
                           "strings, numbers, booleans, lists and tables); leave the key out for "
                           "the task's default, or give the value as a string")
+
+
+def _check_dual_clip(a: AlgoConfig) -> None:
+    """algo.dual_clip_c: 0 (off), or above 1 + clip_eps with a PPO loss. At or below 1 + clip_eps
+    it would take the gradient of A < 0 tokens inside the clip range (trainer/losses.py)."""
+    c = a.dual_clip_c
+    if not c:
+        return
+    if a.loss == "aipo":
+        raise ConfigError(f"algo.dual_clip_c={c} applies to algo.loss='ppo' and 'decoupled_ppo'; "
+                          "AIPO's weight min(pi/mu, rho) is capped already (algo.rho): set "
+                          "--algo.dual_clip_c=0, or --algo.loss=ppo")
+    if not c > 1 + a.clip_eps:
+        raise ConfigError(f"algo.dual_clip_c={c} must exceed 1 + algo.clip_eps = {1 + a.clip_eps}: "
+                          "at or below it, tokens with A < 0 inside the clip range lose their "
+                          "gradient; set --algo.dual_clip_c=3 (verl's), or 0 for none")
 
 
 # the keys Config.resolve fills in from others (or from the world size)

@@ -610,3 +610,23 @@ def test_layout_fixes_respect_the_models_head_counts(tmp_path):
     for fix in fixes:
         p = load_config(None, [*given, *fix]).resolve(4).parallel
         assert all(n % tp == 0 for tp in (p.gen_tp, p.trainer_tp) for n in (4, 2, 384))
+
+
+def test_dual_clip_is_off_by_default_and_checked_against_the_loss_and_clip_eps():
+    """algo.dual_clip_c: 0 (off) by default, the references' PPO; with a PPO loss it must exceed
+    1 + clip_eps (at or below it, A < 0 tokens inside the clip range lost their gradient), and
+    AIPO refuses it (its weight is capped at rho: it did nothing there)."""
+    assert Config().algo.dual_clip_c == 0.0 and "verl's clip_ratio_c" in _help("algo.dual_clip_c")
+    for loss in ("ppo", "decoupled_ppo"):
+        cfg = load_config(None, [f"--algo.loss={loss}", "--algo.dual_clip_c=3"])
+        assert cfg.algo.dual_clip_c == 3.0
+    with pytest.raises(ConfigError, match=r"algo.dual_clip_c=3.0 applies to algo.loss='ppo' and "
+                                          r"'decoupled_ppo'.*--algo.dual_clip_c=0, or "
+                                          r"--algo.loss=ppo"):
+        load_config(None, ["--algo.dual_clip_c=3"])
+    with pytest.raises(ConfigError, match=r"algo.dual_clip_c=1.2 must exceed 1 \+ "
+                                          r"algo.clip_eps = 1.2.*--algo.dual_clip_c=3"):
+        load_config(None, ["--algo.loss=ppo", "--algo.dual_clip_c=1.2"])
+    load_config(None, ["--algo.loss=ppo", "--algo.dual_clip_c=1.2", "--algo.clip_eps=0.1"])
+    with pytest.raises(ConfigError, match=r"algo.dual_clip_c=-1.0 is invalid: it must be >= 0"):
+        load_config(None, ["--algo.loss=ppo", "--algo.dual_clip_c=-1"])

@@ -712,3 +712,127 @@ def test_a_masked_token_adds_nothing_even_where_its_ratio_overflows():
     out.loss_sum.backward()
     assert torch.isfinite(out.loss_sum) and out.loss_sum.item() == pytest.approx(1.0)
     assert logp.grad.tolist() == [0.0, pytest.approx(1.0)]
+
+
+# -- extreme ratios and the dual clip --------------------------------------------------------------
+E20 = math.exp(20.0)  # losses.LOG_RATIO_MAX: the ratio's cap
+
+
+def test_naive_ppo_with_a_negative_advantage_stays_finite_where_pi_over_mu_overflows():
+    """Naive PPO (pi_old = mu), A < 0 and pi/mu = e^100, past float32's range: u was inf, the
+    loss inf and the step skipped. The ratio is capped at e^20 (no gradient above); the other
+    token's value and gradient are as before: u = 1.1, loss 1.1, d loss / d logp = u = 1.1."""
+    logp = torch.tensor([0.0, LN(1.1)], requires_grad=True)
+    out = ppo_clip_loss(logp, torch.tensor([-100.0, 0.0]), torch.tensor([-1.0, -1.0]),
+                        torch.ones(2, dtype=torch.bool), eps=0.2)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and out.loss_sum.item() == pytest.approx(E20 + 1.1)
+    assert logp.grad.tolist() == [0.0, pytest.approx(1.1)]
+    assert out.is_ratio_max.item() == pytest.approx(E20) and int(out.clipped_count) == 0
+    # decoupled PPO: pi/pi_prox = e^100 after an update (behaviour weight 1: mu = pi_prox)
+    logp = torch.tensor([0.0, LN(1.1)], requires_grad=True)
+    prox = torch.tensor([-100.0, 0.0])
+    out = decoupled_ppo_loss(logp, prox, prox, torch.tensor([-1.0, -1.0]),
+                             torch.ones(2, dtype=torch.bool), eps=0.2, prox_cap=None)
+    out.loss_sum.backward()
+    assert out.loss_sum.item() == pytest.approx(E20 + 1.1)
+    assert logp.grad.tolist() == [0.0, pytest.approx(1.1)]
+
+
+def test_a_train_step_with_an_overflowing_ratio_is_not_skipped():
+    """The same through train_step (naive PPO): one token's mu of e^-100 made the step's loss inf,
+    so no update at all (`skipped`, and K such steps in a row abort the run)."""
+    import trainer.step as S
+    groups = _two_groups()
+    t = groups[0].trajectories[0]  # reward 0 of [0, 1, 2]: A = -1
+    groups[0].trajectories[0] = dataclasses.replace(t, logp_mu=[-100.0] + t.logp_mu[1:])
+    model = _embedding_policy()
+    before = model.w.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    res = S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups,
+                       _step_cfg("ppo", 1), None, "cpu", 0)
+    assert not res.skipped and math.isfinite(res.grad_norm)
+    assert not torch.equal(model.w.detach(), before)
+
+
+def test_dual_clip_known_numbers():
+    """eps 0.2, c 3; rows (u, A) -> surrogate, d loss / d logp (loss = -surrogate):
+    (4, -1) -> max(-4, -3) = -3, 0 | (2, -1) -> -2, +2 | (4, +1) -> 1.2, 0 (the clip) |
+    (0.5, -1) -> -0.8, 0 (the clip) | (e^100, -1) -> -3, 0. Without the dual clip the first is
+    -4 with gradient +4 and the last -e^20 (the cap)."""
+    u = [4.0, 2.0, 4.0, 0.5]
+    logp_old = torch.tensor([0.0, 0.0, 0.0, 0.0, -100.0], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(5, dtype=torch.bool)
+
+    def run(**kw):
+        logp = torch.tensor([LN(x) for x in u] + [0.0], dtype=torch.float64, requires_grad=True)
+        out = ppo_clip_loss(logp, logp_old, adv, mask, eps=0.2, **kw)
+        out.loss_sum.backward()
+        return out, logp.grad.tolist()
+    out, grad = run(dual_clip_c=3.0)
+    assert out.loss_sum.item() == pytest.approx(3 + 2 - 1.2 + 0.8 + 3)
+    assert grad == pytest.approx([0.0, 2.0, 0.0, 0.0, 0.0])
+    assert int(out.clipped_count) == 4
+    out, grad = run()
+    assert out.loss_sum.item() == pytest.approx(4 + 2 - 1.2 + 0.8 + E20)
+    assert grad == pytest.approx([4.0, 2.0, 0.0, 0.0, 0.0]) and int(out.clipped_count) == 2
+    with pytest.raises(ValueError, match=r"dual clip c=1.1 must exceed 1 \+ eps = 1.2"):
+        run(dual_clip_c=1.1)
+
+
+def test_decoupled_dual_clip_is_ppos_when_prox_equals_behaviour():
+    g = torch.Generator().manual_seed(1)
+    logp_prox_N = -torch.rand(64, generator=g, dtype=torch.float64) * 3
+    logp_N = logp_prox_N + torch.randn(64, generator=g, dtype=torch.float64) * 1.5  # u up to ~e^4
+    adv_N = torch.randn(64, generator=g, dtype=torch.float64)
+    mask_N = torch.rand(64, generator=g) > 0.2
+    a, b = logp_N.clone().requires_grad_(), logp_N.clone().requires_grad_()
+    dec = decoupled_ppo_loss(a, logp_prox_N, logp_prox_N, adv_N, mask_N, 0.2, 5.0, dual_clip_c=3.0)
+    ppo = ppo_clip_loss(b, logp_prox_N, adv_N, mask_N, 0.2, dual_clip_c=3.0)
+    dec.loss_sum.backward(); ppo.loss_sum.backward()
+    assert dec.loss_sum.item() == pytest.approx(ppo.loss_sum.item())
+    torch.testing.assert_close(a.grad, b.grad)
+    dual = mask_N & (adv_N < 0) & ((logp_N - logp_prox_N).exp() > 3)
+    assert dual.any() and int(dec.clipped_count) == int(ppo.clipped_count)
+    assert (a.grad[dual] == 0).all()
+
+
+@pytest.mark.parametrize("dual,coef", [(0.0, 4.0), (3.0, 0.0)])
+def test_step_passes_algo_dual_clip_c_to_the_ppo_loss(dual, coef):
+    """algo.dual_clip_c reaches the loss: naive PPO, pi/mu = 0.8/0.2 = 4, A = -1: d loss / d logp
+    = u = 4 without the dual clip, 0 with c = 3."""
+    from trainer.step import _loss
+    acfg = _one_token_step_cfg(dual_clip_c=dual).algo
+    logp = torch.tensor([LN(0.8)], requires_grad=True)
+    batch = trainer.batch.PackedBatch.__new__(trainer.batch.PackedBatch)
+    batch.loss_mask_N, batch.logp_mu_N, batch.adv_N = (
+        torch.tensor([True]), torch.tensor([LN(0.2)]), torch.tensor([-1.0]))
+    _loss(acfg, logp, batch).loss_sum.backward()
+    assert logp.grad.item() == pytest.approx(coef)
+
+
+def test_the_kl_term_is_not_importance_weighted_off_policy():
+    """The decision in losses.kl_penalty's docstring: off policy (mu != pi, AIPO weights up to
+    rho) the step's gradient is AIPO's plus kl_coef times the unweighted k3 term's."""
+    import types
+    import trainer.step as S
+    groups = _two_groups()  # logp_mu far from the random policy's log-probs: weights != 1
+    cfg = _step_cfg("aipo", 1)
+    cfg.algo = types.SimpleNamespace(**{**vars(cfg.algo), "kl_coef": 0.5, "kl_estimator": "k3"})
+    model, ref = _embedding_policy(0), _embedding_policy(1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, cfg,
+                 None, "cpu", 0, ref_model=ref)
+    hand = _embedding_policy(0)
+    batch = S.micro_batches(groups, "group_mean", 64, True)[0]
+    logp = S.policy_logp(hand, batch, 1.0)
+    m = batch.loss_mask_N
+    out = aipo_loss(logp, batch.logp_mu_N, batch.adv_N, m, rho=4.0)
+    weights = (logp.detach() - batch.logp_mu_N)[m].exp()
+    assert (weights - 1).abs().max() > 0.5  # off policy indeed
+    kl = kl_penalty(logp, S.policy_logp(ref, batch, 1.0).detach(), m, "k3")
+    ((out.loss_sum + 0.5 * kl) / m.sum()).backward()
+    with torch.no_grad():
+        hand.w -= hand.w.grad
+    torch.testing.assert_close(model.w.detach(), hand.w.detach(), rtol=0, atol=1e-12)

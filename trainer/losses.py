@@ -76,6 +76,45 @@ def _masked_max(x_N: Tensor, mask_N: Tensor) -> Tensor:
     return torch.where(mask_N, x_N, 0.0).max()
 
 
+# exp(20) = 4.9e8, as verl's and TRL's clamp of the log-ratio: far past any clip or cap, and its
+# square (a gradient norm's) stays far inside float32, whose exp overflows at 88.7.
+LOG_RATIO_MAX = 20.0
+
+
+def _ratio(log_ratio_N: Tensor) -> Tensor:
+    """exp(log-ratio), the log-ratio capped at LOG_RATIO_MAX. With pi/mu past float32's range
+    (mu < ~1e-38 where pi is not) the ratio was inf: a PPO token with A < 0 made the loss inf
+    and the whole step was skipped. Above the cap the clamp cuts the gradient (as the clip does
+    for A > 0, and the dual clip for A < 0); below it every value and gradient is exp's own.
+
+    >>> _ratio(torch.tensor([0.0, 100.0]))       # 1 and e^20
+    tensor([1.0000e+00, 4.8517e+08])
+    """
+    return log_ratio_N.clamp(max=LOG_RATIO_MAX).exp()
+
+
+def _clipped_surrogate(u_N: Tensor, adv_N: Tensor, eps: float,
+                       dual_clip_c: float) -> tuple[Tensor, Tensor]:
+    """PPO's `min(u*A, clip(u, 1-eps, 1+eps)*A)`; with a dual clip c > 1+eps (Ye et al. 2020,
+    verl's clip_ratio_c), `max(that, c*A)` where A < 0. Also the tokens it gives zero gradient:
+    u > 1+eps with A > 0, u < 1-eps with A < 0, and (dual clip) u > c with A < 0.
+
+    Worked example, eps 0.2, c 3, A = -1: u = 2 -> -2 (gradient as u); u = 4 -> -3, no gradient
+    (without the dual clip -4, the gradient growing with u).
+    """
+    surrogate_N = torch.minimum(u_N * adv_N, u_N.clamp(1 - eps, 1 + eps) * adv_N)
+    u_N = u_N.detach()
+    clipped_N = ((u_N > 1 + eps) & (adv_N > 0)) | ((u_N < 1 - eps) & (adv_N < 0))
+    if not dual_clip_c:
+        return surrogate_N, clipped_N
+    if not dual_clip_c > 1 + eps:
+        raise ValueError(f"dual clip c={dual_clip_c} must exceed 1 + eps = {1 + eps} (verl uses "
+                         "3), or be 0 for none: at or below it, tokens inside the clip range lose "
+                         "their gradient")
+    dual_N = (adv_N < 0) & (u_N > dual_clip_c)  # there max(u*A, c*A) = c*A: a constant
+    return torch.where(dual_N, dual_clip_c * adv_N, surrogate_N), clipped_N | dual_N
+
+
 def _output(loss_N: Tensor, mask_N: Tensor, ratio_N: Tensor, truncated_N: Tensor,
             clipped_N: Tensor) -> LossOutput:
     ratio_N = ratio_N.detach()
@@ -123,13 +162,16 @@ def aipo_loss(logp_N: Tensor, logp_mu_N: Tensor, adv_N: Tensor, mask_N: Tensor,
 
 
 def ppo_clip_loss(logp_N: Tensor, logp_old_N: Tensor, adv_N: Tensor, mask_N: Tensor,
-                  eps: float, is_weight_N: Tensor | None = None) -> LossOutput:
+                  eps: float, is_weight_N: Tensor | None = None,
+                  dual_clip_c: float = 0.0) -> LossOutput:
     """PPO-clip: `loss_t = -w_t * min(u*A, clip(u, 1-eps, 1+eps)*A)`, `u = pi/pi_old`.
 
     `is_weight_N` (default 1) is an optional detached per-token weight, e.g. from `token_is`
-    to correct pi_old against the generator's mu. `clipped_count` counts tokens where the clip
-    is active (zero gradient): u > 1+eps with A > 0, or u < 1-eps with A < 0. The `is_ratio_*`
-    stats report u, or `is_weight_N` when it is given.
+    to correct pi_old against the generator's mu. `dual_clip_c` (0: none) bounds the surrogate
+    of A < 0 tokens below by c*A (`_clipped_surrogate`). `clipped_count` counts tokens where a
+    clip is active (zero gradient): u > 1+eps with A > 0, or u < 1-eps with A < 0, or u > c with
+    A < 0. u is `_ratio`'s: capped at e^20 (no gradient above). The `is_ratio_*` stats report u,
+    or `is_weight_N` when it is given.
 
     Worked example, eps = 0.2: u = 1.5, A = 1 -> min(1.5, 1.2) = 1.2, loss -1.2, grad 0;
     u = 0.5, A = 1 -> min(0.5, 0.8) = 0.5, loss -0.5, d loss / d logp = -u = -0.5.
@@ -146,24 +188,23 @@ def ppo_clip_loss(logp_N: Tensor, logp_old_N: Tensor, adv_N: Tensor, mask_N: Ten
     weight_N = torch.ones_like(logp_N) if is_weight_N is None else is_weight_N.detach()
     # a token weighted 0 (token_is="mask") gets ratio 1, as a masked position: its surrogate
     # overflowed where pi/mu passed float32's range, and 0 * inf made the step's loss NaN
-    u_N = torch.where(mask_N & (weight_N != 0), logp_N - logp_old_N, 0.0).exp()
-    surrogate_N = torch.minimum(u_N * adv_N, u_N.clamp(1 - eps, 1 + eps) * adv_N)
+    u_N = _ratio(torch.where(mask_N & (weight_N != 0), logp_N - logp_old_N, 0.0))
+    surrogate_N, clipped_N = _clipped_surrogate(u_N, adv_N, eps, dual_clip_c)
     loss_N = -weight_N * surrogate_N
-    u_N = u_N.detach()
-    clipped_N = ((u_N > 1 + eps) & (adv_N > 0)) | ((u_N < 1 - eps) & (adv_N < 0))
     ratio_N = u_N if is_weight_N is None else weight_N
     return _output(loss_N, mask_N, ratio_N, torch.zeros_like(mask_N), clipped_N)
 
 
 def decoupled_ppo_loss(logp_N: Tensor, logp_prox_N: Tensor, logp_mu_N: Tensor, adv_N: Tensor,
-                       mask_N: Tensor, eps: float, prox_cap: float | None = 5.0) -> LossOutput:
+                       mask_N: Tensor, eps: float, prox_cap: float | None = 5.0,
+                       dual_clip_c: float = 0.0) -> LossOutput:
     """Decoupled PPO (AReaL): `-(pi_prox/pi_behav) * min(u*A, clip(u, 1-eps, 1+eps)*A)`,
     `u = pi/pi_prox`, where pi_prox is the policy before this update (one extra forward pass)
     and pi_behav = mu the generator's. The trust region is around pi_prox, not the stale mu.
 
     Tokens with `pi_prox/pi_behav > prox_cap` (None: no cap) are dropped (counted in `truncated_count`); they
     still count in `tokens`, so dropping never up-weights the rest. With pi_prox == mu this is
-    exactly `ppo_clip_loss` (weight 1).
+    exactly `ppo_clip_loss` (weight 1), `dual_clip_c` included. Both ratios are `_ratio`'s.
 
     The trust region acts only when a batch is trained in several optimizer updates (AReaL's PPO
     minibatches, `trainer.updates_per_step`): in a step's first update pi_prox equals pi, u = 1
@@ -180,15 +221,13 @@ def decoupled_ppo_loss(logp_N: Tensor, logp_prox_N: Tensor, logp_mu_N: Tensor, a
     (-2.0, [-2.0, 0.0], 1)
     """
     mask_N = mask_N.bool()
-    behav_w_N = torch.where(mask_N, logp_prox_N.detach() - logp_mu_N, 0.0).exp()
+    behav_w_N = _ratio(torch.where(mask_N, logp_prox_N.detach() - logp_mu_N, 0.0))
     capped_N = (behav_w_N > prox_cap) if prox_cap is not None else torch.zeros_like(mask_N)
     keep_N = mask_N & ~capped_N
-    u_N = torch.where(keep_N, logp_N - logp_prox_N.detach(), 0.0).exp()
-    surrogate_N = torch.minimum(u_N * adv_N, u_N.clamp(1 - eps, 1 + eps) * adv_N)
+    u_N = _ratio(torch.where(keep_N, logp_N - logp_prox_N.detach(), 0.0))
+    surrogate_N, clipped_N = _clipped_surrogate(u_N, adv_N, eps, dual_clip_c)
     loss_N = torch.where(keep_N, -behav_w_N * surrogate_N, 0.0)
-    u_N = u_N.detach()
-    clipped_N = keep_N & (((u_N > 1 + eps) & (adv_N > 0)) | ((u_N < 1 - eps) & (adv_N < 0)))
-    return _output(loss_N, mask_N, behav_w_N, capped_N, clipped_N)
+    return _output(loss_N, mask_N, behav_w_N, capped_N, keep_N & clipped_N)
 
 
 def token_is(logp_N: Tensor, logp_mu_N: Tensor, mode: Literal["none", "truncate", "mask"],
@@ -230,6 +269,17 @@ def kl_penalty(logp_N: Tensor, logp_ref_N: Tensor, mask_N: Tensor,
     - k2's gradient is that same (logp - logp_ref) * grad logp: grad KL(pi || ref);
     - k3's, (1 - ref/pi) * grad logp, is grad KL(ref || pi) in expectation (the reverse KL):
       GRPO's (DeepSeekMath) KL loss, tandem's default.
+
+    The trainer's tokens are samples of the generator's mu, not of pi, and this term is not
+    importance weighted by pi/mu, as in verl and OpenRLHF; TRL's GRPO weights its policy loss by
+    its pi_old/mu ratio before adding the KL, which it weights by pi/pi_old only (its
+    use_bias_correction_kl: with pi_old = pi that turns k3's gradient into k2's, tandem's k2).
+    Under mu each estimator's gradient is still exactly that of a penalty >= 0 that is 0 only at
+    pi = ref: E_mu[k2] (k1's and k2's gradients) or E_mu[k3], the same per-token divergence
+    averaged over mu's tokens instead of pi's. So it pulls pi toward ref as on policy, the two
+    differing by the off-policy gap (max_staleness versions, numerics), and the statements above
+    hold exactly at mu = pi. A pi/mu weight would make them exact off policy only untruncated
+    (unbounded variance); truncated at rho it is biased again.
 
     >>> kl_penalty(torch.tensor([0.0]), torch.tensor([-1.0]), torch.tensor([True]), "k1")
     tensor(1.)

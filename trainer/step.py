@@ -110,16 +110,19 @@ def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
     prox = logp.detach() if logp_prox is None else logp_prox
     if acfg.loss == "aipo":
         return losses.aipo_loss(logp, mu, adv, m, rho=acfg.rho)
+    # algo.dual_clip_c; configs built by hand before it (tests, tools) have none: 0, off
+    dual = getattr(acfg, "dual_clip_c", 0.0)
     if acfg.loss == "decoupled_ppo":
         return losses.decoupled_ppo_loss(logp, prox, mu, adv, m, eps=acfg.clip_eps,
-                                         prox_cap=acfg.prox_cap)
+                                         prox_cap=acfg.prox_cap, dual_clip_c=dual)
     if acfg.token_is == "none":  # naive PPO: the generator's mu is pi_old
-        return losses.ppo_clip_loss(logp, mu, adv, m, eps=acfg.clip_eps)
+        return losses.ppo_clip_loss(logp, mu, adv, m, eps=acfg.clip_eps, dual_clip_c=dual)
     # Token IS (verl's TIS): the weight pi_old/mu corrects the generator's samples to pi_old, the
     # policy before the step's updates, and the clip works on pi/pi_old. Clipping around mu as
     # well counted pi/mu twice: (pi/mu)^2 in the gradient.
     weight = losses.token_is(prox, mu, acfg.token_is, acfg.token_is_cap)
-    return losses.ppo_clip_loss(logp, prox, adv, m, eps=acfg.clip_eps, is_weight_N=weight)
+    return losses.ppo_clip_loss(logp, prox, adv, m, eps=acfg.clip_eps, is_weight_N=weight,
+                                dual_clip_c=dual)
 
 
 def needs_prox(acfg) -> bool:
