@@ -14,9 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.layout import Box, Layout, ParamSpec
-from tests import tiny
 from tests.dist import run_ranks
-from tests.test_weights_sync import _setup
 from weights_sync.ipc import Control, CpuShmMemory, IpcReceiver, IpcSender, _decode, _encode
 from weights_sync.plan import plan
 from weights_sync.sync import MultiReceiver, MultiSender, WeightReceiver, WeightSender, \
@@ -107,14 +105,17 @@ class Toy(nn.Module):
         self.b = nn.Parameter(torch.randn(5, generator=g).to(dtype))
 
 
-def _toy_plan(n_src=2):
-    specs = [ParamSpec("w", (6, 4), "float32"), ParamSpec("b", (5,), "float32")]
-    rows = 6 // n_src
-    src_boxes = {r: {"w": Box((r * rows, 0), (rows, 4)), "b": Box((0,), (5,))}
+def _toy_plan(n_src=2, rows=6, dst_rank=9):
+    """Trainer ranks 0..n_src-1 hold row blocks of w (rows, 4) and all of b; generator rank
+    `dst_rank` holds everything."""
+    specs = [ParamSpec("w", (rows, 4), "float32"), ParamSpec("b", (5,), "float32")]
+    block = rows // n_src
+    src_boxes = {r: {"w": Box((r * block, 0), (block, 4)), "b": Box((0,), (5,))}
                  for r in range(n_src)}
     # b is replicated on the trainer: the planner splits its receivers between the copies
     src = Layout(tuple(specs), tuple(range(n_src)), src_boxes, (tuple(range(n_src)),))
-    dst = Layout(tuple(specs), (9,), {9: {"w": Box.full((6, 4)), "b": Box.full((5,))}}, ((9,),))
+    dst = Layout(tuple(specs), (dst_rank,),
+                 {dst_rank: {"w": Box.full((rows, 4)), "b": Box.full((5,))}}, ((dst_rank,),))
     return plan(src, dst, specs)
 
 
@@ -268,10 +269,11 @@ def test_zero_copy_holds_the_trainer_until_read():
 
 
 def test_zero_copy_refuses_a_shard_that_does_not_hold_the_plan():
-    p = _toy_plan(n_src=1)
     store = dist.HashStore()
-    sender = IpcSender(Toy(4), p, 0, torch.bfloat16, 5.0, buffers=0, store=store)  # 4 rows, not 6
-    recv = IpcReceiver(Toy(6, torch.bfloat16), p, 9, 5.0, store=store)
+    # the trainer planned for its 4-row model (its own check passes), the generator for 6 rows
+    sender = IpcSender(Toy(4), _toy_plan(n_src=1, rows=4), 0, torch.bfloat16, 5.0, buffers=0,
+                       store=store)
+    recv = IpcReceiver(Toy(6, torch.bfloat16), _toy_plan(n_src=1), 9, 5.0, store=store)
     with pytest.raises(ValueError, match=r"shares 'w' with shape \(4, 4\).*different layouts"):
         recv.receive(1)
     assert sender.staging_bytes == 0
@@ -301,6 +303,185 @@ def test_dtype_mismatch_is_a_value_error():
     recv = IpcReceiver(Toy(6, torch.bfloat16), p, 9, 5.0, store=store)
     with pytest.raises(ValueError, match="cast to the generator dtype"):
         recv.receive(1)
+
+
+# ----- shard shapes against the plan ----------------------------------------------------------
+
+@pytest.mark.parametrize("side,rows,direct", [
+    ("generator", 8, False), ("generator", 8, True), ("generator", 4, False),
+    ("generator", 4, True), ("trainer", 8, False), ("trainer", 4, False)])
+def test_a_shard_of_another_shape_than_the_plan_is_refused_at_setup(side, rows, direct):
+    """Box views slice silently: a generator with 8 rows where the plan has 6 received rows 0-5
+    and kept 6-7 stale without a word; a trainer with 8 rows sent only its first 6; 4 rows
+    failed inside the copy with a bare size mismatch. Both ends now refuse at construction,
+    naming the parameter, both shapes and the fix."""
+    p, store = _toy_plan(n_src=1), dist.HashStore()
+    t_rows, g_rows = (6, rows) if side == "generator" else (rows, 6)
+    want = rf"{side} rank {0 if side == 'trainer' else 9}: the weight-sync plan gives parameter " \
+           rf"'w' a local shard of shape \(6, 4\), this rank's model has \({rows}, 4\).*same model"
+    with pytest.raises(ValueError, match=want):
+        IpcSender(Toy(t_rows), p, 0, torch.bfloat16, 5.0, store=store)
+        IpcReceiver(Toy(g_rows, torch.bfloat16), p, 9, 5.0, store=store, direct=direct)
+
+
+@pytest.mark.parametrize("side,rows", [("trainer", 8), ("generator", 8), ("generator", 4)])
+def test_the_network_transport_checks_its_shards_too(side, rows):
+    """The NCCL/gloo WeightSender and WeightReceiver slice by the same boxes: the same check."""
+    from weights_sync.sync import WeightReceiver, WeightSender
+    p = _toy_plan(n_src=1)
+    with pytest.raises(ValueError, match=rf"{side} rank {0 if side == 'trainer' else 9}: .*'w' a "
+                                         rf"local shard of shape \(6, 4\), this rank's model has "
+                                         rf"\({rows}, 4\)"):
+        if side == "trainer":
+            WeightSender(Toy(rows), p, 0, torch.bfloat16, None, 5.0)
+        else:
+            WeightReceiver(Toy(rows, torch.bfloat16), p, 9, None, 5.0)
+    WeightSender(Toy(6), p, 0, torch.bfloat16, None, 5.0)  # the plan's shapes: accepted
+    WeightReceiver(Toy(6, torch.bfloat16), p, 9, None, 5.0)
+
+
+def test_a_missing_parameter_is_named():
+    class NoBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"parameter 'b' a local shard of shape \(5,\), this "
+                                         r"rank's model has None"):
+        IpcReceiver(NoBias(), _toy_plan(n_src=1), 9, 5.0, store=dist.HashStore())
+
+
+# ----- a peer's SHUTDOWN on the link ends the waits on it --------------------------------------
+
+class FakeLink:
+    """What `link_watch` reads of trainer/link.py's Link: poll() and put_back()."""
+
+    def __init__(self, rank):
+        self.rank, self.queue = rank, []
+
+    def poll(self):
+        out, self.queue = self.queue, []
+        return out
+
+    def put_back(self, msgs):
+        self.queue = list(msgs) + self.queue
+
+
+def _shutdown(src, error="generator rank 9: RuntimeError: boom"):
+    from trainer.link import Message, Msg
+    return Message(Msg.SHUTDOWN, -1, src, {"error": error} if error else None)
+
+
+def _no_staging_thread():
+    import threading
+    return not any(t.name.startswith("weights-ipc-") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("buffers", [0, 1])
+def test_sender_wait_ends_on_a_generator_shutdown(buffers):
+    """The generator failed and said so on the link: the trainer's wait for its ack ends at once
+    with PeerError carrying the cause and naming what was awaited. Before, it sat out
+    timeout_s (+5 s of join grace) and raised a bare TimeoutError."""
+    from trainer.link import Message, Msg, PeerError
+    from weights_sync.ipc import watch_link
+    _, _, sender, _ = _pair(buffers=buffers, timeout_s=3.0)
+    link = FakeLink(0)
+    watch_link(sender, link)
+    sender.push(1)  # zero copy: waits for the ack of 1; one buffer: push(2) waits for it
+    if buffers:
+        sender.wait_sent()
+        sender.push(2)
+    link.queue = [Message(Msg.TRAJECTORIES, 0, 9, []), _shutdown(9)]
+    slot = "the parameters it reads" if buffers == 0 else "CUDA IPC staging buffer 0"
+    with pytest.raises(PeerError, match=rf"rank 9 shut down while rank 0 waited for generator rank "
+                                        rf"9 to ack weights version 1 \({slot}\): generator rank 9: "
+                                        rf"RuntimeError: boom"):
+        sender.wait_sent()
+    assert _no_staging_thread()  # abandoned: no store call of it outlives the error
+    # nothing consumed: the trainer's loop still handles both, in order
+    assert [m.type for m in link.queue] == [Msg.TRAJECTORIES, Msg.SHUTDOWN]
+
+
+def test_sender_close_watches_too():
+    from trainer.link import PeerError
+    from weights_sync.ipc import watch_link
+    _, _, sender, _ = _pair(buffers=2, timeout_s=3.0)
+    sender.push(1)
+    sender.wait_sent()  # two buffers: staged without an ack
+    link = FakeLink(0)
+    watch_link(sender, link)
+    link.queue = [_shutdown(9)]
+    with pytest.raises(PeerError, match=r"waited for generator rank 9 to ack weights version 1"):
+        sender.close()
+
+
+def test_a_quiet_link_changes_nothing():
+    from weights_sync.ipc import watch_link
+    trainer, gen, sender, recv = _pair(buffers=0, timeout_s=3.0)
+    links = FakeLink(0), FakeLink(9)
+    watch_link(sender, links[0])
+    watch_link(recv, links[1])
+    for v in (1, 2):
+        _bump(trainer, v)
+        sender.push(v)
+        recv.receive(v)()
+        sender.wait_sent()
+        assert _same(trainer, gen)
+    sender.close()
+
+
+def test_watch_link_reaches_the_ipc_parts_of_a_composite():
+    """make_sender/make_receiver return a Multi* where a rank has IPC and point-to-point peers:
+    only the IPC parts wait on the store (gloo/NCCL waits fail once the peer's process ends)."""
+    from weights_sync.ipc import watch_link
+    _, _, sender, recv = _pair()
+    watch_link(MultiSender([sender]), FakeLink(0))
+    watch_link(MultiReceiver(None, recv), FakeLink(9))
+    assert sender.watch is not None and recv.watch is not None
+
+
+def test_receiver_wait_ends_on_a_trainer_failure_not_on_its_normal_end():
+    """The trainer's normal end is a plain SHUTDOWN sent right after its last push, whose
+    announcement may still be on its way: only a SHUTDOWN with an error ends receive()."""
+    from trainer.link import PeerError
+    from weights_sync.ipc import watch_link
+    _, _, sender, recv = _pair(timeout_s=0.2)
+    link = FakeLink(9)
+    watch_link(recv, link)
+    link.queue = [_shutdown(0, error=None)]
+    with pytest.raises(TimeoutError, match="version 1 from trainer rank"):
+        recv.receive(1)
+    assert len(link.queue) == 1  # still there for the generator's loop
+    link.queue = [_shutdown(0, error="trainer rank 0: RuntimeError: loss is NaN")]
+    with pytest.raises(PeerError, match=r"rank 0 shut down while rank 9 waited for weights version 1 "
+                                        r"from trainer rank\(s\) \[0\] \(CUDA IPC\): trainer rank 0: "
+                                        r"RuntimeError: loss is NaN"):
+        recv.receive(1)
+
+
+def _shutdown_worker(rank, world):
+    """Trainer rank 0 and generator rank 1 share "a GPU" (the CPU stand-in) and a real Link; the
+    generator fails before it reads version 1."""
+    from trainer.link import Link, PeerError
+    from weights_sync.ipc import watch_link
+    p = _toy_plan(n_src=1, dst_rank=1)
+    link = Link(rank, [1 - rank], timeout_s=30)
+    if rank == 1:
+        IpcReceiver(Toy(6, torch.bfloat16), p, 1, 30)
+        link.broadcast_shutdown("generator rank 1: RuntimeError: boom", announce=False)
+        return {}
+    sender = IpcSender(Toy(6), p, 0, torch.bfloat16, 30, buffers=0)
+    watch_link(sender, link)
+    sender.push(1)
+    with pytest.raises(PeerError, match=r"rank 1 shut down while rank 0 waited for generator rank 1 "
+                                        r"to ack weights version 1 \(the parameters it reads\): "
+                                        r"generator rank 1: RuntimeError: boom"):
+        sender.wait_sent()  # the timeout (30 s) would be a TimeoutError
+    link.close()
+    return {}
+
+
+def test_a_generator_shutdown_on_a_real_link_ends_the_trainer_wait():
+    run_ranks(_shutdown_worker, 2, timeout=60)
 
 
 @pytest.mark.parametrize("buffers", [1, 0])
@@ -343,6 +524,12 @@ def test_cpu_stand_in_shares_memory():
 GEN_DTYPE = torch.bfloat16
 
 
+def _save_tiny(arch, path):
+    # imported here, not at the top: tests.tiny imports transformers (~4 s), and every spawned
+    # rank of this module's multi-process tests imports the module again
+    from tests import tiny
+    tiny.save_hf(arch, path)
+
 
 def _local(p):
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
@@ -351,6 +538,7 @@ def _local(p):
 def _sync_worker(rank, world, folder, n_trainer, gpu_of, buffers, device="cpu", gen_tp=1,
                  gen_dtype=GEN_DTYPE):
     from torch.distributed.tensor import DTensor
+    from tests.test_weights_sync import _setup
     model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp, device, gen_dtype)
     out = {}
     if rank < n_trainer:
@@ -405,7 +593,7 @@ def _check_versions(results, n_trainer, dtype=GEN_DTYPE):
 def test_mixed_transports_on_gloo_ranks(tmp_path):
     """Ranks 0 and 2 share "GPU" 0, ranks 1 and 3 share "GPU" 1 (CPU stand-in for IPC): the
     pairs 0->2 and 1->3 go by shared memory, 0->3 and 1->2 by gloo, concurrently."""
-    tiny.save_hf("qwen2", tmp_path)
+    _save_tiny("qwen2", tmp_path)
     gpu_of = {0: ("h", 0), 1: ("h", 1), 2: ("h", 0), 3: ("h", 1)}
     results = run_ranks(_sync_worker, 4, str(tmp_path), 2, gpu_of, 1, timeout=240)
     assert all(r["kind"].tolist() == [True, False] for r in results)  # composite on every rank
@@ -415,7 +603,7 @@ def test_mixed_transports_on_gloo_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("buffers", [1, 2, 0])
 def test_all_ipc_pair_on_gloo_ranks(tmp_path, buffers):
-    tiny.save_hf("llama3", tmp_path)
+    _save_tiny("llama3", tmp_path)
     gpu_of = {0: ("h", 0), 1: ("h", 0)}
     results = run_ranks(_sync_worker, 2, str(tmp_path), 1, gpu_of, buffers, timeout=240)
     assert all(r["kind"].tolist() == [False, True] for r in results)
@@ -424,7 +612,7 @@ def test_all_ipc_pair_on_gloo_ranks(tmp_path, buffers):
 
 @pytest.mark.slow
 def test_factory_without_placement_keeps_point_to_point(tmp_path):
-    tiny.save_hf("llama3", tmp_path)
+    _save_tiny("llama3", tmp_path)
     results = run_ranks(_sync_worker, 3, str(tmp_path), 2, None, 1, timeout=240)
     assert all(r["kind"].tolist() == [False, False] for r in results)
     _check_versions(results, 2)
@@ -435,7 +623,7 @@ def test_point_to_point_sends_contiguous_same_dtype_pieces_without_a_copy(tmp_pa
     """fp32 -> fp32, trainer fsdp=2 -> generator tp=2: FSDP row shards cut by the generator's
     column split (o_proj, down_proj) are not contiguous and go through a bucket; the rest is
     sent straight from the shard. Both kinds arrive bitwise."""
-    tiny.save_hf("qwen2", tmp_path)
+    _save_tiny("qwen2", tmp_path)
     results = run_ranks(_sync_worker, 4, str(tmp_path), 2, None, 1, "cpu", 2, torch.float32,
                         timeout=240)
     for r in results[:2]:
@@ -465,7 +653,7 @@ def test_cuda_ipc_handle_round_trip_in_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("buffers", [2, 0])
 def test_cuda_ipc_two_processes_one_gpu(tmp_path, buffers):
-    tiny.save_hf("llama3", tmp_path)
+    _save_tiny("llama3", tmp_path)
     gpu_of = {0: ("h", 0), 1: ("h", 0)}
     results = run_ranks(_sync_worker, 2, str(tmp_path), 1, gpu_of, buffers, "cuda:0", timeout=240)
     assert all(r["kind"].tolist() == [False, True] for r in results)

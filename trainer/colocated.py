@@ -33,6 +33,7 @@ class _PlanWithoutSelf:
 
     def __init__(self, plan, rank: int):
         self._plan, self._rank = plan, rank
+        self.src, self.dst = plan.src, plan.dst  # the layouts, as the plan's
 
     def sends_from(self, rank):
         return {d: t for d, t in self._plan.sends_from(rank).items() if d != self._rank}

@@ -31,6 +31,18 @@ key can (`check`), so both ends poll without blocking and every wait has a deadl
 under `tandem/ipc/<channel>/<s>-<d>/`; one channel pairs one sender with one receiver for the
 life of the job (a second sender/receiver pair in the same job takes another `channel`).
 
+Watching the peer: the waits above poll the store, which says nothing when the peer fails; a
+failed generator sends SHUTDOWN with its cause on the Link instead (trainer/link.py). With a
+`watch` (`watch_link`), the waits look at the link every WATCH_EVERY_S on the thread that owns
+it, and a peer's SHUTDOWN ends them at once with PeerError naming the cause and what was awaited
+(before, the trainer sat out its whole timeout and failed with a bare TimeoutError). The sender's
+staging thread cannot read the link (not thread-safe): `wait_sent()` watches while it joins it,
+and abandons it on a SHUTDOWN.
+
+Both ends check their local shards against the plan's layout once, at construction: a box view
+of a shard of another shape slices silently (torch clamps), so a larger shard moved only part of
+its bytes and a smaller one failed deep inside a copy.
+
 The shared memory is abstracted (`CudaIpcMemory`, `CpuShmMemory`) so that the same protocol
 runs on CPU: `CpuShmMemory` shares a staging buffer through a shared-memory file
 (`UntypedStorage._share_filename_cpu_`, what torch.multiprocessing does for CPU tensors under its
@@ -41,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -49,7 +62,8 @@ import torch
 import torch.distributed as dist
 
 from weights_sync import stream
-from weights_sync.sync import HISTORY, VersionThread, staged_apply
+from weights_sync.sync import (HISTORY, MultiReceiver, MultiSender, VersionThread, check_shards,
+                                staged_apply)
 
 # ----- handles: JSON-able descriptions of a shared buffer ---------------------------------------
 
@@ -223,19 +237,30 @@ class Control:
         return None if raw is None else int(raw)
 
 
+# How often a wait on a peer runs its `watch`: a peer's SHUTDOWN ends the wait within this. A
+# quiet link costs nothing to look at (`Link.poll` reads the store only after its bell rang).
+WATCH_EVERY_S = 0.05
+
+
 def poll_until(check: Callable[[], object], deadline: float, fail: Callable[[], str],
-               spin_s: float = 0.005):
+               spin_s: float = 0.005, *, watch: Callable[[], None] | None = None):
     """Poll `check()` until it returns non-None; TimeoutError(`fail()`) past `deadline`.
     For the first `spin_s` it re-polls at once (a store round trip paces it): a whole GPU sync
     takes a few ms, so sleeping there would add latency. After that it backs off to 1 ms; the
-    sleep is a poll interval that yields the core, not synchronisation."""
+    sleep is a poll interval that yields the core, not synchronisation. `watch()`, if given, runs
+    every WATCH_EVERY_S and before a timeout is raised; it raises to end the wait early (a peer's
+    SHUTDOWN: its cause beats our timeout)."""
     start = time.monotonic()
+    next_watch = start + WATCH_EVERY_S
     backoff = 5e-5
     while True:
         got = check()
         if got is not None:
             return got
         now = time.monotonic()
+        if watch is not None and (now >= next_watch or now > deadline):
+            watch()
+            next_watch = now + WATCH_EVERY_S
         if now > deadline:
             raise TimeoutError(fail())
         if now - start < spin_s:
@@ -243,6 +268,35 @@ def poll_until(check: Callable[[], object], deadline: float, fail: Callable[[], 
             continue
         time.sleep(backoff)
         backoff = min(backoff * 2, 1e-3)
+
+
+def link_watch(link, errors_only: bool) -> Callable[[str], None]:
+    """A `watch` over this rank's Link (trainer/link.py), to run on the thread that owns it: it
+    raises PeerError, worded as the link's own waits word it, once a peer's SHUTDOWN has arrived,
+    naming what this rank waited for. It consumes nothing: the role's loop still handles every
+    message, in order. `errors_only`: only a SHUTDOWN that carries an error ends the wait. A
+    generator must, since the trainer's normal end is a plain SHUTDOWN sent right after its last
+    push, whose announcement may still be on its way."""
+    from trainer.link import Msg, PeerError
+
+    def watch(what: str) -> None:
+        msgs = link.poll()
+        link.put_back(msgs)
+        for m in msgs:
+            error = m.payload.get("error") if isinstance(m.payload, dict) else None
+            if m.type == Msg.SHUTDOWN and (error or not errors_only):
+                raise PeerError(f"rank {m.src} shut down while rank {link.rank} waited for {what}: "
+                                f"{error or 'no error given'}")
+    return watch
+
+
+def watch_link(io, link) -> None:
+    """Make the CUDA-IPC parts of a sender or receiver (what make_sender/make_receiver return)
+    watch `link` while they wait on their peers (`link_watch`). The other parts need not: their
+    gloo/NCCL waits fail by themselves once the peer's process is gone."""
+    for part in io.parts if isinstance(io, (MultiSender, MultiReceiver)) else [io]:
+        if isinstance(part, (IpcSender, IpcReceiver)):
+            part.watch = link_watch(link, errors_only=isinstance(part, IpcReceiver))
 
 
 def _foreach_default(device: torch.device) -> bool:
@@ -268,7 +322,10 @@ class IpcSender:
     generator copies its boxes straight out of them (casting to its dtype), and `wait_sent()`
     returns only once every peer acked the version, since the parameters must not change while
     a generator reads them. One device copy per version and no staging memory at all, at the
-    price of the trainer's next update waiting for the generators."""
+    price of the trainer's next update waiting for the generators.
+
+    `watch` (None, or set by `watch_link`): called with what is awaited while `wait_sent()` and
+    `close()` wait on the generators; it raises to end the wait (module docstring)."""
 
     def __init__(self, model, plan, rank: int, dtype: torch.dtype, timeout_s: float,
                  peers: Collection[int] | None = None, buffers: int = 1, store=None,
@@ -286,6 +343,8 @@ class IpcSender:
         sends = plan.sends_from(rank)
         self.peers = {d: stream.segments(ts, "src") for d, ts in sends.items()
                       if peers is None or d in peers}
+        check_shards(self.tensors, plan.src, rank,
+                     {seg.param for segs in self.peers.values() for seg in segs}, "trainer")
         self.numel = {d: stream.stream_numel(segs) for d, segs in self.peers.items()}
         # Persistent and exported once: the receiver maps them once, then only versions move.
         self.staging = {d: [torch.empty(max(1, n), dtype=dtype, device=self.device)
@@ -300,6 +359,11 @@ class IpcSender:
         self.next_slot = dict.fromkeys(self.peers, 0)
         self._inflight = VersionThread()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # bytes, seconds (fill + publish) per version
+        self.watch: Callable[[str], None] | None = None
+        self._done = threading.Event()  # the staging thread of the version in flight has ended
+        self._done.set()
+        self._abandon = threading.Event()  # wait_sent() gave that version up (its watch raised)
+        self._waiting = ""  # what the staging thread waits for now: the watch's error names it
 
     def _handles(self, d: int) -> dict:
         if self.zero_copy:  # export (on CPU: move into shared memory) before any view is taken
@@ -317,31 +381,75 @@ class IpcSender:
         """Start staging `version` in the background; returns at once."""
         self.wait_sent()
         after = self.memory.marker()  # the fill waits for the caller's queued updates
+        self._done.clear()
         self._inflight.start(version, self._stage_all, (version, after), f"weights-ipc-v{version}")
 
     def wait_sent(self) -> None:
         """Block until the version in flight is staged (zero copy: read by every peer): the
         parameters may change after this."""
+        self._watch_inflight()
+        self._join()
+
+    def _join(self) -> None:
         # the thread's own waits time out first (join adds a grace), naming the peer and version
         self._inflight.join(self.timeout_s, f"trainer rank {self.rank} has not staged it for "
                                             f"generator ranks {sorted(self.peers)} (CUDA IPC)")
 
+    def _watch_inflight(self) -> None:
+        """With a `watch`: wait for the staging thread in slices and run the watch between them.
+        Once it raises, the thread is abandoned (it stops at its next poll rather than sitting
+        out its deadline, so no store call of it outlives this one) and the watch's error goes
+        up: the generator's cause says more than whatever the thread failed of meanwhile."""
+        if self.watch is None:
+            return
+        while not self._done.wait(WATCH_EVERY_S):
+            try:
+                self.watch(self._waiting)
+            except BaseException:
+                self._abandon.set()
+                try:
+                    self._join()
+                except Exception:  # its "abandoned", or a timeout meanwhile: the cause is the watch's
+                    pass
+                finally:
+                    self._abandon.clear()
+                raise
+
+    def _abandoned(self) -> None:
+        """The staging thread's watch: ends its wait once `wait_sent()` gave the version up."""
+        if self._abandon.is_set():
+            raise RuntimeError(f"trainer rank {self.rank}: weights version {self._inflight.version} "
+                               f"abandoned while waiting for {self._waiting}")
+
+    def _watch_here(self) -> None:
+        """The watch of a wait on the caller's own thread (`close()`)."""
+        if self.watch is not None:
+            self.watch(self._waiting)
+
     def _stage_all(self, version: int, after) -> None:
+        try:
+            self._stage_version(version, after)
+        finally:
+            self._done.set()
+
+    def _stage_version(self, version: int, after) -> None:
         t0, nbytes = time.perf_counter(), 0
         deadline = time.monotonic() + self.timeout_s  # one budget for all peers of the version
+        self._waiting = (f"weights version {version} to be staged for generator ranks "
+                         f"{sorted(self.peers)} (CUDA IPC)")
         with torch.no_grad():
             for d in self.peers:
                 nbytes += self._stage(d, version, after, deadline)
             if self.zero_copy:  # announced to all first, so the peers read in parallel
                 for d in self.peers:
-                    self._wait_released(d, 0, deadline)
+                    self._wait_released(d, 0, deadline, self._abandoned)
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
 
     def _stage(self, d: int, version: int, after, deadline: float) -> int:
         k = self.next_slot[d]
-        self._wait_released(d, k, deadline)
+        self._wait_released(d, k, deadline, self._abandoned)
         if self.zero_copy:  # nothing to copy: only the update that made `version` must be done
             self.memory.run(lambda: None, after)
         else:
@@ -352,17 +460,19 @@ class IpcSender:
         self.control.publish_ready(self.rank, d, version, k)
         return self.numel[d] * self.dtype.itemsize
 
-    def _wait_released(self, d: int, k: int, deadline: float) -> None:
+    def _wait_released(self, d: int, k: int, deadline: float, watch: Callable[[], None]) -> None:
         """Slot k (zero copy: the parameters) may be overwritten only once the receiver acked
         the version it holds."""
         held = self.held[d][k]
         if held is None:
             return
         what = "the parameters it reads" if self.zero_copy else f"CUDA IPC staging buffer {k}"
+        self._waiting = f"generator rank {d} to ack weights version {held} ({what})"
         poll_until(lambda: True if self.control.acked(self.rank, d, k) == held else None, deadline,
                    lambda: f"trainer rank {self.rank}: generator rank {d} has not acked weights "
                            f"version {held} after {self.timeout_s:.0f}s, so {what} cannot be "
-                           f"changed (last ack: {self.control.acked(self.rank, d, k)})")
+                           f"changed (last ack: {self.control.acked(self.rank, d, k)})",
+                   watch=watch)
 
     def close(self) -> None:
         """Wait until every staged version was copied out, so the buffers can be freed."""
@@ -370,7 +480,7 @@ class IpcSender:
         deadline = time.monotonic() + self.timeout_s
         for d, slots in self.held.items():
             for k in range(len(slots)):
-                self._wait_released(d, k, deadline)
+                self._wait_released(d, k, deadline, self._watch_here)
                 slots[k] = None
 
 
@@ -383,7 +493,8 @@ class IpcReceiver:
     waits for the announcements, apply() scatters straight from the mapped slots and then acks,
     so the trainer's slot stays taken until the generator's safe point. A version received but
     never applied is released (acked) by the next receive(). A zero-copy sender (`buffers=0`)
-    shares its parameter shards instead of slots; both modes then read the boxes out of them."""
+    shares its parameter shards instead of slots; both modes then read the boxes out of them.
+    `watch`: as IpcSender's, for receive()'s waits on the trainer."""
 
     def __init__(self, model, plan, rank: int, timeout_s: float,
                  peers: Collection[int] | None = None, store=None, channel: str = "weights",
@@ -398,6 +509,8 @@ class IpcReceiver:
         self.transfers = {s: ts for s, ts in plan.recvs_to(rank).items()
                           if peers is None or s in peers}
         self.peers = {s: stream.segments(ts, "dst") for s, ts in self.transfers.items()}
+        check_shards(self.tensors, plan.dst, rank,
+                     {seg.param for segs in self.peers.values() for seg in segs}, "generator")
         self.numel = {s: stream.stream_numel(segs) for s, segs in self.peers.items()}
         self.staging = {} if direct else {
             s: torch.empty(n, dtype=self.dtype, device=self.device) for s, n in self.numel.items()}
@@ -412,6 +525,11 @@ class IpcReceiver:
         self._unapplied: tuple[int, dict[int, int]] | None = None  # direct: (version, slots)
         self.staged_version: int | None = None  # staged: what the staging holds (`staged_apply`)
         self.history: deque[dict] = deque(maxlen=HISTORY)
+        self.watch: Callable[[str], None] | None = None
+
+    def _watch_for(self, what: Callable[[], str]) -> Callable[[], None] | None:
+        """poll_until's watch for a wait on `what()` (built lazily: only an error needs it)."""
+        return None if self.watch is None else lambda: self.watch(what())
 
     @property
     def staging_bytes(self) -> int:
@@ -423,7 +541,8 @@ class IpcReceiver:
             return
         info = poll_until(lambda: self.control.handles(s, self.rank), deadline,
                           lambda: f"generator rank {self.rank}: trainer rank {s} published no "
-                                  f"CUDA IPC handles within {self.timeout_s:.0f}s")
+                                  f"CUDA IPC handles within {self.timeout_s:.0f}s",
+                          watch=self._watch_for(lambda: f"trainer rank {s}'s CUDA IPC handles"))
         if info["kind"] != self.memory.kind:
             raise ValueError(f"generator rank {self.rank}: trainer rank {s} shares memory of "
                              f"kind {info['kind']!r}, this rank uses {self.memory.kind!r}")
@@ -483,7 +602,9 @@ class IpcReceiver:
                 pending.remove(s)
             return True if not pending else None
 
-        poll_until(step, deadline, lambda: self._timeout_message(version, pending))
+        poll_until(step, deadline, lambda: self._timeout_message(version, pending),
+                   watch=self._watch_for(lambda: f"weights version {version} from trainer "
+                                                f"rank(s) {pending} (CUDA IPC)"))
         nbytes = sum(self.numel.values()) * self.dtype.itemsize
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,

@@ -117,6 +117,22 @@ class VersionThread:
             raise self.error
 
 
+def check_shards(tensors: dict[str, torch.Tensor], layout, rank: int, names, who: str) -> None:
+    """Every local shard that the plan reads or writes has the shape the plan's layout gives
+    `rank`. Run once per setup: the copies then use views built from these very boxes."""
+    boxes = layout.boxes.get(rank, {})
+    for name in sorted(names):
+        want = tuple(boxes[name].sizes) if name in boxes else None
+        have = tuple(tensors[name].shape) if name in tensors else None
+        if want != have:
+            raise ValueError(
+                f"{who} rank {rank}: the weight-sync plan gives parameter {name!r} a local shard "
+                f"of shape {want}, this rank's model has {have}; the plan was derived from another "
+                f"model or layout than the one synced. Build the trainer and the generator from "
+                f"the same model (model.path and config) and plan from these very modules "
+                f"(weights_sync.sync.plan_between_meshes)")
+
+
 class WeightSender:
     """`peers` restricts the plan's destinations to those this transport serves (None: all)."""
 
@@ -129,6 +145,8 @@ class WeightSender:
         self.bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         self.peers = {d: stream.segments(ts, "src") for d, ts in plan.sends_from(rank).items()
                       if peers is None or d in peers}
+        check_shards(self.tensors, plan.src, rank,
+                     {seg.param for segs in self.peers.values() for seg in segs}, "trainer")
         # Per peer, its messages: a flat view of the live shard where the piece is contiguous
         # and already in the wire dtype (sent without a copy), else None (filled into a bucket).
         self.messages = {d: self._messages(segs) for d, segs in self.peers.items()}
@@ -229,6 +247,8 @@ class WeightReceiver:
         self.bucket_numel = max(1, bucket_bytes // some.element_size())
         self.peers = {s: stream.segments(ts, "dst") for s, ts in plan.recvs_to(rank).items()
                       if peers is None or s in peers}
+        check_shards(self.tensors, plan.dst, rank,
+                     {seg.param for segs in self.peers.values() for seg in segs}, "generator")
         # One flat staging buffer per source: the generator holds its shard plus one staged copy.
         self.staging = {s: torch.empty(stream.stream_numel(segs), dtype=self.dtype, device=self.device)
                         for s, segs in self.peers.items()}
