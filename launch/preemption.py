@@ -8,9 +8,12 @@ SIGTERM on to every rank. Rather than dying mid-step, every rank notes it here, 
     of the last finished step (none before the first; the periodic one if it is that step's), the
     generators are shut down, and every rank exits with 143 (128 + SIGTERM), with no final export;
   - a generator replica's leader passes its SIGTERM on to the trainer's first rank, so a generator
-    rank killed alone stops the run the same way;
+    rank killed alone stops the run the same way (at once also while it is paused for the next
+    weights: `acting_on_request`);
   - a rank whose run has not stopped `grace_s` after its SIGTERM (one signalled alone, whose signal
-    reached no rank that decides) exits then, with 143.
+    reached no rank that decides) exits then, with 143; not one whose stop is under way, nor a
+    trainer rank in the end of a finished run (the final export, COMPLETE, the end barrier): their
+    waits have timeouts of their own.
 Running the same command again resumes from that checkpoint. torchrun sends SIGKILL 30 s after its
 SIGTERM unless `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` (or `--shutdown-timeout`) says otherwise; the
 checkpoint has to be written within it. Ctrl-C (SIGINT) still stops every rank at once.
@@ -23,10 +26,14 @@ a rank of another host), where Python's handler cannot run until the call return
 C-level wake-up byte (`signal.set_wakeup_fd`) is read by a thread (`_watch`), which makes the
 check. A failure on another host is not seen that way: there the ranks wait until torchrun's
 SIGKILL (30 s by default) before the restart.
-The handler takes no lock that the code it interrupts could hold, and prints nothing.
+The handler takes no lock that the code it interrupts could hold, and prints nothing; the one
+thing it does besides noting the signal is the `act` of an `acting_on_request` block (a link
+message, whose store and gloo calls the block's code, interrupted between two bytecodes, is
+not in).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -41,6 +48,7 @@ class _State:
         self.reason: str | None = None
         self.signalled = threading.Event()  # set by the handler, once: starts the grace period
         self.stopping = threading.Event()  # this rank's part of the stop is under way: no limit
+        self.act = None  # called when the stop is asked for (acting_on_request), or None
 
 
 _state = _State()
@@ -125,6 +133,7 @@ def _on_sigterm(signum, frame) -> None:
     if s.reason is None:  # a second SIGTERM (SLURM and torchrun each send one) changes nothing
         s.reason = "SIGTERM"
         s.signalled.set()
+        _act(s)
 
 
 def pid_file(pid_dir, rank: int) -> str:
@@ -162,6 +171,7 @@ def request(reason: str) -> None:
     """Ask for the stop without a signal (a generator's notice, fault injection)."""
     if _state.reason is None:
         _state.reason = reason
+        _act(_state)
 
 
 def requested() -> str | None:
@@ -169,8 +179,39 @@ def requested() -> str | None:
     return _state.reason
 
 
+@contextlib.contextmanager
+def acting_on_request(act):
+    """Within the block, a stop asked for (a SIGTERM, `request`) calls `act()` at once, also one
+    asked for before the block: for a wait that only a peer's message ends, after which the
+    caller would see it too late (a generator leader paused for the next weights passes its
+    SIGTERM on to the trainer here; after the weights, the trainer had trained one more step).
+    `act` runs on this thread, from the handler, between two bytecodes of the block: the block
+    must not be in the middle of anything that `act` does (the paused leader only receives, `act`
+    only sends). It should not raise: a failure is left to the caller's own check after the
+    block (raised from the handler, it would break off the wait at an arbitrary point)."""
+    s = _state
+    s.act = act
+    try:
+        if s.reason is not None:
+            _act(s)
+        yield
+    finally:
+        s.act = None
+
+
+def _act(s: _State) -> None:
+    act, s.act = s.act, None  # once
+    if act is not None:
+        try:
+            act()
+        except Exception:
+            pass  # acting_on_request: the caller's check after the block raises it
+
+
 def stopping() -> None:
-    """This rank has started its part of the stop (a checkpoint may take longer than grace_s)."""
+    """This rank has started its part of the stop (a checkpoint may take longer than grace_s), or
+    the end of a finished run (the final export): waits with timeouts of their own follow, and
+    the grace period no longer applies."""
     _state.stopping.set()
 
 

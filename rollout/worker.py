@@ -128,7 +128,9 @@ class GeneratorWorker:
                 self._await_rewards()
             self._ship_scored()
             if not self.engine.has_work() and not self.pending and not self.stop:
-                self._pause()
+                # a SIGTERM while paused goes to the trainer at once, not after the next weights
+                with preemption.acting_on_request(self._pass_on_stop):
+                    self._pause()
 
     def _poll(self) -> list:
         """The leader polls the link; TP followers get the same decisions by broadcast."""
@@ -202,7 +204,10 @@ class GeneratorWorker:
         then says why this replica ships nothing meanwhile."""
         if self.link is not None:
             self.link.send(self.trainer0, Msg.EVALUATING, version)
-        rec = self.evaluator.maybe_run(version)
+        # a SIGTERM meanwhile goes to the trainer at once, not after the evaluation (the trainer
+        # trains on from the other replicas' groups; the evaluation may last parallel.timeout_s)
+        with preemption.acting_on_request(self._pass_on_stop):
+            rec = self.evaluator.maybe_run(version)
         if self.link is not None:
             self.link.send(self.trainer0, Msg.EVALUATING, version, {"seconds": rec["time_s"]})
 

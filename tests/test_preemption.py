@@ -6,9 +6,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from launch import preemption
-from tests.test_e2e import ROOT
+
+ROOT = Path(__file__).resolve().parent.parent  # (not test_e2e's: its imports slow every rank)
 
 
 def test_sigterm_sets_the_flag_once_and_uninstall_restores_the_default():
@@ -143,3 +145,168 @@ def test_the_grace_period_runs_while_the_main_thread_is_blocked_in_cpp(tmp_path)
     assert proc.returncode == preemption.EXIT_CODE and "returned" not in proc.stdout, (
         proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "the run has not stopped" in proc.stderr
+
+
+# ----- a paused generator leader passes its SIGTERM on at once ---------------------------------
+def _signal_when_in(fn_name: str, deadline_s: float = 30.0) -> None:
+    """SIGTERM to this process once its main thread is inside `fn_name` (in a thread)."""
+    import threading
+    import time
+    main = threading.get_ident()
+
+    def inside() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code.co_name != fn_name:
+            frame = frame.f_back
+        return frame is not None
+
+    def signal_once_inside():
+        deadline = time.monotonic() + deadline_s
+        while not inside():
+            if time.monotonic() > deadline:
+                return  # the test's own waits then fail, naming what they waited for
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=signal_once_inside, daemon=True).start()
+
+
+def _paused_leader(rank, world):
+    """Rank 0: the trainer's first rank. Ranks 1-2: a generator replica with TP 2 (leader 1),
+    its staleness window full: it pauses for the next weights. Only the leader gets SIGTERM."""
+    import types
+    import torch.distributed as dist
+    from config import Config
+    from rollout.worker import GeneratorWorker
+    from trainer.link import Link, Msg
+    ns = types.SimpleNamespace
+    tp_group = dist.new_group([1, 2])
+    if rank == 0:
+        link = Link(0, [1], timeout_s=30)
+        out = {"stop": link.wait_for(Msg.STOP, "the paused leader's notice before any new weights",
+                                     timeout_s=20).payload}
+        link.send(1, Msg.WEIGHTS_READY, 1, {"dropped": 0})  # the step under way ends as usual
+        out["ack"] = link.wait_for(Msg.ACK, "the ack of v1").version
+        link.send(1, Msg.CHECKPOINT, 1)  # the stop's checkpoint
+        out["cut"] = link.wait_for(Msg.CHECKPOINT, "the leader's cut").payload["inflight"]
+        link.send(1, Msg.SHUTDOWN, 1)
+        link.wait_for(Msg.STATS, "the leader's last message")
+        out["rest"] = [m.type.name for m in link.poll()]  # a second STOP would be here
+        link.flush()
+        return out
+    cfg = Config().resolve(3)
+    cfg.parallel.timeout_s = cfg.parallel.warmup_timeout_s = 30.0
+    link = Link(rank, [0], timeout_s=30) if rank == 1 else None
+    engine = ns(has_work=lambda: False, load_weights=lambda apply, version: None)
+    w = GeneratorWorker(cfg, engine, ns(state_dict=dict), None, None, link,
+                        ns(receive=lambda version: None), trainer_rank0=0, replica=0,
+                        tp_group=tp_group)
+    w.gate = ns(try_acquire=lambda: False, update=lambda version, dropped: None, n_started=0)
+    if rank == 1:
+        preemption.install(grace_s=60)
+        _signal_when_in("_pause")
+    w.run()
+    if link is not None:
+        link.send(0, Msg.STATS, w.version)
+        link.flush()
+    preemption.uninstall()
+    return {"version": w.version, "stop": w.stop}
+
+
+def test_a_paused_generator_leader_passes_its_sigterm_on_at_once():
+    """A TP leader paused by the staleness gate waits for the trainer's next message: its SIGTERM
+    reached the trainer only once the next weights had arrived, and a trainer whose buffer held
+    its next batch by then trained one more step first (here the trainer withholds the weights
+    until the notice: it never came). Now the notice goes at once; the weights of the step under
+    way still arrive on both ranks of the replica and are acked, once, and the stop's checkpoint
+    cut and shutdown go on as usual."""
+    from tests.dist import run_ranks
+    trainer, leader, follower = run_ranks(_paused_leader, 3, timeout=60)
+    assert trainer == {"stop": {"reason": "SIGTERM on generator rank 1"}, "ack": 1, "cut": [],
+                       "rest": []}
+    assert leader == follower == {"version": 1, "stop": True}
+
+
+# ----- a SIGTERM during the end of a finished run ----------------------------------------------
+def _trainer_end(rank, world, folder, run_dir):
+    """A one-rank trainer whose last step is done: its end (the generators' SHUTDOWN, the final
+    export, COMPLETE). A SIGTERM comes as the export starts writing, which then takes 3x the
+    grace period (a large model)."""
+    import time
+    import types
+    import torch
+    from config import load_config
+    from model import load_pretrained
+    from parallel import checkpoint as C
+    from parallel.dims import ParallelDims
+    from parallel.mesh import build_meshes
+    from trainer.checkpointing import is_complete
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.role import finish_run
+    from trainer.worker import TrainerWorker
+    ns = types.SimpleNamespace
+    cfg = load_config(None, ["--parallel.mode=colocated", "--trainer.max_steps=2",
+                             f"--run.dir={run_dir}", "--logging.tensorboard=false",
+                             "--logging.progress=false"]).resolve(1)
+    meshes = build_meshes(ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
+    model = load_pretrained(folder, dtype="float32")
+    opt = build_optimizer(model, cfg.trainer)
+    sender = ns(push=lambda v: None, wait_sent=lambda: None, close=lambda: None)
+    link = ns(send=lambda *a, **k: None, flush=lambda timeout_s=None: None)  # no generators
+    w = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
+                      start_step=2)
+    grace_s, save_file = 0.5, C.save_file
+
+    def slow_save_file(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(3 * grace_s)  # the write of a large model's file, not a synchronisation
+        save_file(*args, **kwargs)
+    C.save_file = slow_save_file
+    preemption.install(grace_s=grace_s)
+    w.run()
+    finish_run(cfg, meshes, model, None, w.version, owner=True)
+    out = {"requested": preemption.requested(), "complete": is_complete(cfg)}
+    preemption.uninstall()
+    return out
+
+
+def test_a_sigterm_during_the_final_export_lets_it_finish(tmp_path):
+    """The end of a finished run (final SHUTDOWN, export, COMPLETE, the end barrier) has waits
+    with timeouts of their own, like a stop's checkpoint: the grace period exited the process in
+    the middle of it (the export left as `hf_final.tmp`, no COMPLETE: a finished run that its
+    re-run has to end again, and with checkpoint.every_steps=0 trains again from the start)."""
+    from tests.dist import run_ranks
+    from tests.rl_model import make_rl_model
+    folder = make_rl_model(tmp_path / "m")
+    out = run_ranks(_trainer_end, 1, folder, str(tmp_path / "run"), timeout=60)[0]
+    assert out == {"requested": "SIGTERM", "complete": True}
+    assert sorted(os.listdir(tmp_path / "run" / "hf_final")) == ["config.json", "model.safetensors"]
+    assert not (tmp_path / "run" / "hf_final.tmp").exists()
+
+
+def test_a_generator_leader_passes_a_sigterm_during_an_evaluation_on_at_once():
+    """A held-out evaluation (eval.every_steps) may last up to parallel.timeout_s, and the trainer
+    trains on from the other replicas' groups meanwhile: the notice went only after it."""
+    import types
+    from config import Config
+    from rollout.worker import GeneratorWorker
+    from trainer.link import Msg
+    ns = types.SimpleNamespace
+    sent = []
+    link = ns(send=lambda dst, kind, version, payload=None:
+              sent.append((kind.name, version, payload)))
+
+    def evaluation(version):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {"time_s": 2.0}
+    w = GeneratorWorker(Config().resolve(2), ns(load_weights=lambda apply, version: None), None,
+                        None, None, link, ns(receive=lambda version: None), trainer_rank0=0,
+                        replica=0)
+    w.evaluator = ns(due=lambda version: True, maybe_run=evaluation)
+    preemption.install(grace_s=60)
+    try:
+        w._swap(1)
+    finally:
+        preemption.uninstall()
+    assert sent == [("ACK", 1, sent[0][2]), ("EVALUATING", 1, None),
+                    ("STOP", 1, {"reason": "SIGTERM on generator rank 0"}),
+                    ("EVALUATING", 1, {"seconds": 2.0})]
