@@ -2,14 +2,24 @@
 in tests/test_parallel.py (fsdp=2, tp=2, 2 x 2)."""
 from __future__ import annotations
 
+import doctest
+import json
+import math
 import types
 
 import pytest
 import torch
 
-from trainer.optim import build_optimizer, clip_grad_norm, global_grad_norm, lr_lambda
+import trainer.optim
+from trainer.checkpointing import keep_config_hyperparameters
+from trainer.optim import (build_optimizer, build_scheduler, clip_grad_norm, global_grad_norm,
+                           lr_lambda)
 
 TCFG = types.SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(trainer.optim).failed == 0
 
 
 def test_lr_schedule_hand_computed():
@@ -47,3 +57,83 @@ def test_global_norm_and_clipping_hand_computed():
     assert a.grad.tolist() == pytest.approx([0.6, 0.0], rel=1e-5)
     assert b.grad.tolist() == pytest.approx([0.8], rel=1e-5)
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0).item() == 0.0  # no grads
+
+
+# ---- a resume with another trainer.max_steps -----------------------------------------------------
+def _cosine(p: float) -> float:
+    """The multiplier at cosine progress p with min_lr_ratio 0.1."""
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def _run(max_steps: int, steps: int, state=None, lr: float = 1e-3):
+    """A model, AdamW and the trainer's schedule (warm-up 2, cosine to 0.1 x at max_steps), resumed
+    from `state` as trainer/checkpointing.load does (the state through JSON, as extra.json), then
+    `steps` optimizer steps; the lr of each step and the scheduler state at the end."""
+    tcfg = types.SimpleNamespace(**{**vars(TCFG), "lr": lr, "warmup_steps": 2,
+                                    "max_steps": max_steps, "schedule": "cosine",
+                                    "min_lr_ratio": 0.1})
+    model = torch.nn.Linear(2, 1)
+    opt = build_optimizer(model, tcfg)
+    sched = build_scheduler(opt, tcfg)
+    if state is not None:
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(json.loads(json.dumps(state["sched"])))
+        keep_config_hyperparameters(opt, sched, fresh)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"] / lr)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sched.step()
+    return lrs, {"opt": opt.state_dict(), "sched": sched.state_dict()}, sched
+
+
+def test_raising_max_steps_after_the_last_step_keeps_the_lr_at_the_floor():
+    """A run of 10 steps ends at min_lr_ratio (0.1 x); resumed with max_steps 20 the cosine was
+    recomputed for 20 steps: at step 10 progress 8/18, the lr back up to 0.628 x. It stays at
+    the floor now, and the resume says so, naming both totals."""
+    lrs, state, _ = _run(10, 10)
+    assert lrs[9] == pytest.approx(_cosine(7 / 8))  # the last step's, before the floor
+    more, _, sched = _run(20, 10, state)
+    assert more == pytest.approx([0.1] * 10)
+    assert _cosine(8 / 18) == pytest.approx(0.628, abs=1e-3)  # what it jumped to
+    note = sched.resume_note
+    assert "trainer.max_steps changed from 10 (the checkpoint's) to 20" in note
+    assert "it had ended, so the lr stays at min_lr_ratio=0.1 x trainer.lr" in note
+    assert "would have moved to 0.6281 x at once" in note
+
+
+def test_changing_max_steps_mid_run_stretches_the_rest_of_the_cosine():
+    """Stopped at step 6 of 10 (progress (6-2)/8 = 0.5, lr 0.55 x) and resumed for 14: the lr
+    goes on from 0.55 x, through progress 0.5 + 0.5 * (s - 6) / 8, to 0.1 x at step 14 (step 10:
+    progress 0.75); recomputed for 14 it jumped to 0.775 x (progress 4/12). Resumed again with 14
+    the stretched curve is kept; so is a lowered total's squeezed one."""
+    _, state, _ = _run(10, 6)
+    lrs, state2, sched = _run(14, 4, state)
+    assert lrs == pytest.approx([_cosine(0.5 + 0.5 * k / 8) for k in range(4)])
+    assert lrs[0] == pytest.approx(0.55) and _cosine(4 / 12) == pytest.approx(0.775)
+    assert "from 10 (the checkpoint's) to 14" in sched.resume_note
+    assert ("continues where it was: from 0.55 x trainer.lr at optimizer step 6 down to "
+            "min_lr_ratio=0.1 x at step 14 (recomputed for 14 steps it would have moved to "
+            "0.775 x at once)") in sched.resume_note
+    again, _, sched = _run(14, 5, state2)
+    assert again == pytest.approx([_cosine(0.75 + 0.5 * k / 8) for k in range(5)])
+    assert again[-1] == pytest.approx(0.1) and sched.resume_note is None
+    fewer, _, _ = _run(8, 2, state)  # lowered to 8: 0.55 x at step 6, 0.1 x at step 8
+    assert fewer == pytest.approx([0.55, _cosine(0.75)])
+
+
+def test_a_resume_with_the_same_max_steps_is_the_uninterrupted_schedule():
+    whole, _, _ = _run(10, 10)
+    _, state, _ = _run(10, 4)
+    rest, _, sched = _run(10, 6, state)
+    assert rest == whole[4:] and sched.resume_note is None  # bitwise
+    # a checkpoint of a plain LambdaLR (before the schedule was saved) takes the config's
+    _, old, _ = _run(10, 4)
+    old["sched"]["lr_lambdas"] = [None]
+    assert _run(20, 1, old)[0] == pytest.approx([_cosine(2 / 18)])
+    # the constant schedule and a resume inside the warm-up do not depend on the total
+    _, early, _ = _run(10, 1)
+    assert _run(20, 3, early)[0] == pytest.approx([1.0, _cosine(0), _cosine(1 / 18)])

@@ -3,6 +3,7 @@ plain, FSDP2 and TP parameters."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,10 @@ def build_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
                              **({"fused": True} if multi else {"foreach": False}))
 
 
-def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based).
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float,
+              resumed_at: tuple[int, float] | None = None) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based); `resumed_at`: see
+    `cosine_progress`.
 
     >>> [round(lr_lambda(s, 2, 10, "cosine", 0.1), 3) for s in (0, 1, 2, 6, 10)]
     [0.5, 1.0, 1.0, 0.55, 0.1]
@@ -34,13 +37,113 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = cosine_progress(step, warmup, total, resumed_at)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, tcfg) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(
-        s, tcfg.warmup_steps, tcfg.max_steps, tcfg.schedule, tcfg.min_lr_ratio))
+def cosine_progress(step: int, warmup: int, total: int,
+                    resumed_at: tuple[int, float] | None = None) -> float:
+    """How far the cosine decay is at `step`, in [0, 1]: from 0 at the end of the warm-up to 1 at
+    `total`. A schedule resumed with another total (`continue_schedule`) goes on from where it
+    was, `resumed_at = (step s0, progress p0)`, to 1 at the new total: the rest of the same curve,
+    stretched or squeezed, so the lr neither jumps nor changes the way it falls.
+
+    >>> cosine_progress(6, 2, 10), cosine_progress(10, 2, 14, resumed_at=(6, 0.5))
+    (0.5, 0.75)
+    """
+    if resumed_at is None:
+        return min(1.0, (step - warmup) / max(1, total - warmup))
+    s0, p0 = resumed_at
+    return min(1.0, p0 + (1 - p0) * ((step - s0) / max(1, total - s0)))
+
+
+@dataclass
+class Schedule:
+    """The trainer's lr multiplier as a function of the optimizer step (`lr_lambda`). A callable
+    object, not a lambda, so that LambdaLR saves its fields in its state: a resume then knows the
+    total the checkpoint's schedule ran to."""
+    warmup: int
+    total: int
+    kind: str  # trainer.schedule
+    min_ratio: float
+    resumed_at: tuple[int, float] | None = None  # see cosine_progress
+
+    def __post_init__(self):
+        if self.resumed_at is not None:  # a list after a JSON checkpoint
+            self.resumed_at = (int(self.resumed_at[0]), float(self.resumed_at[1]))
+
+    def __call__(self, step: int) -> float:
+        return lr_lambda(step, self.warmup, self.total, self.kind, self.min_ratio, self.resumed_at)
+
+
+def continue_schedule(saved: Schedule, now: Schedule, step: int) -> tuple[Schedule, str | None]:
+    """The schedule a run resumed at optimizer step `step` goes on with, and a line saying what
+    changed (None: nothing). `now` is the config's, `saved` the checkpoint's; only the total
+    (trainer.max_steps) is taken from the checkpoint, and only to go on from there.
+
+    A cosine recomputed for a raised max_steps put a run that had ended at min_lr_ratio back
+    near the peak (as HF Trainer and torchtitan do; torchtitan's scheduler notes it is safe only
+    with the steps unchanged): an RL policy that converged at a small lr then takes large steps
+    again. Here the decay goes on from its point to the new end instead (`cosine_progress`); a
+    run that had ended stays at the floor, as a schedule that runs past its end does.
+
+    >>> s, _ = continue_schedule(Schedule(0, 10, "cosine", 0.1), Schedule(0, 20, "cosine", 0.1),
+    ...                          step=10)
+    >>> [round(s(k), 3) for k in (10, 15, 20)]    # recomputed: 0.55 at step 10, then down again
+    [0.1, 0.1, 0.1]
+    """
+    if saved.total == now.total:
+        return replace(now, resumed_at=saved.resumed_at), None
+    if now.kind == "constant" or step <= now.warmup:
+        return now, None  # the total does not matter (yet)
+    old = replace(now, total=saved.total, resumed_at=saved.resumed_at)
+    progress = cosine_progress(step, now.warmup, old.total, old.resumed_at)
+    new = replace(now, resumed_at=(step, progress))
+    return new, _resume_line(old, new, step)
+
+
+def _resume_line(old: Schedule, new: Schedule, step: int) -> str:
+    """What `continue_schedule` did, against what recomputing the schedule would have done."""
+    recomputed = replace(new, resumed_at=None)(step)
+    how = (f"it had ended, so the lr stays at min_lr_ratio={new.min_ratio} x trainer.lr"
+           if new.resumed_at[1] >= 1 else
+           f"from {old(step):.4g} x trainer.lr at optimizer step {step} down to "
+           f"min_lr_ratio={new.min_ratio} x at step {new.total}")
+    return (f"trainer.max_steps changed from {old.total} (the checkpoint's) to {new.total}: the "
+            f"cosine lr schedule continues where it was: {how} (recomputed for {new.total} "
+            f"steps it would have moved to {recomputed:.4g} x at once); for a new schedule, start "
+            "a new --run.dir from an HF export of this run")
+
+
+class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR over a `Schedule`; loading a checkpoint's state with another trainer.max_steps
+    goes on smoothly (`continue_schedule`) and leaves the line to print in `resume_note`."""
+
+    def __init__(self, opt: torch.optim.Optimizer, schedule: Schedule):
+        super().__init__(opt, schedule)
+        self.resume_note: str | None = None
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("resume_note", None)  # this process's, not the run's
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's state; one saved by a plain LambdaLR (no schedule in it) takes the
+        config's schedule as it is, as before."""
+        saved = state["lr_lambdas"]
+        super().load_state_dict({**state, "lr_lambdas": [None] * len(saved)})
+        self.resume_note = None
+        for i, fn in enumerate(saved):  # one per parameter group, all alike
+            if fn is not None:
+                self.lr_lambdas[i], note = continue_schedule(Schedule(**fn), self.lr_lambdas[i],
+                                                             self.last_epoch)
+                self.resume_note = note or self.resume_note
+
+
+def build_scheduler(opt: torch.optim.Optimizer, tcfg) -> LRSchedule:
+    return LRSchedule(opt, Schedule(tcfg.warmup_steps, tcfg.max_steps, tcfg.schedule,
+                                    tcfg.min_lr_ratio))
 
 
 @torch.no_grad()

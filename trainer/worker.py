@@ -100,6 +100,8 @@ class TrainerWorker:
         checkpointing.load(self, path)  # metrics.jsonl was cut back to this step (MetricsLogger)
         if self.is_owner:
             print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
+            if getattr(self.sched, "resume_note", None):  # another max_steps: trainer/optim.py
+                print(self.sched.resume_note, flush=True)
         self._push_weights()
 
     def run(self) -> None:
@@ -113,6 +115,13 @@ class TrainerWorker:
                 self.link.broadcast_shutdown(f"trainer rank {self.meshes.rank}: {type(e).__name__}: {e}",
                                              announce=not isinstance(e, KeyboardInterrupt))
             raise
+        if not self.stopped:
+            # the end of a finished run (the final SHUTDOWN, export and COMPLETE, the end barrier)
+            # has waits with timeouts of their own, like a stop's checkpoint: a SIGTERM now no
+            # longer cuts it off after the grace period (that left the export unfinished and the
+            # run, trained to its end, not complete); torchrun's SIGKILL still bounds it, and an
+            # export cut off there stays `hf_final.tmp` (parallel.checkpoint.export_hf)
+            preemption.stopping()
         # the end takes the start-up budget on every trainer rank: rank 0 waits for replica 0's
         # final evaluation before the others meet it in the final export's collectives
         self.meshes.shorten_timeouts(warmup_budget_s(self.cfg.parallel))
