@@ -366,10 +366,12 @@ def stacked_copy_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int) 
 
 def sync_staging_bytes(args: ModelArgs, wl: Workload, gen_tp: int) -> float:
     """The generator's staged copy of its shard, in the generator's dtype: each version is
-    received whole into it, then swapped in at a safe point, with every transport the runtime
-    builds (weights_sync.sync.make_receiver: gloo/NCCL, and CUDA IPC or shared memory also with
-    parallel.ipc_buffers = 0, which drops the trainer's staging, not this one; colocated ranks:
-    trainer/colocated.py). Llama-3-8B in bf16 at gen_tp 2: 8.03e9 * 2 / 2 = 8.03 GB."""
+    received whole into it, then swapped in at a safe point (weights_sync.sync.make_receiver:
+    gloo/NCCL, CUDA IPC or shared memory with parallel.ipc_buffers >= 1; colocated ranks:
+    trainer/colocated.py). The one receiver without it, CUDA IPC from a zero-copy trainer
+    (ipc_buffers = 0: rollout/role.py applies straight from the trainer's shards), needs both
+    meshes on one GPU, which the planner's layouts never are. Llama-3-8B in bf16 at gen_tp 2:
+    8.03e9 * 2 / 2 = 8.03 GB."""
     return weight_bytes(args, gen_tp, dtype_bytes(wl.gen_dtype))
 
 

@@ -12,6 +12,7 @@ from rollout.rewards import RewardRunner, resolve_reward
 from rollout.worker import GeneratorWorker, stop_token_ids
 from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link, PeerError
+from weights_sync.ipc import watch_link
 from weights_sync.sync import describe_receiver, make_receiver, plan_between_meshes
 
 
@@ -81,8 +82,11 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     model = build_generator_model(cfg, meshes)
     plan = plan_between_meshes(model, meshes.generator_group, is_src_leader=False,
                                is_dst_leader=rank == dims.generator_rank_list[0])
+    # a zero-copy trainer (ipc_buffers=0): apply straight from its shards, without a staged copy
+    # here (the generator receives at the safe point where it applies, so nothing waits longer)
     receiver = make_receiver(model, plan, rank, meshes.weights_group, cfg.parallel.timeout_s,
-                             meshes.gpu_of, cpu_shm=cfg.parallel.cpu_shm)
+                             meshes.gpu_of, cpu_shm=cfg.parallel.cpu_shm,
+                             ipc_direct=cfg.parallel.ipc_buffers == 0)
     if rank == dims.generator_rank_list[0]:
         print(f"generator: {describe_receiver(receiver)}", flush=True)
     items, skipped, encode = load_items(cfg, tokenizer)
@@ -91,6 +95,8 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     engine = build_engine(model, cfg, replica, meshes.device, print_choice=rank == dims.generator_rank_list[0])
     trainer0 = dims.trainer_rank_list[0]
     link = Link(rank, [trainer0], cfg.parallel.timeout_s) if tp_rank == 0 else None
+    if link is not None:  # the CUDA-IPC waits end on the trainer's failure, naming it
+        watch_link(receiver, link)
     tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None
     rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
     worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver, trainer0,

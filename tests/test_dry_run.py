@@ -171,8 +171,8 @@ def test_dry_run_uses_the_trainers_compute_dtype(monkeypatch, capsys):
 
 def test_dry_run_counts_the_weight_sync_staging(monkeypatch, capsys):
     """The generator rank holds its bf16 shard (8.03e9 * 2 / 2 = 8.0 GB) and one staged copy of
-    it for the weight sync, with every transport (parallel.ipc_buffers=0 drops the trainer's
-    staging, not the generator's: weights_sync.sync.make_receiver)."""
+    it for the weight sync over NCCL (the meshes are on separate GPUs: parallel.ipc_buffers=0,
+    same-GPU zero copy, changes nothing there)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert dry_run(_llama8b_2x2()) == 0
     assert "weights 8.0 GB + KV cache" in (out := capsys.readouterr().out)

@@ -153,15 +153,17 @@ def test_final_hf_export_loads_in_transformers(async_run):
 
 def test_eta_zero_is_on_policy(tmp_path):
     """On-policy to 1e-5: the generator samples with exactly the weights the trainer then scores
-    (both FSDP shards, through shared memory; the async run above sends them over gloo, and its
-    held-out evaluations equal single-process runs of the same weights)."""
+    (both FSDP shards, through shared memory, zero copy: the generator applies straight from the
+    trainer's shards, parallel.ipc_buffers=0; the async run above sends them over gloo, and its
+    held-out evaluations equal single-process runs of the same weights; the other runs stage)."""
     model = make_rl_model(tmp_path / "model")
     run_dir = tmp_path / "run"
     proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
                      f"--run.dir={run_dir}", "--trainer.max_steps=3", "--algo.max_staleness=0",
-                     "--trainer.lr=1e-2", *QUICK])
+                     "--trainer.lr=1e-2", "--parallel.ipc_buffers=0", *QUICK])
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "generator: weight sync by shared memory (parallel.cpu_shm) from trainer ranks [0, 1]" in proc.stdout
+    assert ("generator: weight sync by shared memory (parallel.cpu_shm) from trainer ranks [0, 1], "
+            "applied straight from their memory") in proc.stdout
     for r in read_metrics(run_dir):
         assert r["staleness_max"] == 0
         assert abs(r["is_ratio_mean"] - 1.0) <= 1e-5, r

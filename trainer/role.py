@@ -12,6 +12,7 @@ from trainer.link import Link
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.worker import TrainerWorker
+from weights_sync.ipc import watch_link
 from weights_sync.sync import make_sender, plan_between_meshes
 
 
@@ -47,6 +48,8 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
                          cpu_shm=cfg.parallel.cpu_shm)
     leaders = [row[0] for row in dims.generator_mesh_ranks()]
     link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
+    if link is not None:  # the CUDA-IPC waits end on a generator's failure, naming it
+        watch_link(sender, link)
     path = resume_path(cfg)  # the same on every rank: they all read the run directory
     logger = None
     if owner:

@@ -420,6 +420,8 @@ def describe_receiver(receiver) -> str:
         else:
             how = "CUDA IPC" if part.device.type == "cuda" else "shared memory (parallel.cpu_shm)"
         words.append(f"{how} from trainer ranks {peers}")
+        if getattr(part, "direct", False):  # parallel.ipc_buffers=0: no staged copy here either
+            words[-1] += ", applied straight from their memory"
     return "weight sync by " + "; ".join(words)
 
 
