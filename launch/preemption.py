@@ -10,6 +10,10 @@ SIGTERM on to every rank. Rather than dying mid-step, every rank notes it here, 
   - a generator replica's leader passes its SIGTERM on to the trainer's first rank, so a generator
     rank killed alone stops the run the same way (at once also while it is paused for the next
     weights: `acting_on_request`);
+  - the other trainer ranks pass theirs on in a one-number all-reduce before each batch (with more
+    than one trainer rank: `TrainerWorker._stop_asked`), so a trainer rank signalled alone (one
+    node of several preempted) stops the run too, after the step under way or the next; a
+    generator TP follower signalled alone does not (its leader decides for the replica);
   - a rank whose run has not stopped `grace_s` after its SIGTERM (one signalled alone, whose signal
     reached no rank that decides) exits then, with 143; not one whose stop is under way, nor a
     trainer rank in the end of a finished run (the final export, COMPLETE, the end barrier): their

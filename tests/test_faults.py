@@ -121,6 +121,24 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
         assert torch.equal(ref[name], got[name]), name
 
 
+def test_sigterm_to_one_trainer_rank_alone_stops_the_run_with_a_checkpoint(reference, tmp_path):
+    """One node of several preempted: trainer rank 1 alone gets SIGTERM. Only trainer rank 0
+    decides a stop; rank 1 carried on until its grace period (here 20 s) ended it with 143 and
+    torchrun the job, the steps since the last checkpoint lost. It now passes the signal on."""
+    model, _ = reference
+    run_dir = tmp_path / "run"
+    proc = launch(model, run_dir, max_restarts=0, kill="rank=1,step=3,signal=TERM_SELF",
+                  extra=["--parallel.timeout_s=20", "--trainer.max_steps=40"])
+    out, err = proc.communicate(timeout=300)
+    assert "fault injection: SIGTERM to this rank alone" in out, out[-3000:] + err[-3000:]
+    last = read_metrics(run_dir)[-1]["step"]
+    assert last in (2, 3), (last, err[-5000:])  # signalled as step 3 starts
+    ckpt = run_dir / "checkpoints" / f"step_{last:06d}"
+    assert (f"SIGTERM on trainer rank 1: stopped after step {last} of 40, checkpoint {ckpt}"
+            in err), err[-5000:]
+    assert (ckpt / ".metadata").is_file() and "[rank" not in err, err[-5000:]
+
+
 def test_a_run_stopped_in_a_completed_runs_folder_is_not_reported_complete(reference, tmp_path):
     """A run resumed from an explicit checkpoint in a folder whose earlier run completed, then
     stopped by SIGTERM: its exit code said success (the earlier run's COMPLETE marker was read),

@@ -357,7 +357,7 @@ def _leader_fails(rank, world):
 
     def collect():
         raise TimeoutError("trainer rank 0 waited 10s for 4 prompt groups")
-    trainer = ns(is_owner=rank == 0, _collect=collect,
+    trainer = ns(is_owner=rank == 0, _collect=collect, _stop_asked=lambda: None,
                  meshes=ns(dims=ns(trainer_rank_list=[0]), trainer_group=dist.group.WORLD))
     gen_link = ns(wait_for=lambda *a, **k: (_ for _ in ()).throw(
         TimeoutError("rank 0 timed out after 10s waiting for a new weight version")))

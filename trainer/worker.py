@@ -203,7 +203,10 @@ class TrainerWorker:
         """The step's groups on every trainer rank, or None (and `stopped` set) when the owner
         was asked to stop: its decision travels in this broadcast, which every step has."""
         groups, owner = None, self.meshes.dims.trainer_rank_list[0]
+        asked = self._stop_asked()
         if self.is_owner:
+            if asked is not None:
+                preemption.request(f"SIGTERM on trainer rank {asked}")
             try:
                 got = self._collect()
             except Exception as e:  # the other trainer ranks wait in this broadcast: the cause
@@ -217,6 +220,19 @@ class TrainerWorker:
             self.stopped = groups
             return None
         return training_order([Group.from_dict(d) for d in groups])
+
+    def _stop_asked(self) -> int | None:
+        """The highest trainer rank that got a SIGTERM (None: none), on every trainer rank: only
+        the owner decides a stop, and a rank signalled alone (one node of several preempted)
+        carried on until its grace period ended it with 143, and torchrun the job, the steps
+        since the last checkpoint lost. One small all-reduce a step, before the owner waits for
+        the batch (the others wait for it there anyway); none with one trainer rank."""
+        if len(self.meshes.dims.trainer_rank_list) == 1:
+            return None
+        flag = torch.tensor([self.meshes.rank + 1 if preemption.requested() else 0],
+                            device=self.meshes.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.meshes.trainer_group)
+        return int(flag.item()) - 1 if int(flag.item()) else None
 
     def _stop_decision(self) -> dict:
         """Why the run stops, and whether the last finished step still needs its checkpoint."""
