@@ -68,6 +68,33 @@ def test_shutdown_with_error_reaches_the_peer():
     assert said == "error (rank 1): trainer rank 1: loss is NaN\n"
 
 
+def _two_shutdowns(rank, world):
+    import contextlib
+    import io
+    link = Link(rank, [1 - rank], timeout_s=30)
+    said = io.StringIO()
+    if rank == 1:
+        t0 = time.monotonic()
+        with contextlib.redirect_stderr(said):
+            link.broadcast_shutdown("trainer rank 1: loss is NaN")  # arrived when it returns
+            link.broadcast_shutdown("trainer rank 1: again")  # e.g. a second error on the way out
+        return {"said": said.getvalue(), "seconds": time.monotonic() - t0}
+    with pytest.raises(PeerError, match="trainer rank 1: loss is NaN"):
+        link.wait_for(Msg.TRAJECTORIES, "trajectories")  # and reads nothing after it
+    return {}
+
+
+def test_a_second_shutdown_is_not_sent_to_a_peer_that_stopped_at_the_first():
+    """The peer stops reading at the first SHUTDOWN: the second's body was never received, the
+    sender's wait for it timed out (5 s) and gloo then closed every pair of the process group,
+    so the harness's barrier failed ("Application timeout caused pair closure" on the sender,
+    "Connection closed by peer" on the receiver). Both causes are still printed."""
+    out = run_ranks(_two_shutdowns, 2, timeout=60)[1]
+    assert out["said"] == ("error (rank 1): trainer rank 1: loss is NaN\n"
+                           "error (rank 1): trainer rank 1: again\n")
+    assert out["seconds"] < 4.0  # no wait for the unread second one (its timeout is 5 s)
+
+
 def test_a_ctrl_c_shutdown_prints_nothing_of_its_own(capsys):
     """Ctrl-C prints one line for the whole run (train_rl.py): the broadcast stays silent."""
     from collections import deque

@@ -110,6 +110,7 @@ class Link:
         self._watcher: threading.Thread | bool | None = None  # started on the first receive
         self._arrived = threading.Event()  # the bell rang since the last receive
         self._closed = False
+        self._shut: set[int] = set()  # peers sent a SHUTDOWN: they read nothing after it
         self.bytes_sent = self.bytes_received = 0
 
     # ----- sending ----------------------------------------------------------------------------
@@ -122,6 +123,8 @@ class Link:
         self.store.set(f"{dst}/{ticket}", json.dumps(header))
         self.store.set(f"{dst}/bell", "1")
         self._sends.append((work, body, dst, type))
+        if type == Msg.SHUTDOWN:
+            self._shut.add(dst)
         self.bytes_sent += body.numel()
         while len(self._sends) > self.max_in_flight:
             self._wait_send()
@@ -254,6 +257,9 @@ class Link:
         return self._waiter or None
 
     def _wait(self, work, what: str, timeout_s: float | None = None) -> None:
+        """A timed-out wait breaks the whole process group, not just this message: gloo then
+        closes every pair of its context ("Application timeout caused pair closure"; the peers'
+        next operation on the group fails with "Connection closed by peer")."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
@@ -269,10 +275,18 @@ class Link:
         peer for it to arrive: a process that exits right after would take the message's body
         with it (the peer then failed on the missing body, without the cause). `announce`: print
         the error first, in case that wait ends in torchrun's teardown (SIGTERM) before this
-        rank's traceback (not for Ctrl-C, which prints one line for the whole run)."""
+        rank's traceback (not for Ctrl-C, which prints one line for the whole run).
+
+        A peer already sent a SHUTDOWN (an earlier broadcast, or the normal end's) is not sent
+        another: it stops reading at the first, so the second's body was never received, the
+        wait for it timed out, and that closed the process group under this rank (_wait): with
+        two SHUTDOWNs sent back to back, 12 of 80 runs of the two-rank test failed in the
+        harness's barrier under CPU load (all, when the second followed the first's flush)."""
         if error and announce:
             print(f"error (rank {self.rank}): {error}", file=sys.stderr, flush=True)
         for p in self.peers:
+            if p in self._shut:
+                continue
             try:
                 self.send(p, Msg.SHUTDOWN, -1, {"error": error} if error else None)
             except Exception:
