@@ -64,10 +64,14 @@ def _run_role(cfg, dims, tokenizer) -> None:
     from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
 
     device = pick_device()
-    init_process_group(device, cfg.parallel.backend, cfg.parallel.warmup_timeout_s)
+    # the start-up budget: a leader waits max(timeout_s, warmup_timeout_s) on the other mesh
+    # before the first step, and its followers twice that (Meshes.set_timeouts); the default
+    # group with warmup_timeout_s alone timed out before a leader whose timeout_s was longer
+    init_process_group(device, cfg.parallel.backend, warmup_budget_s(cfg.parallel))
     global _STARTED
     _STARTED = True
     meshes = build_meshes(dims, device)
+    meshes.set_timeouts(warmup_budget_s(cfg.parallel))
     preemption.write_pid(_pid_dir(cfg), meshes.rank)
     if meshes.rank == 0:
         cfg.save(os.path.join(cfg.run.dir, "config.toml"))

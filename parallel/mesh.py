@@ -130,13 +130,15 @@ class Meshes:
     generator_group: object = None
     weights_group: object = None  # point-to-point weight sync (gloo on CPU, NCCL across GPUs)
 
-    def shorten_timeouts(self, seconds: float) -> None:
-        """After warm-up (model load, compile, first step), collectives of this rank's groups wait
-        at most `seconds` (parallel.timeout_s) instead of the start-up timeout. Twice that in the
-        groups where ranks wait for their leader's decisions (trainer rank 0's batch broadcast,
-        a generator TP group's message broadcast), while the leader itself waits up to `seconds`
-        on the other mesh: its error, which it sends them, comes first (at equal timeouts they
-        failed with a bare gloo time-out, and torchrun's teardown could cut the leader's off)."""
+    def set_timeouts(self, seconds: float) -> None:
+        """Collectives of this rank's groups wait at most `seconds`: the start-up budget
+        (config.warmup_budget_s) from the meshes' creation, parallel.timeout_s after warm-up
+        (model load, compile, first step), the start-up budget again for the run's end. Twice
+        that in the groups where ranks wait for their leader's decisions (trainer rank 0's batch
+        broadcast, a generator TP group's message broadcast), while the leader itself waits up to
+        `seconds` on the other mesh: its error, which it sends them, comes first (at equal
+        timeouts they failed with a bare gloo time-out, and torchrun's teardown could cut the
+        leader's off)."""
         from torch.distributed.distributed_c10d import _set_pg_timeout  # no public API yet
         groups = [None, self.generator_group, self.weights_group]
         for mesh in (self.trainer, self.generator):

@@ -101,7 +101,7 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
     worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver, trainer0,
                              replica, tp_group, encode)
-    worker.on_first_swap = lambda: meshes.shorten_timeouts(cfg.parallel.timeout_s)
+    worker.on_first_swap = lambda: meshes.set_timeouts(cfg.parallel.timeout_s)
     path = resume_path(cfg)  # the same checkpoint the trainer resumes from
     start = 0
     if path is not None:

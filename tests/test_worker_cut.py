@@ -146,8 +146,8 @@ def _resumed_trainer(rank, world, folder, run_dir):
                              "--logging.tensorboard=false", f"--run.dir={run_dir}"]).resolve(1)
     meshes = build_meshes(ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
     shortened, current = [], {}
-    real_shorten = meshes.shorten_timeouts
-    meshes.shorten_timeouts = lambda s: shortened.append((s, current["w"].step)) or real_shorten(s)
+    real_shorten = meshes.set_timeouts
+    meshes.set_timeouts = lambda s: shortened.append((s, current["w"].step)) or real_shorten(s)
     model = load_pretrained(folder, dtype="float32")
     opt = build_optimizer(model, cfg.trainer)
     sched = build_scheduler(opt, cfg.trainer)
@@ -204,8 +204,8 @@ def _colocated_run(rank, world, folder, run_dir):
     from parallel import mesh as M
     from parallel.dims import ParallelDims
     from trainer.colocated import run_colocated
-    calls, real = [], M.Meshes.shorten_timeouts
-    M.Meshes.shorten_timeouts = lambda self, s: calls.append(s) or real(self, s)
+    calls, real = [], M.Meshes.set_timeouts
+    M.Meshes.set_timeouts = lambda self, s: calls.append(s) or real(self, s)
     cfg = load_config(None, [
         "--parallel.mode=colocated", f"--model.path={folder}", f"--run.dir={run_dir}",
         "--trainer.max_steps=2", "--trainer.prompts_per_step=2", "--generator.n_samples=2",
@@ -398,13 +398,13 @@ def _late_owner(rank, world):
     from trainer.worker import broadcast_json
     cfg = load_config(None, ["--parallel.generator_ranks=1"]).resolve(world)
     meshes = build_meshes(ParallelDims.from_config(cfg.parallel, world), torch.device("cpu"))
-    meshes.shorten_timeouts(1.0)
+    meshes.set_timeouts(1.0)
     got = "generator"
     if meshes.role == "trainer":
         if rank == 0:
             time.sleep(1.6)  # the owner waited (up to timeout_s) for the generators' groups
         got = broadcast_json({"step": 1} if rank == 0 else None, 0, meshes.trainer_group)
-    meshes.shorten_timeouts(60.0)  # the harness's barrier: the ranks come at different times
+    meshes.set_timeouts(60.0)  # the harness's barrier: the ranks come at different times
     return got
 
 
@@ -413,3 +413,30 @@ def test_trainer_ranks_wait_longer_for_the_owner_than_it_waits_for_the_generator
     trainer rank 0's batch while rank 0 waits up to timeout_s for the generators."""
     from tests.dist import run_ranks
     assert run_ranks(_late_owner, 3, timeout=60) == [{"step": 1}, {"step": 1}, "generator"]
+
+
+def test_the_process_groups_start_with_the_start_up_budget_and_followers_twice_it(monkeypatch):
+    """Before the first step a leader waits max(timeout_s, warmup_timeout_s) on the other mesh
+    (config.warmup_budget_s). The default group was created with warmup_timeout_s alone (shorter
+    when timeout_s is longer), and the followers' groups inherited it: no margin over the leader,
+    whose named error could then come after their bare gloo time-out."""
+    import torch
+    import train_rl
+    from config import load_config
+    from parallel import mesh as M
+    got = []
+
+    class Stop(Exception):
+        pass
+
+    def build(dims, device):
+        meshes = M.Meshes(dims, 0, device)
+        meshes.set_timeouts = lambda s: got.append(("set_timeouts", s)) or (_ for _ in ()).throw(Stop())
+        return meshes
+    monkeypatch.setattr(M, "pick_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(M, "init_process_group", lambda device, backend, s: got.append(("init", s)))
+    monkeypatch.setattr(M, "build_meshes", build)
+    cfg = load_config(None, ["--parallel.timeout_s=1200", "--parallel.warmup_timeout_s=900"])
+    with pytest.raises(Stop):
+        train_rl._run_role(cfg, None, None)
+    assert got == [("init", 1200.0), ("set_timeouts", 1200.0)]

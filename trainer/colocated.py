@@ -105,7 +105,7 @@ class ColocatedWorker:
             t1 = time.perf_counter()
             self._reshard()
             if not self.warm:  # model load, compile and the first step are behind every rank
-                self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
+                self.meshes.set_timeouts(self.cfg.parallel.timeout_s)
                 self.warm = True
             stats = reduce_stats(res.stats, self.dp_group)
             stamp = time.perf_counter()

@@ -124,7 +124,7 @@ class TrainerWorker:
             preemption.stopping()
         # the end takes the start-up budget on every trainer rank: rank 0 waits for replica 0's
         # final evaluation before the others meet it in the final export's collectives
-        self.meshes.shorten_timeouts(warmup_budget_s(self.cfg.parallel))
+        self.meshes.set_timeouts(warmup_budget_s(self.cfg.parallel))
         self._shutdown_generators()
 
     def _one_step(self) -> None:
@@ -140,7 +140,7 @@ class TrainerWorker:
                          before_update=self.sender.wait_sent, shard=(self.dp_rank, self.dp))
         self._check_finite(res)
         if not self.warm:
-            self.meshes.shorten_timeouts(self.cfg.parallel.timeout_s)
+            self.meshes.set_timeouts(self.cfg.parallel.timeout_s)
             self.warm = True
         t_train = time.perf_counter() - t0 - t_wait
         # The version advances even when a non-finite step was skipped, so a synchronous
