@@ -65,12 +65,13 @@ def _cosine(p: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
 
 
-def _run(max_steps: int, steps: int, state=None, lr: float = 1e-3):
+def _run(max_steps: int, steps: int, state=None, lr: float = 1e-3, schedule: str = "cosine",
+         warmup: int = 2):
     """A model, AdamW and the trainer's schedule (warm-up 2, cosine to 0.1 x at max_steps), resumed
     from `state` as trainer/checkpointing.load does (the state through JSON, as extra.json), then
     `steps` optimizer steps; the lr of each step and the scheduler state at the end."""
-    tcfg = types.SimpleNamespace(**{**vars(TCFG), "lr": lr, "warmup_steps": 2,
-                                    "max_steps": max_steps, "schedule": "cosine",
+    tcfg = types.SimpleNamespace(**{**vars(TCFG), "lr": lr, "warmup_steps": warmup,
+                                    "max_steps": max_steps, "schedule": schedule,
                                     "min_lr_ratio": 0.1})
     model = torch.nn.Linear(2, 1)
     opt = build_optimizer(model, tcfg)
@@ -137,3 +138,21 @@ def test_a_resume_with_the_same_max_steps_is_the_uninterrupted_schedule():
     # the constant schedule and a resume inside the warm-up do not depend on the total
     _, early, _ = _run(10, 1)
     assert _run(20, 3, early)[0] == pytest.approx([1.0, _cosine(0), _cosine(1 / 18)])
+
+
+def test_a_changed_kind_or_warm_up_continues_the_run_s_own_curve():
+    """The old curve is the checkpoint's (its kind, warm-up and total), not the config's: a
+    constant run resumed as cosine (10 -> 20 steps) fell from 1 x to the cosine's 0.55 x at step
+    5 (the config's curve over the old total), and a run that had ended at the floor, resumed
+    again with a warm-up of 12 (past its step 10), went back up to 0.99 x in the new warm-up."""
+    _, const, _ = _run(10, 5, schedule="constant")
+    lrs, _, sched = _run(20, 3, const)  # the decay starts at step 5: 1 x, down to 0.1 x at 20
+    assert lrs == pytest.approx([1.0, _cosine(1 / 15), _cosine(2 / 15)])
+    assert sched.resume_note.startswith("trainer.schedule changed from 'constant' (the "
+                                        "checkpoint's) to 'cosine': the cosine lr schedule "
+                                        "continues where it was: from 1 x trainer.lr at "
+                                        "optimizer step 5 down to min_lr_ratio=0.1 x at step 20")
+    _, ended, _ = _run(10, 10)
+    _, again, _ = _run(20, 0, ended)  # resumed once (at the floor), checkpointed at once
+    lrs, _, sched = _run(30, 3, again, warmup=12)
+    assert lrs == pytest.approx([0.1] * 3) and "it had ended" in sched.resume_note

@@ -92,27 +92,31 @@ def continue_schedule(saved: Schedule, now: Schedule, step: int) -> tuple[Schedu
     >>> [round(s(k), 3) for k in (10, 15, 20)]    # recomputed: 0.55 at step 10, then down again
     [0.1, 0.1, 0.1]
     """
-    if saved.total == now.total:
+    if saved.total == now.total and saved.kind == now.kind:
         return replace(now, resumed_at=saved.resumed_at), None
-    if now.kind == "constant" or step <= now.warmup:
-        return now, None  # the total does not matter (yet)
-    old = replace(now, total=saved.total, resumed_at=saved.resumed_at)
-    progress = cosine_progress(step, now.warmup, old.total, old.resumed_at)
-    new = replace(now, resumed_at=(step, progress))
-    return new, _resume_line(old, new, step)
+    if now.kind == "constant" or step <= saved.warmup:
+        return now, None  # nothing to decay, or nothing decayed yet: the total does not matter
+    # where the run's own curve (the checkpoint's kind, warm-up and total) was; a constant lr
+    # starts its decay here. A longer warm-up in the config does not start again.
+    progress = (0.0 if saved.kind == "constant" else
+                cosine_progress(step, saved.warmup, saved.total, saved.resumed_at))
+    new = replace(now, warmup=min(now.warmup, saved.warmup), resumed_at=(step, progress))
+    return new, _resume_line(saved, new, step, recomputed=now(step))
 
 
-def _resume_line(old: Schedule, new: Schedule, step: int) -> str:
-    """What `continue_schedule` did, against what recomputing the schedule would have done."""
-    recomputed = replace(new, resumed_at=None)(step)
+def _resume_line(old: Schedule, new: Schedule, step: int, recomputed: float) -> str:
+    """What `continue_schedule` did, against what the config's schedule, recomputed, would have
+    done (`recomputed`: its multiplier at `step`)."""
     how = (f"it had ended, so the lr stays at min_lr_ratio={new.min_ratio} x trainer.lr"
            if new.resumed_at[1] >= 1 else
            f"from {old(step):.4g} x trainer.lr at optimizer step {step} down to "
            f"min_lr_ratio={new.min_ratio} x at step {new.total}")
-    return (f"trainer.max_steps changed from {old.total} (the checkpoint's) to {new.total}: the "
-            f"cosine lr schedule continues where it was: {how} (recomputed for {new.total} "
-            f"steps it would have moved to {recomputed:.4g} x at once); for a new schedule, start "
-            "a new --run.dir from an HF export of this run")
+    what = (f"trainer.max_steps changed from {old.total} (the checkpoint's) to {new.total}"
+            if old.kind == new.kind else
+            f"trainer.schedule changed from {old.kind!r} (the checkpoint's) to {new.kind!r}")
+    return (f"{what}: the cosine lr schedule continues where it was: {how} (recomputed for "
+            f"{new.total} steps it would have moved to {recomputed:.4g} x at once); for a new "
+            "schedule, start a new --run.dir from an HF export of this run")
 
 
 class LRSchedule(torch.optim.lr_scheduler.LambdaLR):

@@ -229,8 +229,8 @@ class TrainerWorker:
         the batch (the others wait for it there anyway); none with one trainer rank."""
         if len(self.meshes.dims.trainer_rank_list) == 1:
             return None
-        flag = torch.tensor([self.meshes.rank + 1 if preemption.requested() else 0],
-                            device=self.meshes.device)
+        # on the host, as the batch broadcast: gloo's half of the group on GPUs, no device sync
+        flag = torch.tensor([self.meshes.rank + 1 if preemption.requested() else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.meshes.trainer_group)
         return int(flag.item()) - 1 if int(flag.item()) else None
 
