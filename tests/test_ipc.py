@@ -6,6 +6,7 @@ reuse only after the ack, timeouts naming the peer and version. Single-process t
 state machine step by step over an in-memory store; multi-process tests run it on real gloo ranks,
 alone and mixed with gloo point-to-point peers. The CUDA tests skip without a GPU.
 """
+import concurrent.futures
 import functools
 
 import pytest
@@ -399,6 +400,23 @@ def test_sender_wait_ends_on_a_generator_shutdown(buffers):
     assert _no_staging_thread()  # abandoned: no store call of it outlives the error
     # nothing consumed: the trainer's loop still handles both, in order
     assert [m.type for m in link.queue] == [Msg.TRAJECTORIES, Msg.SHUTDOWN]
+
+
+def test_a_staging_thread_that_fails_to_start_leaves_no_endless_watch(monkeypatch):
+    """push() clears the 'staging done' flag before it starts the thread: a start that failed
+    (no thread to set it again) left wait_sent's watch loop waiting for ever."""
+    from weights_sync.ipc import watch_link
+    _, _, sender, _ = _pair(buffers=1, timeout_s=1.0)
+    watch_link(sender, FakeLink(0))
+
+    def no_thread(*args):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(sender._inflight, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        sender.push(1)
+    monkeypatch.undo()
+    done = concurrent.futures.ThreadPoolExecutor(1).submit(sender._watch_inflight)
+    assert done.result(timeout=5) is None  # returns at once
 
 
 def test_sender_close_watches_too():

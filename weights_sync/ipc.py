@@ -382,7 +382,11 @@ class IpcSender:
         self.wait_sent()
         after = self.memory.marker()  # the fill waits for the caller's queued updates
         self._done.clear()
-        self._inflight.start(version, self._stage_all, (version, after), f"weights-ipc-v{version}")
+        try:
+            self._inflight.start(version, self._stage_all, (version, after), f"weights-ipc-v{version}")
+        except BaseException:
+            self._done.set()  # no thread to set it: wait_sent's watch loop would never end
+            raise
 
     def wait_sent(self) -> None:
         """Block until the version in flight is staged (zero copy: read by every peer): the
