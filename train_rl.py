@@ -64,9 +64,7 @@ def _run_role(cfg, dims, tokenizer) -> None:
     from parallel.mesh import build_meshes, init_process_group, pick_device, shutdown_barrier
 
     device = pick_device()
-    # the start-up budget: a leader waits max(timeout_s, warmup_timeout_s) on the other mesh
-    # before the first step, and its followers twice that (Meshes.set_timeouts); the default
-    # group with warmup_timeout_s alone timed out before a leader whose timeout_s was longer
+    # the start-up budget for every group, and twice it for leaders' followers (Meshes.set_timeouts)
     init_process_group(device, cfg.parallel.backend, warmup_budget_s(cfg.parallel))
     global _STARTED
     _STARTED = True

@@ -440,7 +440,6 @@ def test_nonfinite_steps_are_skipped_counted_and_abort_after_k_in_a_row():
 
 def test_train_step_skips_a_nonfinite_update():
     """A NaN loss leaves the parameters untouched and reports the step as skipped."""
-    import types
     import torch
     from trainer.batch import Group, Trajectory
     from trainer.step import train_step
@@ -452,11 +451,7 @@ def test_train_step_skips_a_nonfinite_update():
     model.forward = forward
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cfg = types.SimpleNamespace(
-        algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
-                                   entropy_coef=0.0),
-        generator=types.SimpleNamespace(temperature=1.0),
-        trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1.0, share_prompts=True))
+    cfg = step_cfg(trainer={"grad_clip": 1.0})
     trajs = [Trajectory(0, i, [1, 2], [3, 4], [-1.0, -1.0], [0, 0], float(i), "stop") for i in range(2)]
     res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
     assert res.skipped and torch.equal(model.w, torch.zeros(5, 7))
@@ -465,7 +460,6 @@ def test_train_step_skips_a_nonfinite_update():
 def test_train_step_entropy_bonus_adds_coef_times_entropy_gradient():
     """algo.entropy_coef: the step's gradient is the policy loss's minus coef * grad(sum of token
     entropies) / global tokens, checked against the entropy gradient computed by hand."""
-    import types
     from trainer.batch import Group, Trajectory
     from trainer.step import train_step
     trajs = [Trajectory(0, i, [1, 2], [3, 4, 0], [-1.2, -0.7, -2.0], [0, 0, 0], float(i), "stop")
@@ -478,11 +472,7 @@ def test_train_step_entropy_bonus_adds_coef_times_entropy_gradient():
         model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        cfg = types.SimpleNamespace(
-            algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
-                                       entropy_coef=coef),
-            generator=types.SimpleNamespace(temperature=1.0),
-            trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9, share_prompts=True))
+        cfg = step_cfg(entropy_coef=coef)
         grads = []
         opt.register_step_pre_hook(lambda *_: grads.append(model.w.grad.clone()))  # at the update
         res = train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
@@ -567,11 +557,22 @@ def test_kl_penalty_gradient_in_expectation(estimator, direction):
          "k3": math.expm1((ref[0] - logp[0]).item()) - (ref[0] - logp[0]).item()}[estimator])
 
 
-def _one_token_step_cfg(**algo):
+def step_cfg(temperature: float = 1.0, trainer: dict | None = None, **algo):
+    """A train_step config: config.Config's defaults (as a run's), with micro-batches of 64
+    tokens and no gradient clipping unless `trainer` says otherwise; `algo` overrides its keys."""
+    import dataclasses
     import types
-    a = dict(loss="ppo", rho=4.0, advantage="group_mean", kl_coef=0.0, entropy_coef=0.0,
-             clip_eps=0.2, token_is="none", token_is_cap=5.0)
-    return types.SimpleNamespace(algo=types.SimpleNamespace(**{**a, **algo}))
+    from config import Config
+    c = Config()
+    return types.SimpleNamespace(
+        algo=dataclasses.replace(c.algo, **algo),
+        generator=dataclasses.replace(c.generator, temperature=temperature),
+        trainer=dataclasses.replace(c.trainer, **{"micro_batch_tokens": 64, "grad_clip": 1e9,
+                                                  **(trainer or {})}))
+
+
+def _one_token_step_cfg(**algo):
+    return step_cfg(**{"loss": "ppo", **algo})
 
 
 @pytest.mark.parametrize("token_is,coef", [("none", -1.25), ("truncate", -1.25), ("mask", -1.25),
@@ -593,7 +594,6 @@ def test_ppo_token_is_weights_the_gradient_once(token_is, coef):
 def test_train_step_at_temperature_zero_uses_the_generators_recorded_temperature():
     """generator.temperature = 0 samples greedily and records mu at T = 1 (rollout/sampling.py);
     the trainer raised 'temperature must be positive' at its first step. It now takes T = 1."""
-    import types
     from trainer.step import train_step
     trajs = [Trajectory(0, i, [1, 2], [3, 4], [-1.2, -0.7], [0, 0], float(i), "stop")
              for i in range(2)]
@@ -605,11 +605,7 @@ def test_train_step_at_temperature_zero_uses_the_generators_recorded_temperature
         model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        cfg = types.SimpleNamespace(
-            algo=types.SimpleNamespace(loss="aipo", rho=4.0, advantage="group_mean", kl_coef=0.0,
-                                       entropy_coef=0.0),
-            generator=types.SimpleNamespace(temperature=temperature),
-            trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9, share_prompts=True))
+        cfg = step_cfg(temperature=temperature)
         train_step(model, opt, sched, [Group(0, trajs)], cfg, None, "cpu", 0)
         results[temperature] = model.w.detach()
     assert torch.equal(results[0.0], results[1.0])
@@ -624,15 +620,8 @@ def _embedding_policy(seed=0):
     return model
 
 
-def _step_cfg(loss, updates):
-    import types
-    return types.SimpleNamespace(
-        algo=types.SimpleNamespace(loss=loss, rho=4.0, advantage="group_mean", kl_coef=0.0,
-                                   entropy_coef=0.0, clip_eps=0.05, prox_cap=5.0, token_is="none",
-                                   token_is_cap=5.0),
-        generator=types.SimpleNamespace(temperature=1.0),
-        trainer=types.SimpleNamespace(micro_batch_tokens=64, grad_clip=1e9, share_prompts=True,
-                                      updates_per_step=updates))
+def _step_cfg(loss, updates, **algo):
+    return step_cfg(trainer={"updates_per_step": updates}, loss=loss, clip_eps=0.05, **algo)
 
 
 def _two_groups():
@@ -815,11 +804,9 @@ def test_step_passes_algo_dual_clip_c_to_the_ppo_loss(dual, coef):
 def test_the_kl_term_is_not_importance_weighted_off_policy():
     """The decision in losses.kl_penalty's docstring: off policy (mu != pi, AIPO weights up to
     rho) the step's gradient is AIPO's plus kl_coef times the unweighted k3 term's."""
-    import types
     import trainer.step as S
     groups = _two_groups()  # logp_mu far from the random policy's log-probs: weights != 1
-    cfg = _step_cfg("aipo", 1)
-    cfg.algo = types.SimpleNamespace(**{**vars(cfg.algo), "kl_coef": 0.5, "kl_estimator": "k3"})
+    cfg = _step_cfg("aipo", 1, kl_coef=0.5, kl_estimator="k3")
     model, ref = _embedding_policy(0), _embedding_policy(1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups, cfg,

@@ -110,8 +110,7 @@ def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
     prox = logp.detach() if logp_prox is None else logp_prox
     if acfg.loss == "aipo":
         return losses.aipo_loss(logp, mu, adv, m, rho=acfg.rho)
-    # algo.dual_clip_c; configs built by hand before it (tests, tools) have none: 0, off
-    dual = getattr(acfg, "dual_clip_c", 0.0)
+    dual = acfg.dual_clip_c
     if acfg.loss == "decoupled_ppo":
         return losses.decoupled_ppo_loss(logp, prox, mu, adv, m, eps=acfg.clip_eps,
                                          prox_cap=acfg.prox_cap, dual_clip_c=dual)
@@ -156,7 +155,7 @@ def _plan_updates(groups, cfg, dp_group, device, shard) -> list[_Update]:
     tcfg, acfg = cfg.trainer, cfg.algo
     parts = [[b.to(device) for b in micro_batches(g, acfg.advantage, tcfg.micro_batch_tokens,
                                                   tcfg.share_prompts)]
-             for g in minibatches(groups, getattr(tcfg, "updates_per_step", 1), shard)]
+             for g in minibatches(groups, tcfg.updates_per_step, shard)]
     counts = torch.tensor([x for bs in parts for x in (len(bs), sum(int(b.loss_mask_N.sum())
                                                                     for b in bs))])
     rows = gather_rows(counts, dp_group).view(-1, len(parts), 2)  # [ranks, updates, 2]

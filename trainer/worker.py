@@ -100,7 +100,7 @@ class TrainerWorker:
         checkpointing.load(self, path)  # metrics.jsonl was cut back to this step (MetricsLogger)
         if self.is_owner:
             print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
-            if getattr(self.sched, "resume_note", None):  # another max_steps: trainer/optim.py
+            if self.sched.resume_note:  # another max_steps or schedule: trainer/optim.py
                 print(self.sched.resume_note, flush=True)
         self._push_weights()
 
@@ -232,7 +232,7 @@ class TrainerWorker:
         # on the host, as the batch broadcast: gloo's half of the group on GPUs, no device sync
         flag = torch.tensor([self.meshes.rank + 1 if preemption.requested() else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.meshes.trainer_group)
-        return int(flag.item()) - 1 if int(flag.item()) else None
+        return int(flag) - 1 if int(flag) else None
 
     def _stop_decision(self) -> dict:
         """Why the run stops, and whether the last finished step still needs its checkpoint."""

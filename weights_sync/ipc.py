@@ -343,8 +343,7 @@ class IpcSender:
         sends = plan.sends_from(rank)
         self.peers = {d: stream.segments(ts, "src") for d, ts in sends.items()
                       if peers is None or d in peers}
-        check_shards(self.tensors, plan.src, rank,
-                     {seg.param for segs in self.peers.values() for seg in segs}, "trainer")
+        check_shards(self.tensors, plan.src, rank, self.peers, "trainer")
         self.numel = {d: stream.stream_numel(segs) for d, segs in self.peers.items()}
         # Persistent and exported once: the receiver maps them once, then only versions move.
         self.staging = {d: [torch.empty(max(1, n), dtype=dtype, device=self.device)
@@ -513,8 +512,7 @@ class IpcReceiver:
         self.transfers = {s: ts for s, ts in plan.recvs_to(rank).items()
                           if peers is None or s in peers}
         self.peers = {s: stream.segments(ts, "dst") for s, ts in self.transfers.items()}
-        check_shards(self.tensors, plan.dst, rank,
-                     {seg.param for segs in self.peers.values() for seg in segs}, "generator")
+        check_shards(self.tensors, plan.dst, rank, self.peers, "generator")
         self.numel = {s: stream.stream_numel(segs) for s, segs in self.peers.items()}
         self.staging = {} if direct else {
             s: torch.empty(n, dtype=self.dtype, device=self.device) for s, n in self.numel.items()}

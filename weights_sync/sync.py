@@ -117,11 +117,13 @@ class VersionThread:
             raise self.error
 
 
-def check_shards(tensors: dict[str, torch.Tensor], layout, rank: int, names, who: str) -> None:
-    """Every local shard that the plan reads or writes has the shape the plan's layout gives
-    `rank`. Run once per setup: the copies then use views built from these very boxes."""
+def check_shards(tensors: dict[str, torch.Tensor], layout, rank: int, peers: dict,
+                 who: str) -> None:
+    """Every local shard that the plan reads or writes for `peers` (peer -> its segments) has
+    the shape the plan's layout gives `rank`. Run once per setup: the copies then use views built
+    from these very boxes."""
     boxes = layout.boxes.get(rank, {})
-    for name in sorted(names):
+    for name in sorted({seg.param for segs in peers.values() for seg in segs}):
         want = tuple(boxes[name].sizes) if name in boxes else None
         have = tuple(tensors[name].shape) if name in tensors else None
         if want != have:
@@ -145,8 +147,7 @@ class WeightSender:
         self.bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         self.peers = {d: stream.segments(ts, "src") for d, ts in plan.sends_from(rank).items()
                       if peers is None or d in peers}
-        check_shards(self.tensors, plan.src, rank,
-                     {seg.param for segs in self.peers.values() for seg in segs}, "trainer")
+        check_shards(self.tensors, plan.src, rank, self.peers, "trainer")
         # Per peer, its messages: a flat view of the live shard where the piece is contiguous
         # and already in the wire dtype (sent without a copy), else None (filled into a bucket).
         self.messages = {d: self._messages(segs) for d, segs in self.peers.items()}
@@ -247,8 +248,7 @@ class WeightReceiver:
         self.bucket_numel = max(1, bucket_bytes // some.element_size())
         self.peers = {s: stream.segments(ts, "dst") for s, ts in plan.recvs_to(rank).items()
                       if peers is None or s in peers}
-        check_shards(self.tensors, plan.dst, rank,
-                     {seg.param for segs in self.peers.values() for seg in segs}, "generator")
+        check_shards(self.tensors, plan.dst, rank, self.peers, "generator")
         # One flat staging buffer per source: the generator holds its shard plus one staged copy.
         self.staging = {s: torch.empty(stream.stream_numel(segs), dtype=self.dtype, device=self.device)
                         for s, segs in self.peers.items()}
@@ -414,14 +414,14 @@ def describe_receiver(receiver) -> str:
     parts = receiver.parts if isinstance(receiver, MultiReceiver) else [receiver]
     words = []
     for part in parts:
-        peers = sorted(part.peers)
+        peers, direct = sorted(part.peers), ""
         if isinstance(part, WeightReceiver):
             how = f"{dist.get_backend(part.group) if dist.is_initialized() else 'gloo'} point-to-point"
         else:
             how = "CUDA IPC" if part.device.type == "cuda" else "shared memory (parallel.cpu_shm)"
-        words.append(f"{how} from trainer ranks {peers}")
-        if getattr(part, "direct", False):  # parallel.ipc_buffers=0: no staged copy here either
-            words[-1] += ", applied straight from their memory"
+            if part.direct:  # parallel.ipc_buffers=0: no staged copy on this side either
+                direct = ", applied straight from their memory"
+        words.append(f"{how} from trainer ranks {peers}{direct}")
     return "weight sync by " + "; ".join(words)
 
 
