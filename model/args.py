@@ -167,6 +167,7 @@ class ModelArgs:
 
     def to_hf_config(self) -> dict:
         """A config.json dict that transformers 4.x and 5.x both read."""
+        self._check_exportable()
         rope_params = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
         cfg = dict(self.extra)
         cfg.update(
@@ -194,6 +195,23 @@ class ModelArgs:
             if slides:
                 cfg["max_window_layers"] = 0
         return cfg
+
+    def _check_exportable(self) -> None:
+        """Refuse the switches that config.json cannot carry: transformers builds q/k norms for
+        Qwen3 only and always, and Qwen2's q/k/v biases always, whatever the args say. Checked
+        at export, not at construction: cost models build such shapes without exporting them."""
+        if self.qk_norm != (self.model_type == "qwen3"):
+            fix = ("qk_norm=True" if self.model_type == "qwen3"
+                   else "arch='Qwen3ForCausalLM' (q/k norms), or qk_norm=False")
+            raise ValueError(f"cannot export qk_norm={self.qk_norm} with {self.arch}: "
+                             "transformers builds q/k RMSNorms for Qwen3ForCausalLM only and "
+                             "always, so it would load another model (q_norm/k_norm weights "
+                             f"added as ones, or dropped); use {fix}")
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ValueError(f"cannot export attention_bias=False with {self.arch}: transformers' "
+                             "Qwen2 always has q/k/v biases (our loader requires them in the "
+                             "checkpoint); use attention_bias=True, or arch='LlamaForCausalLM' "
+                             "(no biases, same layers otherwise)")
 
 
 def _check_activation(cfg: dict, source: str) -> None:

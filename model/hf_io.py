@@ -19,6 +19,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 LEGACY_ROPE_BUFFER = "rotary_emb.inv_freq"  # in names like model.layers.0.self_attn.rotary_emb.inv_freq
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def to_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch.dtype:
@@ -27,7 +28,7 @@ def to_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch
         return dtype
     name = (dtype or default).replace("torch.", "")
     if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -57,26 +58,51 @@ class CheckpointReader:
         self.folder = Path(path)
         self.file_of = _tensor_files(self.folder)  # tensor name -> file name
         self._handles: dict[str, object] = {}
+        self._stored_as: dict[str, str] = {}  # `read_as`: model name -> name in the checkpoint
+        self._check_files()
 
     def names(self) -> list[str]:
         return list(self.file_of)
 
-    def _handle(self, name: str):
-        fname = self.file_of[name]
+    def read_as(self, name: str, stored: str) -> None:
+        """Read tensor `name` from the checkpoint's tensor `stored` from now on."""
+        self.file_of[name], self._stored_as[name] = self.file_of[stored], stored
+
+    def _file(self, fname: str):
         if fname not in self._handles:
             self._handles[fname] = _open(self.folder / fname)
         return self._handles[fname]
 
+    def _check_files(self) -> None:
+        """Every tensor is in the file the index names: an index that does not belong to its
+        shards (hand-merged, or a shard re-saved) failed in safetensors naming no file."""
+        listed: dict[str, set[str]] = {}
+        for name, fname in self.file_of.items():
+            listed.setdefault(fname, set()).add(name)
+        wrong = [f"{name} ({fname})" for fname, names in sorted(listed.items())
+                 for name in sorted(names - set(self._file(fname).keys()))]
+        if wrong:
+            raise ValueError(f"{self.folder / INDEX_FILE} lists tensors in shard files that do "
+                             f"not hold them: {wrong}; the index does not belong to these "
+                             "shards, re-save or re-download the checkpoint")
+
+    def _where(self, name: str):
+        """The open file holding model tensor `name`, and its name there."""
+        return self._file(self.file_of[name]), self._stored_as.get(name, name)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        f, stored = self._where(name)
+        return tuple(f.get_slice(stored).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        f, stored = self._where(name)
+        return f.get_tensor(stored)
 
     def get_slice(self, name: str, offsets, sizes) -> torch.Tensor:
         """The sub-tensor [offsets, offsets + sizes) without reading the rest of the tensor."""
         index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
-        return self._handle(name).get_slice(name)[index]
+        f, stored = self._where(name)
+        return f.get_slice(stored)[index]
 
 
 def _open(file: Path):
@@ -90,7 +116,12 @@ def _open(file: Path):
 def _tensor_files(folder: Path) -> dict[str, str]:
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it "
+                             'needs {"weight_map": {tensor name: shard file}}: re-save or '
+                             "re-download the checkpoint") from None
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
             raise ValueError(f"{index} lists shard files that are missing: {missing}")
@@ -107,18 +138,25 @@ def expected_tensors(model: Transformer) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names and full shapes of a model (tied heads are not stored)."""
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     if model.args.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
+        shapes.pop(HEAD, None)
     return shapes
 
 
 def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
-    """Raise one ValueError listing every missing, unexpected or mis-shaped tensor."""
+    """Raise one ValueError listing every missing, unexpected or mis-shaped tensor. A tied
+    model stored with its head only (`safetensors.torch.save_model` keeps the first name of a
+    shared tensor, lm_head.weight) has `reader` read the embedding from the head, as
+    transformers does."""
     # Old transformers saved each layer's rope buffer; it is recomputed from config.json (by
     # transformers too, which skips these names), so it is no weight to load.
     have = {n for n in reader.names() if not n.endswith(LEGACY_ROPE_BUFFER)}
-    if "lm_head.weight" not in expected and "lm_head.weight" in have:
-        _check_stored_tied_head(reader, expected)  # some exporters store a copy anyway
-        have.discard("lm_head.weight")
+    if HEAD not in expected and HEAD in have:
+        if EMBED in expected and EMBED not in have:
+            reader.read_as(EMBED, HEAD)
+            have.add(EMBED)
+        else:
+            _check_stored_tied_head(reader, expected)  # some exporters store a copy anyway
+        have.discard(HEAD)
     missing, unexpected = sorted(set(expected) - have), sorted(have - set(expected))
     problems = []
     if missing:
@@ -141,7 +179,7 @@ def _check_stored_tied_head(reader: CheckpointReader, expected: dict[str, tuple[
 
     Compared a block of rows at a time, so no more than ~64 MiB of either is held (sharded
     loading calls this on every rank); a cost only checkpoints that store a tied head pay."""
-    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    emb, head = EMBED, HEAD
     if emb not in reader.names() or reader.shape(emb) != expected.get(emb):
         return  # reported as missing or mis-shaped with the other tensors
     if reader.shape(head) != reader.shape(emb) or not _same_values(reader, emb, head):

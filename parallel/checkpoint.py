@@ -210,7 +210,8 @@ def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
     parameters' own dtype); config.json records the dtype actually written."""
     final = Path(path)
     writer = _rank(group) == 0
-    tmp = _fresh_tmp(final, group)
+    cfg = model.args.to_hf_config()  # first: args config.json cannot carry are refused on every
+    tmp = _fresh_tmp(final, group)   # rank before anything is written (no `.tmp` left behind)
     params = dict(model.named_parameters(remove_duplicate=False))
     names = list(expected_tensors(model))  # same order on every rank: the gathers must line up
     out_dtype = to_dtype(dtype) if dtype is not None else params[names[0]].dtype
@@ -235,7 +236,6 @@ def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        cfg = model.args.to_hf_config()
         cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:

@@ -383,3 +383,15 @@ def test_a_resumed_optimizer_takes_the_configs_settings():
     assert step.dtype == torch.float32 and int(step) == 4
     fused.param_groups[0]["params"][0].grad = torch.ones(3)
     fused.step()
+
+
+def test_export_of_args_config_json_cannot_carry_writes_nothing(tmp_path):
+    """A model whose args config.json cannot carry (Qwen3 without q/k norms: transformers would
+    build them) is refused before the export writes a file: it left `hf.tmp` with the shards."""
+    from model import ModelArgs, Transformer
+    from parallel.checkpoint import export_hf
+    model = Transformer(ModelArgs(arch="Qwen3ForCausalLM", vocab_size=32, hidden_size=16,
+                                  intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1))
+    with pytest.raises(ValueError, match="cannot export qk_norm=False with Qwen3ForCausalLM"):
+        export_hf(model, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []

@@ -391,6 +391,22 @@ def test_model_args_refuse_what_transformers_cannot_build(kwargs, why):
         ModelArgs(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(arch="Qwen3ForCausalLM"), "cannot export qk_norm=False with Qwen3ForCausalLM.*qk_norm=True"),
+    (dict(qk_norm=True), "cannot export qk_norm=True with LlamaForCausalLM.*Qwen3ForCausalLM"),
+    (dict(arch="Qwen2ForCausalLM"), "cannot export attention_bias=False with Qwen2ForCausalLM")],
+    ids=["qwen3-no-qk-norm", "llama-qk-norm", "qwen2-no-bias"])
+def test_export_refuses_what_transformers_builds_otherwise(tmp_path, kwargs, why):
+    """ModelArgs built by hand (not read from HF) whose switches config.json cannot carry:
+    transformers loaded such an export silently as another model (Qwen3 q/k norms of ones added,
+    Llama's dropped: logits off by 0.6 and 2.5) and our loader refused it (missing/unexpected
+    tensors). The export is refused, naming the switch; nothing is written."""
+    model = Transformer(ModelArgs(vocab_size=tiny.VOCAB, **kwargs))
+    with pytest.raises(ValueError, match=why):
+        save_pretrained(model, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_window_exports_as_transformers_runs_it(tmp_path, arch):
     """A windowed model built from ModelArgs (not read from HF): transformers slides every layer
@@ -517,6 +533,37 @@ def test_legacy_inv_freq_tensors_are_ignored(tmp_path):
     assert _logits_against_transformers(tmp_path)[0] <= 1e-5
 
 
+@pytest.mark.parametrize("shard", [None, "20KB"], ids=["single", "sharded"])
+def test_tied_model_stored_with_head_only_loads(tmp_path, shard):
+    """A tied model saved by `safetensors.torch.save_model` stores the shared tensor once, under
+    its first name, lm_head.weight: transformers loads the embedding from it; so do we, whole
+    (load_pretrained) and by slices (the sharded loader's `get_slice`)."""
+    from safetensors.torch import load_file, save_file
+    from model.hf_io import CheckpointReader, check_tensors, expected_tensors
+    kwargs = {"max_shard_size": shard} if shard else {}
+    hf = tiny.save_hf("tied", tmp_path, **kwargs)
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if shard else {}
+    fname = weight_map.get("model.embed_tokens.weight", "model.safetensors")
+    state = load_file(str(tmp_path / fname))
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, str(tmp_path / fname), metadata={"format": "pt"})
+    if shard:
+        weight_map["lm_head.weight"] = weight_map.pop("model.embed_tokens.weight")
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    err, ours = _logits_against_transformers(tmp_path)
+    assert err <= 1e-5 and ours.lm_head.weight is ours.model.embed_tokens.weight
+    emb = hf.model.embed_tokens.weight.detach()
+    assert torch.equal(ours.model.embed_tokens.weight, emb)
+    reader = CheckpointReader(tmp_path)
+    check_tensors(reader, expected_tensors(ours))
+    assert torch.equal(reader.get_slice("model.embed_tokens.weight", (5, 8), (3, 16)), emb[5:8, 8:24])
+    # untied, the embedding is missing (transformers would initialise it at random)
+    _rewrite_config(tmp_path, {"tie_word_embeddings": False})
+    with pytest.raises(ValueError, match=r"missing tensors: \['model.embed_tokens.weight'\]"):
+        load_pretrained(tmp_path)
+
+
 def test_llama_mlp_bias_is_refused_by_name(tmp_path):
     from model.hf_io import load_model_args
     tiny.save_variant("llama", tmp_path, mlp_bias=True)
@@ -576,6 +623,34 @@ def test_truncated_safetensors(tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(ValueError, match="truncated or corrupt"):
         load_pretrained(tmp_path)
+
+
+def test_index_that_does_not_match_its_shards_names_tensor_and_file(tmp_path):
+    """An index listing a tensor in a shard that does not hold it failed inside safetensors
+    ("File does not contain tensor ...", no file); an index that is not JSON with a bare
+    JSONDecodeError. Both now name the index, the tensor and its file."""
+    tiny.save_hf("qwen2", tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    right = meta["weight_map"]["model.norm.weight"]
+    wrong = next(f for f in sorted(set(meta["weight_map"].values())) if f != right)
+    meta["weight_map"]["model.norm.weight"] = wrong
+    index.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"index.json lists tensors in shard files that do not "
+                                         rf"hold them: \['model.norm.weight \({wrong}\)'\]"):
+        load_pretrained(tmp_path)
+    index.write_text("{oops")
+    with pytest.raises(ValueError, match=r"index.json: not a safetensors index \(JSONDecodeError"):
+        load_pretrained(tmp_path)
+
+
+def test_unsupported_config_dtype_is_named(tmp_path):
+    """config.json's dtype read as the load dtype: the error named None (the argument), not it."""
+    tiny.save_hf("llama3", tmp_path)
+    _rewrite_config(tmp_path, {"dtype": "float64", "torch_dtype": DROP})
+    with pytest.raises(ValueError, match=r"unsupported dtype 'float64'; choose one of"):
+        load_pretrained(tmp_path)
+    assert load_pretrained(tmp_path, dtype="float32").lm_head.weight.dtype == torch.float32
 
 
 def test_unsupported_architecture(tmp_path):
