@@ -62,3 +62,16 @@ def test_bad_inputs_raise_value_error():
         group_advantages(torch.zeros(1, 2), "ppo")
     with pytest.raises(ValueError, match=r"\[G, n\]"):
         group_advantages(torch.zeros(4), "grpo")
+
+
+@pytest.mark.parametrize("value", [0.0, 0.3, -7.1])
+def test_grpo_without_eps_still_gives_constant_groups_exact_zero(value):
+    """eps only pads the std; with eps = 0 (as test_grpo_uses_population_std passes) a constant
+    or single-sample group (std 0) gave 0 / 0 = NaN, not the documented exact 0."""
+    r_GN = torch.tensor([[value, value, value], [0.0, 1.0, 2.0]])   # row 1: mean 1, var 2/3
+    a_GN = group_advantages(r_GN, "grpo", eps=0.0)
+    assert a_GN[0].tolist() == [0.0, 0.0, 0.0]
+    std = math.sqrt(2 / 3)
+    assert a_GN[1].tolist() == pytest.approx([-1 / std, 0.0, 1 / std], rel=1e-6)
+    single = group_advantages(torch.tensor([[value], [1.0]]), "grpo", eps=0.0)
+    assert single.tolist() == [[0.0], [0.0]]

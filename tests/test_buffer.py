@@ -218,6 +218,25 @@ def test_timeout_messages_name_what_was_awaited():
         buf.take(1, 0, timeout=None)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_timeouts_are_rejected(bad):
+    """A NaN timeout passed the `< 0` check and made a wait last for ever (Condition.wait_for
+    never times out on NaN); inf overflowed the deadline with a bare OverflowError. Each call
+    here could proceed at once, so the old code went ahead instead of raising."""
+    buf = OffPolicyBuffer(capacity_samples=4, max_staleness=0, batch_groups=1, group_size=2)
+    with pytest.raises(ValueError, match=f"OffPolicyBuffer.put needs a finite timeout.*got {bad}"):
+        buf.put(make_group(1, 0), timeout=bad)
+    assert len(buf) == 0
+    buf.put(make_group(1, 0), timeout=1.0)
+    with pytest.raises(ValueError, match=f"OffPolicyBuffer.take needs a finite timeout.*got {bad}"):
+        buf.take(1, 0, timeout=bad)
+    assert len(buf) == 1
+    gate = GenerationGate(batch_groups=1, max_staleness=0)
+    with pytest.raises(ValueError, match=f"GenerationGate.acquire needs a finite .*got {bad}"):
+        gate.acquire(timeout=bad)
+    assert gate.n_started == 0
+
+
 def test_gate_pauses_generator_until_trainer_advances():
     gate = GenerationGate(batch_groups=1, max_staleness=0)
     assert gate.acquire(timeout=1.0) == 1 and not gate.try_acquire()

@@ -46,7 +46,8 @@ def group_advantages(rewards_GN: Tensor, kind: AdvantageKind = "group_mean",
         return centered_GN
     if kind == "grpo":
         std_G1 = r_GN.std(1, keepdim=True, correction=0)
-        return centered_GN / (std_G1 + eps)
+        # a constant group's std is 0: with eps = 0 its zeros became 0 / 0 = NaN
+        return torch.where(constant_G1, 0.0, centered_GN / (std_G1 + eps))
     if n == 1:
         return torch.zeros_like(r_GN)
     return centered_GN * (n / (n - 1))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import warnings
 from typing import Any
@@ -37,8 +38,10 @@ class BufferClosed(RuntimeError):
 
 
 def _check_timeout(timeout: float | None, what: str) -> float:
-    if timeout is None or timeout < 0:
-        raise ValueError(f"{what} needs a finite timeout >= 0 (hangs are bugs), got {timeout}")
+    # NaN passes `< 0` and makes Condition.wait_for wait for ever; inf overflows its deadline
+    if timeout is None or not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"{what} needs a finite timeout >= 0 (hangs are bugs), got {timeout}; "
+                         f"pass a number of seconds (parallel.timeout_s)")
     return float(timeout)
 
 
