@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import tomllib
@@ -261,6 +262,9 @@ class Config:
                     sym = _OPS[op][1]
                     raise ConfigError(f"{key}={value!r} is invalid: it must be {sym} {bound} "
                                       f"(set --{key}=<value {sym} {bound}>)")
+            if f.name.endswith("timeout_s") and not math.isfinite(value):  # waits end: no hangs
+                raise ConfigError(f"{key}={value!r} is invalid: a timeout must be a finite number "
+                                  f"of seconds (set --{key}=<seconds>, e.g. {f.default})")
         g, a, t = self.generator, self.algo, self.trainer
         if a.token_is != "none" and a.loss != "ppo":
             raise ConfigError(f"algo.token_is={a.token_is!r} applies to algo.loss='ppo' only; "

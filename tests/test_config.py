@@ -237,6 +237,9 @@ def test_missing_file_names_path():
     ("--generator.top_p=1.5", "generator.top_p=1.5 is invalid: it must be <= 1"),
     ("--algo.rho=0.5", "algo.rho=0.5 is invalid: it must be >= 1"),
     ("--trainer.beta2=1", "trainer.beta2=1.0 is invalid: it must be < 1"),
+    ("--parallel.timeout_s=inf", r"parallel.timeout_s=inf is invalid: a timeout must be a finite "
+                                 r"number of seconds \(set --parallel.timeout_s=<seconds>, e.g. 300.0\)"),
+    ("--reward.timeout_s=inf", "reward.timeout_s=inf is invalid: a timeout must be a finite"),
     ("--parallel.gen_tp=0", "parallel.gen_tp=0 is invalid: it must be >= 1"),
     ("--algo.loss=foo", r"algo.loss='foo' is not a valid choice; choose one of 'aipo', 'ppo', 'decoupled_ppo'"),
     ("--parallel.mode=hybrid", "choose one of 'split', 'colocated'"),
