@@ -1,5 +1,7 @@
 """Weight sync on real gloo ranks: bitwise-exact shards after push, two versions in a row,
 atomic swap, and timeouts that name the peer and the version."""
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -312,6 +314,75 @@ def _deadline_worker(rank, world, timeout_s, slow_s, grace_s):
         sender.wait_sent()
     dist.barrier()
     return out
+
+
+def _wire_worker(rank, world, send_dtype, send_bucket_bytes):
+    """Trainer rank 0 (fp32 shard) -> generator rank 1 (bf16), the sender told `send_dtype` and
+    `send_bucket_bytes` (the receiver keeps the default bucket)."""
+    from weights_sync.sync import WeightReceiver, WeightSender
+    p, group = _two_peer_plan([0], [1]), dist.new_group(backend="gloo")
+    if rank == 0:
+        sender = WeightSender(_holder(0, p), p, 0, getattr(torch, send_dtype), group, timeout_s=3,
+                              bucket_bytes=send_bucket_bytes)
+        sender.push(1)
+        with pytest.raises(TimeoutError, match="generator rank 1 to receive version 1"):
+            sender.wait_sent()  # the generator refused the stream: its bytes are never taken
+        return {}
+    model = _holder(1, p).to(GEN_DTYPE)
+    before = model.w.detach().clone()
+    recv = WeightReceiver(model, p, 1, group, timeout_s=30)
+    with pytest.raises(ValueError) as e:
+        recv.receive(1)
+    assert torch.equal(model.w.detach(), before)  # nothing applied, nothing half-written
+    return {"error": str(e.value)}
+
+
+@pytest.mark.parametrize("send_dtype,send_bucket_bytes,want", [
+    # bf16 bits read as fp16 (same size): the old code applied garbage without a word
+    ("float16", 64 << 20, r"trainer rank 0 sends weights as float16, this rank's parameters are "
+                          r"bfloat16; the trainer must cast to the generator dtype"),
+    # fp32 bytes into bf16 buffers: the old code's generator died in gloo (SIGABRT)
+    ("float32", 64 << 20, r"sends weights as float32, this rank's parameters are bfloat16"),
+    # smaller buckets than the receiver's: the old code's generator took the first 4-element
+    # message as its whole 16-element buffer and applied it, 12 elements stale, without a word
+    ("bfloat16", 8, r"cuts its stream every 4 elements, this rank every 33554432; give "
+                    r"make_sender and make_receiver the same bucket_bytes")],
+    ids=["fp16-as-bf16", "fp32-as-bf16", "bucket"])
+def test_a_sender_of_another_wire_format_is_refused_by_name(send_dtype, send_bucket_bytes, want):
+    """The pair's header carries the sender's wire dtype, stream length and bucket size; the
+    generator checks the first version's before it posts a buffer, later ones before an apply
+    (the format is fixed at construction; the IPC transport refuses a dtype mismatch
+    too: tests/test_ipc.py)."""
+    error = run_ranks(_wire_worker, 2, send_dtype, send_bucket_bytes, timeout=120)[1]["error"]
+    assert re.search(want, error), error
+    assert "generator rank 1" in error
+
+
+def test_header_check_names_each_mismatch():
+    """Pure: the header of a pair carries (version, wire dtype, stream numel, bucket numel); each
+    field that differs from the receiver's own derivation is named, a version as before."""
+    from parallel.layout import Box
+    from weights_sync.stream import Segment
+    from weights_sync.sync import check_header, header
+    segs = [Segment("w", Box((0, 0), (3, 4)), 0, 12), Segment("b", Box((0,), (5,)), 12, 5)]
+    want = header(7, torch.bfloat16, segs, 1024)
+    assert want[2] == 17
+    check_header(list(want), want, rank=5, src=1)
+    cases = [(header(6, torch.bfloat16, segs, 1024), RuntimeError,
+              r"generator rank 5 expected weights version 7 but trainer rank 1 sent version 6"),
+             (header(7, torch.float16, segs, 1024), ValueError,
+              r"trainer rank 1 sends weights as float16, this rank's parameters are bfloat16"),
+             (header(7, torch.bfloat16, segs[:1], 1024), ValueError,
+              r"trainer rank 1 sends 12 elements, the plan gives this pair 17"),
+             (header(7, torch.bfloat16, segs, 512), ValueError,
+              r"cuts its stream every 512 elements, this rank every 1024")]
+    for got, kind, match in cases:
+        with pytest.raises(kind, match=match):
+            check_header(got, want, rank=5, src=1)
+    # the dtype codes tell every torch dtype apart, the same in every process (no salted hash)
+    dtypes = {getattr(torch, n) for n in ("float64", "float32", "bfloat16", "float16", "int64",
+                                          "int32", "int8", "uint8", "float8_e4m3fn", "float8_e5m2")}
+    assert len({header(0, d, segs, 1)[1] for d in dtypes}) == len(dtypes)
 
 
 @pytest.mark.slow

@@ -2,18 +2,24 @@
 
 Trainer side, `WeightSender.push(v)`:
   1. waits only if version v-1 is still streaming (with a timeout naming the peers and version);
-  2. starts a background stream: for every destination peer in plan order, send the pair's
-     messages (`stream.messages`, derived from the plan by both ends alike). A piece that is
-     contiguous in the live shard and already in the generator dtype goes straight from the shard
-     (no copy: fp32 -> fp32 FSDP row shards); the rest (casts, column blocks, runs of small
-     norms/biases) is filled into one of two persistent buckets, reused once received;
+  2. starts a background stream: every peer's header first, then for every destination peer in
+     plan order, the pair's messages (`stream.messages`, derived from the plan by both ends
+     alike). A piece that is contiguous in the live shard and already in the generator dtype goes
+     straight from the shard (no copy: fp32 -> fp32 FSDP row shards); the rest (casts, column
+     blocks, runs of small norms/biases) is filled into one of two persistent buckets, reused
+     once received;
   3. returns at once. The trainer calls `wait_sent()` before its next `optimizer.step()`, so the
      streamed weights are exactly version v (and the shard memory handed to the transport stays
      unchanged until it is sent): the transfer overlaps the next forward/backward.
 Generator side, `WeightReceiver.receive(v)`:
-  posts every receive of version v at once into one flat staging buffer per source peer (so a
-  receiver never blocks a sender), waits with a timeout, and returns `apply()`, which copies the
-  staging into the parameters. The engine calls it between two steps: a model never mixes versions.
+  posts every receive of version v into one flat staging buffer per source peer (so a receiver
+  never blocks a sender), waits with a timeout, checks each source's header (version, wire dtype,
+  stream length, bucket size), and returns `apply()`, which copies the staging into the
+  parameters. The engine calls it between two steps: a model never mixes versions. The first
+  version's headers are checked before its bytes are posted, so a sender of another dtype or
+  bucket size than the generator's is refused by name before any of its bytes lands (bf16 bits
+  read as fp16 were applied silently, smaller buckets left most of a buffer stale, and fp32 into
+  bf16 buffers aborted the generator in gloo: "Received data size doesn't match expected size").
 
 Transports: gloo (CPU tensors) and NCCL (CUDA tensors, different GPUs) share this code through
 `torch.distributed` isend/irecv on a dedicated process group; processes on the *same* GPU use
@@ -25,6 +31,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Collection, Mapping
 from datetime import timedelta
@@ -36,6 +43,9 @@ from parallel.mesh import gpu_key, same_gpu, shared_host_memory
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
+# int64 header of every (sender, receiver) pair and version: (version, wire dtype, stream numel,
+# bucket numel); see `header`
+HEADER_NUMEL = 4
 # versions whose transfer stats (`history`) a sender or receiver keeps: a run of 100k steps kept
 # them all, one dict a version, read by nobody past the last few
 HISTORY = 64
@@ -46,6 +56,45 @@ def small_numel(bucket_numel: int) -> int:
     possible (stream.messages). A 64 MiB bucket gives 256 KiB: only norms and biases get packed,
     and a message costs tens of microseconds, so their count stays negligible."""
     return max(1, bucket_numel // 256)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A number for `dtype` that every process computes alike (Python's str hash is salted)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _code_name(code: int) -> str:
+    known = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+             torch.float8_e5m2)
+    return next((str(d).removeprefix("torch.") for d in known if _dtype_code(d) == code),
+                f"dtype code {code}")
+
+
+def header(version: int, dtype: torch.dtype, segs, bucket_numel: int) -> list[int]:
+    """What a pair's header carries: both ends derive the last three from their own side, and the
+    receiver compares them (`check_header`) before it posts a buffer."""
+    return [version, _dtype_code(dtype), stream.stream_numel(segs), bucket_numel]
+
+
+def check_header(got: list[int], want: list[int], rank: int, src: int) -> None:
+    """Raise, naming both ends, where trainer rank `src`'s header `got` differs from `want`."""
+    (v, dtype, numel, bucket), (wv, wdtype, wnumel, wbucket) = got, want
+    if v != wv:
+        raise RuntimeError(f"generator rank {rank} expected weights version {wv} but trainer "
+                           f"rank {src} sent version {v}")
+    if dtype != wdtype:
+        raise ValueError(f"generator rank {rank}: trainer rank {src} sends weights as "
+                         f"{_code_name(dtype)}, this rank's parameters are {_code_name(wdtype)}; "
+                         f"the trainer must cast to the generator dtype (make_sender's dtype = "
+                         f"model.gen_dtype)")
+    if numel != wnumel:
+        raise ValueError(f"generator rank {rank}: trainer rank {src} sends {numel} elements, the "
+                         f"plan gives this pair {wnumel}; plan both ends from the same layouts "
+                         f"(weights_sync.sync.plan_between_meshes)")
+    if bucket != wbucket:
+        raise ValueError(f"generator rank {rank}: trainer rank {src} cuts its stream every "
+                         f"{bucket} elements, this rank every {wbucket}; give make_sender and "
+                         f"make_receiver the same bucket_bytes")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -176,9 +225,18 @@ class WeightSender:
     def _stream_all(self, version: int) -> None:
         t0, nbytes = time.perf_counter(), 0
         deadline = time.monotonic() + self.timeout_s  # one budget for all peers of the version
+        # Every peer's header before any peer's data: a receiver posts a sender's buffers only
+        # once that sender's header and those of the senders before it are in
+        # (WeightReceiver.post), so a header held back behind another peer's data could close a
+        # cycle of waits.
+        heads = {}
+        for dst, segs in self.peers.items():
+            h = torch.tensor(header(version, self.dtype, segs, self.bucket_numel),
+                             dtype=torch.int64, device=self.device)
+            heads[dst] = (h, dist.isend(h, dst, group=self.group, tag=TAG_WEIGHTS))
         with torch.no_grad():
             for dst, segs in self.peers.items():
-                nbytes += self._stream(dst, segs, version, deadline)
+                nbytes += self._stream(dst, segs, version, deadline, heads[dst][1])
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
@@ -195,11 +253,11 @@ class WeightSender:
             out.append((lo, hi, view))
         return out
 
-    def _stream(self, dst: int, segs, version: int, deadline: float) -> int:
-        # A one-element header carries the version, so a receiver can never apply bytes of a
-        # version other than the one it was told about (NCCL has no message tags to tell them apart).
-        header = torch.tensor([version], dtype=torch.int64, device=self.device)
-        works = [dist.isend(header, dst, group=self.group, tag=TAG_WEIGHTS)]
+    def _stream(self, dst: int, segs, version: int, deadline: float, head_work) -> int:
+        # The header (sent by _stream_all) carries the version, so a receiver can never apply
+        # bytes of a version other than the one it was told about (NCCL has no message tags to
+        # tell them apart), and the wire dtype, so it never reads them as another dtype.
+        works = [head_work]
         pool, what = self.pool, f"generator rank {dst} to receive version {version}"
         pending: list = [None, None]  # the send using each bucket of the pool
         filled = 0
@@ -254,6 +312,7 @@ class WeightReceiver:
                         for s, segs in self.peers.items()}
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.staged_version: int | None = None  # what the staging holds (`staged_apply`)
+        self._format_checked = False  # the first version's headers are checked before its bytes
 
     @property
     def staging_bytes(self) -> int:
@@ -264,29 +323,45 @@ class WeightReceiver:
         return self.finish(self.post(version))
 
     def post(self, version: int):
-        """Post every receive of `version` (headers, then all buckets) before waiting on any: a
-        receiver that waited on one sender before posting for the others could close a cycle of
-        waits. Returns the ticket `finish` waits on."""
+        """Post every receive of `version` (headers, then the bytes) and return the ticket `finish`
+        waits on. The first version's headers are awaited and checked source by source before its
+        bytes are posted: a sender of another dtype, stream length or bucket size is named before
+        its bytes reach buffers of the wrong type or size. Every sender sends all its headers
+        before any bytes (`WeightSender._stream_all`), so waiting on a header never waits on
+        another pair's bytes (no cycle of waits). Both ends fix the format at construction, so
+        later versions post everything at once (waiting for a header first cost the CPU sync
+        5-10%) and `finish` checks their headers before anything can be applied."""
         t0 = time.perf_counter()
         self.staged_version = None  # the staging is being overwritten: no earlier apply() may run
-        heads = {s: torch.empty(1, dtype=torch.int64, device=self.device) for s in self.staging}
-        works = []
+        deadline = time.monotonic() + self.timeout_s  # one budget for all sources of the version
+        heads = {s: torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+                 for s in self.staging}
+        head_works = {s: dist.irecv(h, s, group=self.group, tag=TAG_WEIGHTS)
+                      for s, h in heads.items()}
+        works = []  # (source, work) of what `finish` waits for (a gloo work is waited once)
         for src, flat in self.staging.items():
-            works.append((src, dist.irecv(heads[src], src, group=self.group, tag=TAG_WEIGHTS)))
+            if self._format_checked:
+                works.append((src, head_works[src]))
+            else:
+                _wait(head_works[src], deadline, self.timeout_s,
+                      f"weights version {version} from trainer rank {src}")
+                self._check(heads[src], src, version)
             for lo, hi in stream.messages(self.peers[src], self.bucket_numel,
                                           small_numel(self.bucket_numel)):
                 works.append((src, dist.irecv(flat[lo:hi], src, group=self.group, tag=TAG_WEIGHTS)))
-        return version, t0, heads, works
+        self._format_checked = True
+        return version, t0, deadline, heads, works
+
+    def _check(self, head: torch.Tensor, src: int, version: int) -> None:
+        want = header(version, self.dtype, self.peers[src], self.bucket_numel)
+        check_header(head.tolist(), want, self.rank, src)
 
     def finish(self, ticket):
-        version, t0, heads, works = ticket
-        deadline = time.monotonic() + self.timeout_s  # one budget for all sources of the version
+        version, t0, deadline, heads, works = ticket
         for src, w in works:
             _wait(w, deadline, self.timeout_s, f"weights version {version} from trainer rank {src}")
         for src, h in heads.items():
-            if int(h) != version:
-                raise RuntimeError(f"generator rank {self.rank} expected weights version {version} "
-                                   f"but trainer rank {src} sent version {int(h)}")
+            self._check(h, src, version)
         nbytes = self.staging_bytes
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
