@@ -9,6 +9,10 @@ The fallback when two meshes do not fit (or for small jobs on few devices). Per 
      split mode);
   4. reshard: the trainer layout (FSDP x TP) is copied into the generator layout (TP x DP) with the
      same weight-sync plan as split mode; pieces a rank sends to itself are plain local copies.
+The exchange (2) is where a rank waits for the slowest one's generation, rewards or evaluation: a
+timed-out exchange names the step and the ranks it waited for, with what each was doing
+(`_Progress`). The end (the final evaluation and export) takes the start-up budget, as in split
+mode (config: parallel.warmup_timeout_s).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from config import warmup_budget_s
 from rollout.engine import Request
 from rollout.role import build_engine
 from rollout.worker import replica_share, sampling_params
@@ -65,6 +70,35 @@ def all_gather_json(obj, group=None) -> list:
     return [json.loads(bytes(b[:int(k)].numpy()).decode()) for b, k in zip(bufs, sizes)]
 
 
+class _Progress:
+    """What each rank is doing, one store key per rank (written as a rank enters each phase): a
+    timed-out exchange names the ranks that had not arrived and where they were. gloo's own
+    time-out named neither ("Timed out waiting 3000ms for send operation to complete")."""
+
+    def __init__(self, rank: int, world: int, store=None):
+        from trainer.link import _attempt  # the key prefix of this torchrun attempt
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore(f"tandem/colocated/{_attempt()}", base)
+        self.rank, self.world = rank, world
+
+    def mark(self, phase: str) -> None:
+        self.store.set(str(self.rank), phase)
+
+    def elsewhere(self, phase: str) -> str:
+        """The other ranks not in `phase`, each with its own ("no word yet" before its first
+        mark), for an error message: it must not replace the error when the store is gone too."""
+        try:
+            late = {}
+            for r in (r for r in range(self.world) if r != self.rank):
+                key = str(r)
+                mark = self.store.get(key).decode() if self.store.check([key]) else "no word yet"
+                if mark != phase:
+                    late[r] = mark
+        except Exception as e:  # noqa: BLE001 (the job's store went with a crashed rank)
+            return f"unknown (the job's store did not answer: {type(e).__name__}: {e})"
+        return "; ".join(f"rank {r}: {what}" for r, what in late.items()) or "none (a lost peer)"
+
+
 class ColocatedWorker:
     def __init__(self, cfg, meshes, t_model, g_model, opt, sched, sender, receiver, local,
                  prompts, encode, tokenizer, rewards, logger=None, ref_model=None):
@@ -84,16 +118,16 @@ class ColocatedWorker:
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.warm = False  # past the first step: the process groups wait parallel.timeout_s
         self.last_stamp: float | None = None  # as TrainerWorker's, evaluations left out
+        self.progress = _Progress(meshes.rank, dims.world_size)
 
     def run(self, evaluator=None) -> None:
         """`evaluator` (rollout.evaluate.PeriodicEval, on the ranks of generator replica 0): the
         starting policy, then each version it asks for, after the reshard."""
-        if evaluator is not None:
-            evaluator.maybe_run(0)
+        self._evaluate(evaluator)
         while self.step < self.cfg.trainer.max_steps:
             t0 = time.perf_counter()
             start = t0 if self.last_stamp is None else self.last_stamp
-            groups = gather_groups(self._generate())
+            groups = self._exchange(self._generate())
             res = train_step(self.t_model, self.opt, self.sched, groups, self.cfg, self.dp_group,
                              self.meshes.device, self.version, self.ref_model,
                              shard=(self.dp_rank, self.meshes.dims.trainer_fsdp))
@@ -104,22 +138,61 @@ class ColocatedWorker:
                             self.tok if self.meshes.rank == 0 else None, self.meshes.trainer_group)
             t1 = time.perf_counter()
             self._reshard()
-            if not self.warm:  # model load, compile and the first step are behind every rank
-                self.meshes.set_timeouts(self.cfg.parallel.timeout_s)
-                self.warm = True
+            self._set_timeouts()
             stats = reduce_stats(res.stats, self.dp_group)
             stamp = time.perf_counter()
             if self.logger is not None:
                 self.logger.log(step_metrics(self.step, self.version, groups, stats, res,
                                              stamp - start, stamp - t1, self.nonfinite.total))
             t_eval = time.perf_counter()
-            if evaluator is not None:  # after the step's metrics: its time is in eval.jsonl
-                evaluator.maybe_run(self.version)
+            self._evaluate(evaluator)  # after the step's metrics: its time is in eval.jsonl
             self.last_stamp = stamp + time.perf_counter() - t_eval  # the next step's start
+
+    def _set_timeouts(self) -> None:
+        """After a step: its process groups' timeouts. The first step is behind every rank (model
+        load, compile): parallel.timeout_s from here. The last: the end (replica 0's final
+        evaluation, which the other ranks wait for in the final export's collectives, and the
+        export, written by rank 0 while the others wait) takes the start-up budget, as split
+        mode's end does; with timeout_s, a large model's final export failed the run."""
+        if self.step == self.cfg.trainer.max_steps:
+            if self.warm:
+                self.meshes.set_timeouts(warmup_budget_s(self.cfg.parallel))
+        elif not self.warm:
+            self.meshes.set_timeouts(self.cfg.parallel.timeout_s)
+            self.warm = True
+
+    def _evaluate(self, evaluator) -> None:
+        if evaluator is not None and evaluator.due(self.version):
+            self.progress.mark(f"evaluating v{self.version} (eval.every_steps)")
+            evaluator.maybe_run(self.version)
+
+    def _exchange(self, mine: list[dict]) -> list[Group]:
+        """Every rank's groups of this step (`gather_groups`), or an error that names the step,
+        the ranks that did not arrive, what each was doing, and the budget they overran."""
+        here = f"at the exchange of step {self.step + 1}"
+        self.progress.mark(here)
+        t0 = time.monotonic()
+        try:
+            return gather_groups(mine)
+        except RuntimeError as e:
+            who = self.progress.elsewhere(here)
+            budget = (f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}" if self.warm else
+                      f"the start-up budget (the larger of parallel.timeout_s and "
+                      f"parallel.warmup_timeout_s, {warmup_budget_s(self.cfg.parallel):g}s)")
+            kind = TimeoutError if "timed out" in str(e).lower() else ConnectionError
+            raise kind(
+                f"colocated step {self.step + 1}: rank {self.meshes.rank} waited "
+                f"{time.monotonic() - t0:.0f}s for every rank's prompt groups (the step's "
+                f"exchange, an all-gather over the world) and gave up; ranks not there: {who}. "
+                f"A step's generation with its rewards (reward.timeout_s="
+                f"{self.cfg.reward.timeout_s:g} per completion), and replica 0's evaluations, must "
+                f"each finish within {budget}: raise it, or lower generator.max_new_tokens or "
+                f"eval.num_prompts ({e})") from e
 
     def _generate(self) -> list[dict]:
         """This replica's share of the step's groups, all sampled with the current weights."""
         from rollout.sampling import mix32
+        self.progress.mark(f"generating step {self.step + 1} (the rollout, then its rewards)")
         # by start index: a step across an epoch boundary may draw a prompt twice
         reqs, items = [], {}
         for item in self.prompts.next_batch(self.share):
