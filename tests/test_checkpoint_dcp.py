@@ -395,3 +395,17 @@ def test_export_of_args_config_json_cannot_carry_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="cannot export qk_norm=False with Qwen3ForCausalLM"):
         export_hf(model, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_interrupted_line_suggests_what_the_mode_allows(tmp_path):
+    """Ctrl-C without a checkpoint: split mode is told to set checkpoint.every_steps; colocated
+    mode, whose preflight refuses that setting, is told it has none (it was told to set it)."""
+    from config import load_config
+    from trainer.checkpointing import interrupted_line
+    split = load_config(None, [f"--run.dir={tmp_path}"])
+    assert interrupted_line(split).endswith("(set --checkpoint.every_steps=N to make a run "
+                                            "resumable)")
+    colocated = load_config(None, [f"--run.dir={tmp_path}", "--parallel.mode=colocated"])
+    line = interrupted_line(colocated)
+    assert "colocated mode has no checkpoints: parallel.mode=split can resume" in line
+    assert "every_steps" not in line

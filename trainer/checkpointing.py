@@ -271,8 +271,10 @@ def interrupted_line(cfg) -> str:
         return "interrupted"
     latest = latest_checkpoint(checkpoint_root(cfg))
     if latest is None:
-        return (f"interrupted: {cfg.run.dir} has no checkpoint to resume from (set "
-                "--checkpoint.every_steps=N to make a run resumable)")
+        how = ("colocated mode has no checkpoints: parallel.mode=split can resume"
+               if cfg.parallel.mode == "colocated" else
+               "set --checkpoint.every_steps=N to make a run resumable")
+        return f"interrupted: {cfg.run.dir} has no checkpoint to resume from ({how})"
     return (f"interrupted: run the same command again to resume {cfg.run.dir} from its latest "
             f"checkpoint, {latest.name}")
 
