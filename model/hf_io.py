@@ -86,9 +86,13 @@ class CheckpointReader:
                              f"not hold them: {wrong}; the index does not belong to these "
                              "shards, re-save or re-download the checkpoint")
 
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's name of model tensor `name` (another one after `read_as`)."""
+        return self._stored_as.get(name, name)
+
     def _where(self, name: str):
         """The open file holding model tensor `name`, and its name there."""
-        return self._file(self.file_of[name]), self._stored_as.get(name, name)
+        return self._file(self.file_of[name]), self.stored_name(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         f, stored = self._where(name)
@@ -118,6 +122,9 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str)
+                                                           for f in weight_map.values()):
+                raise TypeError(f"weight_map is {json.dumps(weight_map)[:80]}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it "
                              'needs {"weight_map": {tensor name: shard file}}: re-save or '
@@ -165,7 +172,9 @@ def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]
         problems.append(f"unexpected tensors: {unexpected}")
     for name in sorted(set(expected) & have):
         if reader.shape(name) != expected[name]:
-            problems.append(f"tensor {name}: checkpoint shape {list(reader.shape(name))} "
+            stored = reader.stored_name(name)  # the tied head-only checkpoint's lm_head.weight
+            what = name if stored == name else f"{name} (stored as {stored})"
+            problems.append(f"tensor {what}: checkpoint shape {list(reader.shape(name))} "
                             f"!= model shape {list(expected[name])}")
     if problems:
         raise ValueError(f"{reader.folder}: checkpoint does not match the model config: "

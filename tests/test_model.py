@@ -558,6 +558,14 @@ def test_tied_model_stored_with_head_only_loads(tmp_path, shard):
     reader = CheckpointReader(tmp_path)
     check_tensors(reader, expected_tensors(ours))
     assert torch.equal(reader.get_slice("model.embed_tokens.weight", (5, 8), (3, 16)), emb[5:8, 8:24])
+    # a head of another shape is named as stored (the checkpoint holds no embed_tokens)
+    fname = weight_map.get("lm_head.weight", "model.safetensors")
+    state = load_file(str(tmp_path / fname))
+    state["lm_head.weight"] = torch.cat([state["lm_head.weight"], state["lm_head.weight"][:3]])
+    save_file(state, str(tmp_path / fname), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor model.embed_tokens.weight \(stored as "
+                                         r"lm_head.weight\): checkpoint shape \[\d+, \d+\]"):
+        load_pretrained(tmp_path)
     # untied, the embedding is missing (transformers would initialise it at random)
     _rewrite_config(tmp_path, {"tie_word_embeddings": False})
     with pytest.raises(ValueError, match=r"missing tensors: \['model.embed_tokens.weight'\]"):
@@ -642,6 +650,11 @@ def test_index_that_does_not_match_its_shards_names_tensor_and_file(tmp_path):
     index.write_text("{oops")
     with pytest.raises(ValueError, match=r"index.json: not a safetensors index \(JSONDecodeError"):
         load_pretrained(tmp_path)
+    # JSON, but no map of tensor names to file names (failed with a bare AttributeError)
+    for weight_map in (None, ["model.norm.weight"], {"model.norm.weight": 3}):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ValueError, match=r"index.json: not a safetensors index \(TypeError"):
+            load_pretrained(tmp_path)
 
 
 def test_unsupported_config_dtype_is_named(tmp_path):
