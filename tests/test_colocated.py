@@ -18,10 +18,9 @@ QUICK = ["--parallel.mode=colocated", "--trainer.prompts_per_step=2", "--generat
          "--generator.pack_weights=off"]
 
 
-def _run(rank, world, folder, run_dir, args, spy_timeouts=False, slow_export_s=0.0):
-    """run_colocated on this rank; the timeouts its process groups were set to after the meshes
-    (`spy_timeouts`), and each parameter of both models in full. `slow_export_s`: rank 0 writes
-    each Hugging Face file that much later (a large model's write)."""
+def _run(rank, world, folder, run_dir, args, slow_export_s=0.0):
+    """run_colocated on this rank; each parameter of both models in full. `slow_export_s`: rank 0
+    writes each Hugging Face file that much later (a large model's write)."""
     import torch
     from config import load_config
     from launch.preflight import preflight
@@ -29,10 +28,7 @@ def _run(rank, world, folder, run_dir, args, spy_timeouts=False, slow_export_s=0
     from parallel import mesh as M
     from parallel.dims import ParallelDims
     from trainer import colocated
-    calls, seen = [], {}
-    if spy_timeouts:
-        real = M.Meshes.set_timeouts
-        M.Meshes.set_timeouts = lambda self, s: calls.append(s) or real(self, s)
+    seen = {}
     if slow_export_s and rank == 0:
         save_file = C.save_file
         C.save_file = lambda *a, **k: threading.Event().wait(slow_export_s) or save_file(*a, **k)
@@ -50,19 +46,7 @@ def _run(rank, world, folder, run_dir, args, spy_timeouts=False, slow_export_s=0
     for side, model in (("t", seen["w"].t_model), ("g", seen["w"].g_model)):
         for name, p in model.named_parameters():
             full[f"{side}/{name}"] = C._full_tensor(p.detach()).clone()
-    return {"timeouts": calls, **full}
-
-
-def test_the_end_takes_the_start_up_budget(tmp_path):
-    """After the first step the process groups wait parallel.timeout_s; after the last, the end
-    (replica 0's final evaluation, the final export) takes the start-up budget, as split mode's
-    trainer does (tests/test_worker_cut.py) and parallel.warmup_timeout_s says. Colocated mode
-    kept timeout_s for it."""
-    folder = make_rl_model(tmp_path / "m")
-    out = run_ranks(_run, 1, folder, str(tmp_path / "run"),
-                    ["--trainer.max_steps=3", "--parallel.timeout_s=60",
-                     "--checkpoint.hf_export_final=false"], True, timeout=300)
-    assert out[0]["timeouts"] == [60.0, 120.0]
+    return full
 
 
 @pytest.mark.slow
@@ -74,7 +58,7 @@ def test_a_final_export_longer_than_the_step_timeout_completes(tmp_path):
     folder = make_rl_model(tmp_path / "m")
     run_dir = tmp_path / "run"
     run_ranks(_run, 2, folder, str(run_dir), ["--trainer.max_steps=1", "--parallel.timeout_s=1"],
-              False, 4.0, timeout=300)
+              4.0, timeout=300)
     assert (run_dir / "COMPLETE").is_file()
     assert {"config.json", "model.safetensors"} <= set(os.listdir(run_dir / "hf_final"))
     assert not (run_dir / "hf_final.tmp").exists()
