@@ -76,9 +76,8 @@ class _Progress:
     time-out named neither ("Timed out waiting 3000ms for send operation to complete")."""
 
     def __init__(self, rank: int, world: int, store=None):
-        from trainer.link import _attempt  # the key prefix of this torchrun attempt
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(f"tandem/colocated/{_attempt()}", base)
+        from trainer.link import attempt_store
+        self.store = attempt_store("colocated", store)
         self.rank, self.world = rank, world
 
     def mark(self, phase: str) -> None:
@@ -138,7 +137,9 @@ class ColocatedWorker:
                             self.tok if self.meshes.rank == 0 else None, self.meshes.trainer_group)
             t1 = time.perf_counter()
             self._reshard()
-            self._set_timeouts()
+            if not self.warm:  # model load, compile and the first step are behind every rank
+                self.meshes.set_timeouts(self.cfg.parallel.timeout_s)
+                self.warm = True
             stats = reduce_stats(res.stats, self.dp_group)
             stamp = time.perf_counter()
             if self.logger is not None:
@@ -147,19 +148,10 @@ class ColocatedWorker:
             t_eval = time.perf_counter()
             self._evaluate(evaluator)  # after the step's metrics: its time is in eval.jsonl
             self.last_stamp = stamp + time.perf_counter() - t_eval  # the next step's start
-
-    def _set_timeouts(self) -> None:
-        """After a step: its process groups' timeouts. The first step is behind every rank (model
-        load, compile): parallel.timeout_s from here. The last: the end (replica 0's final
-        evaluation, which the other ranks wait for in the final export's collectives, and the
-        export, written by rank 0 while the others wait) takes the start-up budget, as split
-        mode's end does; with timeout_s, a large model's final export failed the run."""
-        if self.step == self.cfg.trainer.max_steps:
-            if self.warm:
-                self.meshes.set_timeouts(warmup_budget_s(self.cfg.parallel))
-        elif not self.warm:
-            self.meshes.set_timeouts(self.cfg.parallel.timeout_s)
-            self.warm = True
+        # the end (replica 0's final evaluation, which the other ranks wait for in the final export's
+        # collectives, and the export rank 0 writes) takes the start-up budget, as split mode's
+        # does: with timeout_s a large model's final export failed the finished run
+        self.meshes.set_timeouts(warmup_budget_s(self.cfg.parallel))
 
     def _evaluate(self, evaluator) -> None:
         if evaluator is not None and evaluator.due(self.version):

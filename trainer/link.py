@@ -63,6 +63,13 @@ def _attempt() -> str:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
 
 
+def attempt_store(name: str, store=None):
+    """The job's store (default: the process group's), its keys under `tandem/<name>/` and this
+    torchrun attempt (`_attempt`)."""
+    base = store if store is not None else dist.distributed_c10d._get_default_store()
+    return dist.PrefixStore(f"tandem/{name}/{_attempt()}", base)
+
+
 @atexit.register
 def _close_watched() -> None:
     """A watcher still blocked in the store when the interpreter tears down aborts the process
@@ -101,8 +108,7 @@ class Link:
                  store=None):
         self.rank, self.peers, self.timeout_s = rank, list(peers), timeout_s
         self.max_in_flight = max_in_flight
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(f"tandem/link/{_attempt()}", base)
+        self.store = attempt_store("link", store)
         self._next_ticket = 1  # next of my tickets to read
         self._queue: deque[Message] = deque()
         self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()
