@@ -93,7 +93,7 @@ class GeneratorConfig:
     ignore_eos: bool = _f(False, "Generate exactly max_new_tokens (no EOS id stops, generation_config.json's included; stop_token_ids still do); for benchmarks with fixed lengths.")
     pack_weights: Literal["auto", "on", "off"] = _f("auto", "CPU engine: run the large fp32 linears on oneDNN-prepacked weights. 'auto' times a decode forward both ways at start-up and keeps the faster (it depends on the CPU; logged); 'on'/'off' pin it, e.g. for bitwise-repeatable runs (the two differ by fp32 rounding).")
     decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (23.0k tok/s for the 1.1B shape on an H200, 5.7x eager), eager on CPU; 'compile' = torch.compile of the step (+ a CUDA graph on CUDA): it costs a start-up compilation (20-40 s) and fuses the step's small ops: 36.7k tok/s on the H200 with FlexAttention (BENCHMARKS.md, 'GPU'); on CPU 1.3-1.9x faster than eager for small models (vs_trl's generator: 1.93x in bf16, 1.34x in fp32) and about even (0.98-1.05x) at rollout_vs_hf's fp32 model (BENCHMARKS.md, 'Generation').")
-    stack_weights: Literal["auto", "all", "qkv", "off"] = _f("auto", "One matmul over each layer's stacked q|k|v weights, and one over gate|up, instead of one a projection (the compiled step of a 4-layer model on CPU: 0.93x the time for q|k|v, 0.97-0.98x more for gate|up). The stacked copies cost memory beside the model's own, mostly gate|up's (2 x hidden x intermediate a layer: 1.07 GB for the 1.1B shape in bf16, 7.5 GB for Llama-3-8B). 'auto' = on CUDA and in the compiled step on CPU, q|k|v, and gate|up while its copies take at most 2 GiB; 'all' = both; 'qkv' = q|k|v only; 'off' = neither. The planner counts the choice.")
+    stack_weights: Literal["auto", "all", "qkv", "off"] = _f("auto", "One matmul over each layer's stacked q|k|v weights, and one over gate|up, instead of one a projection (the compiled step of a 4-layer model on CPU: 0.93x the time for q|k|v, 0.97-0.98x more for gate|up). The stacked copies cost memory beside the model's own, mostly gate|up's (2 x hidden x intermediate a layer: 1.07 GB for the 1.1B shape in bf16, 7.5 GB for Llama-3-8B). 'auto' = on CUDA and in the compiled step on CPU, q|k|v, and gate|up while its copies take at most 2 GiB; 'all' = both (not with parallel.gen_tp > 1: tensor-parallel shards are not stacked); 'qkv' = q|k|v only; 'off' = neither. The planner counts the choice.")
     decode_attention: Literal["auto", "sdpa", "matmul", "flex"] = _f("auto", "Attention over the KV cache in decode: 'auto' = 'flex' (FlexAttention, reading each row's cache up to its length) for the compiled step on CUDA, 'sdpa' for the CUDA graph, 'matmul' on CPU. 'flex' needs generator.decode='compile'.")
 
 
@@ -331,6 +331,11 @@ class Config:
                               f"trainer.updates_per_step={t.updates_per_step} updates; set "
                               f"--trainer.prompts_per_step to >= {least}, or fewer trainer ranks "
                               "or updates")
+        if g.stack_weights == "all" and cfg.parallel.gen_tp > 1:  # the engine would refuse it
+            raise ConfigError(f"generator.stack_weights='all' cannot stack the tensor-parallel "
+                              f"shards of parallel.gen_tp={cfg.parallel.gen_tp}; set "
+                              "--generator.stack_weights=auto (stacks where it can) or "
+                              "--parallel.gen_tp=1")
         if a.buffer_capacity == 0:
             a.buffer_capacity = t.prompts_per_step * g.n_samples * (a.max_staleness + 1)
         if a.kl_coef > 0 and not cfg.model.ref_path:  # KL to the starting policy, as usual

@@ -390,6 +390,17 @@ def test_resolve_colocated_and_explicit_values_are_kept():
     assert (r.parallel.gen_dp, r.parallel.trainer_fsdp) == (2, 4)
 
 
+def test_stacking_every_projection_is_refused_with_generator_tp_before_the_run():
+    """The engine cannot stack tensor-parallel shards: stack_weights='all' with gen_tp > 1 failed
+    only once each generator had built its model; resolve names it with the two fixes."""
+    with pytest.raises(ConfigError, match=r"stack_weights='all'.*gen_tp=2.*stack_weights=auto.*gen_tp=1"):
+        load_config(None, ["--parallel.generator_ranks=2", "--parallel.gen_tp=2",
+                           "--generator.stack_weights=all"]).resolve(4)
+    for item in ("--generator.stack_weights=auto", "--parallel.gen_tp=1"):
+        load_config(None, ["--parallel.generator_ranks=2", "--parallel.gen_tp=2",
+                           "--generator.stack_weights=all", item]).resolve(4)
+
+
 @pytest.mark.parametrize("world,overrides,expected", [
     (1, [], r"world_size=1 .*split mode needs 1 <= generator_ranks < world_size.*launch at least 2 ranks"),
     (4, ["--parallel.generator_ranks=4"], r"generator_ranks=4.*set --parallel.generator_ranks to one of \[1, 2, 3\]"),
