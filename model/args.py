@@ -226,7 +226,15 @@ def _check_activation(cfg: dict, source: str) -> None:
 
 def _check_unsupported_keys(cfg: dict, model_type: str, source: str) -> None:
     """Refuse, by name, keys with which transformers builds a model tandem's layers cannot be:
-    a partial rotary (only some of each head rotated) and Llama's MLP biases."""
+    a quantized checkpoint, a partial rotary (only some of each head rotated) and Llama's MLP
+    biases."""
+    quant = cfg.get("quantization_config")
+    if quant:  # its tensors (qweight, scales, ...) would be refused one by one as unexpected
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"{source}: quantization_config (quant_method={method!r}) is not "
+                         "supported: tandem loads and trains unquantized bfloat16/float16/float32 "
+                         "weights; use the model's unquantized release, or load it in "
+                         "transformers, dequantize and save_pretrained it in bfloat16")
     _check_full_rotary(cfg.get("partial_rotary_factor"), f"{source}: partial_rotary_factor")
     # Only Llama reads mlp_bias: Mistral's and Qwen's MLPs have no biases whatever it says.
     if model_type == "llama" and cfg.get("mlp_bias"):

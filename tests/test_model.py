@@ -579,6 +579,19 @@ def test_llama_mlp_bias_is_refused_by_name(tmp_path):
         load_model_args(tmp_path)
 
 
+def test_a_quantized_checkpoint_is_refused_by_its_method(tmp_path):
+    """A GPTQ/AWQ/bitsandbytes folder stores qweight/scales tensors: refused by its config's
+    quantization_config, not as a list of unexpected tensors."""
+    from model.hf_io import load_model_args
+    tiny.save_variant("llama", tmp_path)
+    _rewrite_config(tmp_path, {"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='gptq'\) "
+                                         r"is not supported.*unquantized"):
+        load_model_args(tmp_path)
+    _rewrite_config(tmp_path, {"quantization_config": DROP})
+    load_model_args(tmp_path)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 def test_missing_max_position_embeddings_is_the_family_default(tmp_path, model_type):
     """config.json without max_position_embeddings: the family's transformers default, read and
