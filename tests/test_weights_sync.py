@@ -1,6 +1,7 @@
 """Weight sync on real gloo ranks: bitwise-exact shards after push, two versions in a row,
 atomic swap, and timeouts that name the peer and the version."""
 import re
+import time
 
 import pytest
 import torch
@@ -383,6 +384,34 @@ def test_header_check_names_each_mismatch():
     dtypes = {getattr(torch, n) for n in ("float64", "float32", "bfloat16", "float16", "int64",
                                           "int32", "int8", "uint8", "float8_e4m3fn", "float8_e5m2")}
     assert len({header(0, d, segs, 1)[1] for d in dtypes}) == len(dtypes)
+
+
+def test_a_waits_timeout_is_told_from_a_lost_peer_in_gloo_and_nccl_words():
+    """gloo's timeout says "Timed out", NCCL's "... before timing out": both are timeouts (NCCL's
+    was reported as a lost peer); an error before the deadline that names no timeout is a lost
+    peer, and one at the deadline is a timeout whatever it says."""
+    from datetime import timedelta
+    from weights_sync.sync import PeerLost, _wait
+
+    class Work:
+        def __init__(self, text, sleep_s=0.0):
+            self.text, self.sleep_s = text, sleep_s
+
+        def wait(self, timeout: timedelta):
+            time.sleep(self.sleep_s)
+            raise RuntimeError(self.text)
+
+    far = time.monotonic() + 60
+    for text in ("[gloo] Timed out waiting 3000ms for recv", "Work ran for 3000 milliseconds "
+                 "before timing out.", "Watchdog caught collective operation timeout"):
+        with pytest.raises(TimeoutError, match=r"weight sync timed out after 60s waiting for x") as e:
+            _wait(Work(text), far, 60.0, "x")
+        assert not isinstance(e.value, PeerLost)
+    with pytest.raises(PeerLost, match=r"lost its peer while waiting for x \(Connection closed"):
+        _wait(Work("Connection closed by peer"), far, 60.0, "x")
+    with pytest.raises(TimeoutError, match="timed out") as e:
+        _wait(Work("Connection closed by peer", sleep_s=0.2), time.monotonic() + 0.1, 0.1, "x")
+    assert not isinstance(e.value, PeerLost)
 
 
 @pytest.mark.slow

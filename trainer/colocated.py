@@ -31,6 +31,7 @@ from trainer.batch import Group
 from trainer.checkpointing import clear_complete, maybe_export_hf
 from trainer.metrics import reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
+from weights_sync.sync import is_timeout
 
 
 class _PlanWithoutSelf:
@@ -171,7 +172,7 @@ class ColocatedWorker:
             budget = (f"parallel.timeout_s={self.cfg.parallel.timeout_s:g}" if self.warm else
                       f"the start-up budget (the larger of parallel.timeout_s and "
                       f"parallel.warmup_timeout_s, {warmup_budget_s(self.cfg.parallel):g}s)")
-            kind = TimeoutError if "timed out" in str(e).lower() else ConnectionError
+            kind = TimeoutError if is_timeout(e) else ConnectionError
             raise kind(
                 f"colocated step {self.step + 1}: rank {self.meshes.rank} waited "
                 f"{time.monotonic() - t0:.0f}s for every rank's prompt groups (the step's "

@@ -29,6 +29,7 @@ the placement (`Meshes.gpu_of`) and combine both kinds when a rank has peers of 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 import zlib
@@ -119,10 +120,18 @@ def _wait(work, deadline: float, timeout_s: float, what: str) -> None:
     left = max(1e-3, deadline - time.monotonic())  # past the deadline: a poll, not a 0 s wait
     try:
         work.wait(timeout=timedelta(seconds=left))
-    except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
-        if "Timed out" in str(e) or "timed out" in str(e):
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError both for timeouts and for dead peers
+        if is_timeout(e, deadline):
             raise TimeoutError(f"weight sync timed out after {timeout_s:.0f}s waiting for {what} ({e})") from None
         raise PeerLost(f"weight sync lost its peer while waiting for {what} ({e})") from None
+
+
+def is_timeout(e: RuntimeError, deadline: float = math.inf) -> bool:
+    """Whether a collective's error is its timeout: gloo says "Timed out", NCCL "... before
+    timing out" or "timeout"; an error raised at the `deadline` (time.monotonic()) is one
+    whatever it says."""
+    text = str(e).lower()
+    return any(w in text for w in ("timed out", "timing out", "timeout")) or time.monotonic() >= deadline
 
 
 class VersionThread:
