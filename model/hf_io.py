@@ -118,8 +118,10 @@ def _open(file: Path):
 
 
 def _tensor_files(folder: Path) -> dict[str, str]:
-    index = folder / INDEX_FILE
-    if index.is_file():
+    """Tensor name -> file. A folder with both the single file and an index is read from the
+    single file, as transformers reads it."""
+    index, single = folder / INDEX_FILE, folder / SINGLE_FILE
+    if index.is_file() and not single.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str)
@@ -133,7 +135,6 @@ def _tensor_files(folder: Path) -> dict[str, str]:
         if missing:
             raise ValueError(f"{index} lists shard files that are missing: {missing}")
         return dict(weight_map)
-    single = folder / SINGLE_FILE
     if not single.is_file():
         raise ValueError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}; tandem reads "
                          f"safetensors only (convert .bin checkpoints first)")

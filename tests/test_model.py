@@ -52,6 +52,23 @@ def test_sharded_checkpoint_loads(tmp_path):
         assert rel_err(back(ids).logits, hf(ids).logits) <= 1e-5
 
 
+def test_a_folder_with_both_the_single_file_and_an_index_loads_what_transformers_loads(tmp_path):
+    """transformers reads model.safetensors when a folder also holds an index and its shards
+    (an old sharded save left beside a new single one): so does tandem (it read the index)."""
+    import shutil
+    tiny.save_hf("qwen2", tmp_path / "sharded", max_shard_size="20KB", seed=1)
+    tiny.save_hf("qwen2", tmp_path / "single", seed=2)
+    for f in (tmp_path / "sharded").iterdir():
+        if f.name.startswith("model-") or f.name == "model.safetensors.index.json":
+            shutil.copy(f, tmp_path / "single" / f.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "single"),
+                                                           dtype=torch.float32).eval()
+    ours = load_pretrained(tmp_path / "single", dtype="float32").eval()
+    ids = torch.randint(0, tiny.VOCAB, (1, 9))
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) <= 1e-5
+
+
 def test_dtype_cast_on_load(tmp_path):
     tiny.save_hf("llama3", tmp_path)
     model = load_pretrained(tmp_path, dtype="bfloat16")
