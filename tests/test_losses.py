@@ -823,3 +823,90 @@ def test_the_kl_term_is_not_importance_weighted_off_policy():
     with torch.no_grad():
         hand.w -= hand.w.grad
     torch.testing.assert_close(model.w.detach(), hand.w.detach(), rtol=0, atol=1e-12)
+
+
+# -- pi_prox on data-parallel ranks ----------------------------------------------------------------
+def _uneven_groups():
+    """4 groups of 2 samples; groups 0 and 2 (data-parallel rank 0's, one per update) pack to 2
+    micro-batches of 20 tokens, groups 1 and 3 (rank 1's) to 1."""
+    from tests import tiny
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for pid, c in enumerate([15, 7, 15, 7]):
+        prompt = torch.randint(3, tiny.VOCAB, (6,), generator=g).tolist()
+        groups.append(Group(pid, [Trajectory(pid, s, prompt,
+                                             torch.randint(3, tiny.VOCAB, (c,), generator=g).tolist(),
+                                             [-1.0] * c, [0] * c, float(s), "stop")
+                                  for s in range(2)]))
+    return groups
+
+
+def _prox_step(folder, parallelize=None, group=None, shard=(0, 1)):
+    from config import load_config
+    from model.hf_io import load_model_args
+    from parallel.sharding import build_model
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.step import train_step
+    cfg = load_config(None, ["--trainer.micro_batch_tokens=20", "--trainer.lr=1e-2",
+                             "--trainer.eps=1e-2", "--algo.loss=decoupled_ppo",
+                             "--trainer.updates_per_step=2"])
+    model = build_model(load_model_args(folder), torch.device("cpu"), torch.float32,
+                        parallelize=parallelize, path=folder)
+    opt = build_optimizer(model, cfg.trainer)
+    res = train_step(model, opt, build_scheduler(opt, cfg.trainer), _uneven_groups(), cfg, group,
+                     "cpu", 0, shard=shard)
+    return model, res
+
+
+def _prox_fsdp_worker(rank, world, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import parallel.sharding as sh
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
+    model, res = _prox_step(folder, lambda m: sh.parallelize_trainer(m, mesh, units="layer"),
+                            mesh["fsdp"].get_group(), (rank, world))
+    return {"norm": res.grad_norm, **{n: p.detach().full_tensor() if isinstance(p, DTensor)
+                                      else p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_prox_forwards_pad_to_the_busiest_ranks_micro_batches(tmp_path):
+    """decoupled PPO with trainer.updates_per_step = 2 on 2 FSDP ranks (per-layer units, the GPU
+    default), rank 0 with 2 micro-batches an update and rank 1 with 1: the pi_prox forwards ran
+    once per real micro-batch, so rank 1 did one forward (one round of all-gathers) fewer and
+    both hung in the next backward. The step now equals one process's."""
+    from tests import tiny
+    from tests.dist import run_ranks
+    from trainer.step import micro_batches, minibatches
+    tiny.save_hf("llama3", tmp_path)
+    counts = [[len(micro_batches(p, "group_mean", 20, True))
+               for p in minibatches(_uneven_groups(), 2, (r, 2))] for r in range(2)]
+    assert counts == [[2, 2], [1, 1]]
+    ref, ref_res = _prox_step(str(tmp_path))
+    for res in run_ranks(_prox_fsdp_worker, 2, str(tmp_path), timeout=120):
+        assert res["norm"] == pytest.approx(ref_res.grad_norm, rel=1e-5)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(res[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss,onpolicy", [("aipo", 9), ("decoupled_ppo", 18)])
+def test_mismatch_kl_reads_the_weights_that_sampled_the_tokens(loss, onpolicy):
+    """mismatch_kl compares mu with the trainer's log-probs of the same weights. mu here is the
+    policy's own (no mismatch at all); with trainer.updates_per_step = 2 the second update's
+    forward ran the weights the first had moved, and mismatch_kl read 0.016 a token. Now it reads
+    pi_prox (decoupled PPO: every token) or the first update only (AIPO: its 9 tokens)."""
+    import trainer.step as S
+    model = _embedding_policy()
+    groups = []
+    for g in _two_groups():
+        batch = S.micro_batches([g], "group_mean", 64, share_prompts=False)[0]
+        with torch.no_grad():
+            lp = S.policy_logp(model, batch, 1.0)[batch.loss_mask_N].view(3, 3).tolist()
+        groups.append(Group(g.prompt_id, [dataclasses.replace(t, logp_mu=m)
+                                          for t, m in zip(g.trajectories, lp)]))
+    opt = torch.optim.SGD(model.parameters(), lr=4.0)
+    res = S.train_step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), groups,
+                       _step_cfg(loss, 2), None, "cpu", 0)
+    assert res.stats["tokens"] == 18  # both updates' tokens trained
+    assert res.stats["onpolicy_tokens"] == onpolicy
+    assert res.stats["mismatch_kl_sum"] == pytest.approx(0.0, abs=1e-12)

@@ -94,3 +94,25 @@ def test_tensorboard_reads_every_number_of_each_row_back_as_a_scalar(tmp_path):
         assert [(e.step, e.value) for e in acc.Scalars(key)] == [
             (1, 1.0 if key in ("policy_version", "staleness_max") else 0.5),
             (2, 2.0 if key in ("policy_version", "staleness_max") else 1.0)]
+
+
+def test_mismatch_kl_is_null_in_a_step_without_tokens_of_the_weights_trained(tmp_path):
+    """mismatch_kl is per token sampled by the weights trained; a step of stale tokens only (an
+    asynchronous run) has none and logged 0.0, a generator and trainer in perfect agreement. It
+    is null there (TensorBoard leaves the step out), and the per-token mean otherwise."""
+    from types import SimpleNamespace
+    from trainer.batch import Group, Trajectory
+    from trainer.metrics import step_metrics
+    groups = [Group(0, [Trajectory(0, i, [1], [2, 3], [-1.0, -1.0], [4, 4], 1.0, "stop")
+                        for i in range(2)])]
+    stats = {"tokens": 4.0, "loss_sum": 2.0, "is_ratio_sum": 4.0, "is_ratio_max": 1.0,
+             "truncated": 0.0, "clipped": 0.0, "entropy_sum": 1.0, "kl_sum": 0.0,
+             "mismatch_kl_sum": 0.0, "onpolicy_tokens": 0.0}
+    res = SimpleNamespace(grad_norm=1.0, lr=1e-3)
+    assert step_metrics(6, 6, groups, stats, res, 1.0, 0.0, 0)["mismatch_kl"] is None
+    on = stats | {"mismatch_kl_sum": 0.75, "onpolicy_tokens": 3.0}
+    assert step_metrics(5, 5, groups, on, res, 1.0, 0.0, 0)["mismatch_kl"] == 0.25
+    logger = MetricsLogger(tmp_path, tensorboard=False, stream=io.StringIO())
+    logger.log(step_metrics(6, 6, groups, stats, res, 1.0, 0.0, 0))
+    logger.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mismatch_kl"] is None

@@ -156,3 +156,21 @@ def test_a_changed_kind_or_warm_up_continues_the_run_s_own_curve():
     _, again, _ = _run(20, 0, ended)  # resumed once (at the floor), checkpointed at once
     lrs, _, sched = _run(30, 3, again, warmup=12)
     assert lrs == pytest.approx([0.1] * 3) and "it had ended" in sched.resume_note
+
+
+def test_a_changed_warm_up_alone_keeps_the_run_s_curve():
+    """Stopped at step 10 of 20 (warm-up 2: cosine progress 8/18, 0.628 x) and resumed with the
+    same max_steps but another warm-up: the cosine was recomputed from the new warm-up, the lr
+    jumping to 0.94 x (warm-up 8) or back into a warm-up (12: 11/12 x, then 1 x), with no note.
+    It now goes on as uninterrupted and the resume says why; a constant lr does not warm up
+    again either."""
+    whole, _, _ = _run(20, 13)
+    _, state, _ = _run(20, 10)
+    for warmup in (8, 12):
+        lrs, _, sched = _run(20, 3, state, warmup=warmup)
+        assert lrs == pytest.approx(whole[10:]) and lrs[0] == pytest.approx(_cosine(8 / 18))
+        assert sched.resume_note.startswith(
+            f"trainer.warmup_steps changed from 2 (the checkpoint's) to {warmup}: the cosine lr "
+            "schedule continues where it was: from 0.6281 x trainer.lr at optimizer step 10")
+    _, const, _ = _run(20, 10, schedule="constant")
+    assert _run(20, 2, const, schedule="constant", warmup=12)[0] == pytest.approx([1.0, 1.0])

@@ -112,7 +112,10 @@ def reduce_stats(stats: dict, dp_group) -> dict:
 def step_metrics(step, version, groups, s, res, dt, t_sync, nonfinite_total) -> dict:
     """One metrics.jsonl row from the step's groups and the dp-reduced stats `s`. `version` is
     the policy version after the step; staleness counts against the version trained (v - 1).
-    "lr" is the one the step's update used (`res.lr`), not the scheduler's next one."""
+    "lr" is the one the step's update used (`res.lr`), not the scheduler's next one.
+    "mismatch_kl" is per token sampled by the weights trained (trainer.step._accumulate), None
+    (null) in a step without one, as in an asynchronous run's steps on stale data only: 0 there
+    read as a generator and trainer in perfect agreement."""
     trajs = [t for g in groups for t in g.trajectories]
     stale = [version - 1 - t.version for t in trajs]
     tok = max(s["tokens"], 1.0)
@@ -124,7 +127,8 @@ def step_metrics(step, version, groups, s, res, dt, t_sync, nonfinite_total) -> 
         "is_ratio_mean": s["is_ratio_sum"] / tok, "is_ratio_max": s["is_ratio_max"],
         "truncated_frac": s["truncated"] / tok, "clipped_frac": s["clipped"] / tok,
         "loss": s["loss_sum"] / tok, "entropy": s["entropy_sum"] / tok,
-        "mismatch_kl": s["mismatch_kl_sum"] / max(s["onpolicy_tokens"], 1.0),
+        "mismatch_kl": (s["mismatch_kl_sum"] / s["onpolicy_tokens"]
+                        if s["onpolicy_tokens"] else None),
         "kl": s["kl_sum"] / tok, "grad_norm": res.grad_norm, "lr": res.lr,
         "skipped_nonfinite": nonfinite_total, "completion_tokens": comp_tokens,
         "time_step_s": dt, "time_weights_sync_s": t_sync, "tokens_per_s": comp_tokens / dt,

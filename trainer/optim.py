@@ -92,30 +92,37 @@ def continue_schedule(saved: Schedule, now: Schedule, step: int) -> tuple[Schedu
     >>> [round(s(k), 3) for k in (10, 15, 20)]    # recomputed: 0.55 at step 10, then down again
     [0.1, 0.1, 0.1]
     """
-    if saved.total == now.total and saved.kind == now.kind:
+    if (saved.total, saved.kind, saved.warmup) == (now.total, now.kind, now.warmup):
         return replace(now, resumed_at=saved.resumed_at), None
-    if now.kind == "constant" or step <= saved.warmup:
-        return now, None  # nothing to decay, or nothing decayed yet: the total does not matter
+    if step <= saved.warmup:
+        return now, None  # nothing decayed yet: the config's schedule as it is
+    # A longer warm-up in the config does not start again (nor does a changed one, with the same
+    # total, move the cosine: it went back up from 0.63 x to 0.94 x, or into a new warm-up).
+    warmup = min(now.warmup, saved.warmup)
+    if now.kind == "constant":
+        return replace(now, warmup=warmup), None  # nothing to decay
     # where the run's own curve (the checkpoint's kind, warm-up and total) was; a constant lr
-    # starts its decay here. A longer warm-up in the config does not start again.
+    # starts its decay here
     progress = (0.0 if saved.kind == "constant" else
                 cosine_progress(step, saved.warmup, saved.total, saved.resumed_at))
-    new = replace(now, warmup=min(now.warmup, saved.warmup), resumed_at=(step, progress))
-    return new, _resume_line(saved, new, step, recomputed=now(step))
+    new = replace(now, warmup=warmup, resumed_at=(step, progress))
+    return new, _resume_line(saved, new, now, step)
 
 
-def _resume_line(old: Schedule, new: Schedule, step: int, recomputed: float) -> str:
-    """What `continue_schedule` did, against what the config's schedule, recomputed, would have
-    done (`recomputed`: its multiplier at `step`)."""
+def _resume_line(old: Schedule, new: Schedule, now: Schedule, step: int) -> str:
+    """What `continue_schedule` did (`new`), against what the config's schedule (`now`),
+    recomputed, would have done."""
     how = (f"it had ended, so the lr stays at min_lr_ratio={new.min_ratio} x trainer.lr"
            if new.resumed_at[1] >= 1 else
            f"from {old(step):.4g} x trainer.lr at optimizer step {step} down to "
            f"min_lr_ratio={new.min_ratio} x at step {new.total}")
-    what = (f"trainer.max_steps changed from {old.total} (the checkpoint's) to {new.total}"
-            if old.kind == new.kind else
-            f"trainer.schedule changed from {old.kind!r} (the checkpoint's) to {new.kind!r}")
+    what = (f"trainer.schedule changed from {old.kind!r} (the checkpoint's) to {new.kind!r}"
+            if old.kind != new.kind else
+            f"trainer.max_steps changed from {old.total} (the checkpoint's) to {new.total}"
+            if old.total != new.total else
+            f"trainer.warmup_steps changed from {old.warmup} (the checkpoint's) to {now.warmup}")
     return (f"{what}: the cosine lr schedule continues where it was: {how} (recomputed for "
-            f"{new.total} steps it would have moved to {recomputed:.4g} x at once); for a new "
+            f"{new.total} steps it would have moved to {now(step):.4g} x at once); for a new "
             "schedule, start a new --run.dir from an HF export of this run")
 
 

@@ -186,11 +186,11 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     # pi_prox: the policy before the first update, for the losses that need it past that update
     if len(updates) > 1 and needs_prox(acfg):
         for up in updates:
-            up.prox = _prox_logps(model, up.batches, temp)
+            up.prox = _prox_logps(model, up, temp)
     stats, norms, applied = _zero_stats(), [], 0
     lr = optimizer.param_groups[0]["lr"]  # this step's: scheduler.step() sets the next one's
     for u, up in enumerate(updates):
-        _backward(model, up, acfg, temp, ref_model, stats, version)
+        _backward(model, up, acfg, temp, ref_model, stats, version, first=u == 0)
         norms.append(float(clip_grad_norm(list(model.parameters()), cfg.trainer.grad_clip)))
         # The global gradient norm is the same on every rank (a non-finite loss makes it
         # non-finite too), so every rank takes the same skip decision.
@@ -208,8 +208,10 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
     return StepResult(stats, grad_norm, skipped=applied == 0, lr=lr)
 
 
-def _backward(model, up: _Update, acfg, temp, ref_model, stats: dict, version: int) -> None:
-    """One update's gradient, accumulated over its micro-batches (padded to `up.n_micro`)."""
+def _backward(model, up: _Update, acfg, temp, ref_model, stats: dict, version: int,
+              first: bool) -> None:
+    """One update's gradient, accumulated over its micro-batches (padded to `up.n_micro`);
+    `first`: the step's first update, whose forward still runs the weights of `version`."""
     for i in range(up.n_micro):
         _sync_on_last(model, i == up.n_micro - 1)
         real = i < len(up.batches)
@@ -229,7 +231,12 @@ def _backward(model, up: _Update, acfg, temp, ref_model, stats: dict, version: i
         scale = 1.0 if real else 0.0  # padding micro-batch: keeps FSDP collectives aligned
         (losses.normalize(loss_sum, max(up.global_tokens, 1)) * scale).backward()
         if real:
-            _accumulate(stats, out, logp.detach(), entropy, batch, version)
+            # mismatch_kl wants the log-probs of the weights of `version`: pi_prox where there is
+            # one; else this forward's in the first update only (later ones ran moved weights, and
+            # counted the step's own updates as generator/trainer mismatch)
+            logp_v = (up.prox[i] if up.prox is not None else
+                      logp.detach() if first else None)
+            _accumulate(stats, out, entropy, batch, version, logp_v)
 
 
 def _sync_on_last(model, last: bool) -> None:
@@ -242,9 +249,15 @@ def _sync_on_last(model, last: bool) -> None:
 
 
 @torch.no_grad()
-def _prox_logps(model, batches, temp):
-    """pi_prox: the policy before the step's first update, one extra forward (AReaL)."""
-    return [policy_logp(model, b, temp) for b in batches]
+def _prox_logps(model, up: _Update, temp):
+    """pi_prox: the policy before the step's first update, one extra forward (AReaL). A rank with
+    fewer micro-batches than `up.n_micro` pads with forwards of its first, as `_backward` does:
+    per-layer FSDP units all-gather in every forward, and one forward short left the ranks'
+    gathers out of step (a hang in the next backward)."""
+    logps = [policy_logp(model, b, temp) for b in up.batches]
+    for _ in range(up.n_micro - len(up.batches)):
+        policy_logp(model, up.batches[0], temp)
+    return logps
 
 
 def _zero_stats() -> dict:
@@ -253,7 +266,9 @@ def _zero_stats() -> dict:
     return dict.fromkeys(keys, 0.0)
 
 
-def _accumulate(stats, out: losses.LossOutput, logp, entropy, batch: PackedBatch, version):
+def _accumulate(stats, out: losses.LossOutput, entropy, batch: PackedBatch, version, logp_v):
+    """Add a micro-batch's stats; `logp_v`: its log-probs under the weights of `version` (None:
+    not known, this micro-batch then stays out of mismatch_kl)."""
     m = batch.loss_mask_N
     stats["loss_sum"] += float(out.loss_sum.detach())
     stats["tokens"] += float(out.tokens)
@@ -262,7 +277,9 @@ def _accumulate(stats, out: losses.LossOutput, logp, entropy, batch: PackedBatch
     stats["truncated"] += float(out.truncated_count)
     stats["clipped"] += float(out.clipped_count)
     stats["entropy_sum"] += float(entropy.detach())
+    if logp_v is None:
+        return
     # Mismatch between generator and trainer numerics: only tokens sampled by these very weights.
     same = m & (batch.versions_N == version)
-    stats["mismatch_kl_sum"] += float(losses.mismatch_kl(logp, batch.logp_mu_N, same))
+    stats["mismatch_kl_sum"] += float(losses.mismatch_kl(logp_v, batch.logp_mu_N, same))
     stats["onpolicy_tokens"] += float(same.sum())
