@@ -160,7 +160,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     Control pieces written in text (e.g. "<s>" produced by a chat template) are mapped to their
     ids, as Hugging Face tokenizers do; sentencepiece alone would spell them out character by
-    character.
+    character. So are the tokens that tokenizer_config.json's `added_tokens_decoder` adds past the
+    model's pieces (a fine-tune's ChatML "<|im_start|>"/"<|im_end|>", its "<pad>"); they may be
+    the special tokens, and they decode to their text.
     """
 
     def __init__(self, model_proto: bytes, config: dict | None = None, path: str | None = None,
@@ -170,14 +172,18 @@ class SentencePieceTokenizer(Tokenizer):
         self.sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
         self.path = path
         self.config = dict(config or {})
+        n = self.sp.get_piece_size()
+        self._added, added_special = _added_tokens(self.config, n)
         self.bos_id = self._special_id("bos_token", self.sp.bos_id())
         self.eos_id = self._special_id("eos_token", self.sp.eos_id())
         self._pad = self._special_id("pad_token", self.sp.pad_id())
         self._extra_stop_ids = list(extra_stop_ids)
         self.chat_template = self.config.get("chat_template") or None
         self.add_bos_default = bool(self.config.get("add_bos_token", True)) and self.bos_id is not None
-        n = self.sp.get_piece_size()
-        self._control = {self.sp.id_to_piece(i): i for i in range(n) if self.sp.is_control(i)}
+        control = {self.sp.id_to_piece(i): i for i in range(n) if self.sp.is_control(i)}
+        self._special = set(control.values()) | added_special
+        self._control = {**control, **self._added}  # text -> id of the pieces matched whole
+        self._text_of = {i: t for t, i in self._added.items()}
         # longest first, so that a control piece that prefixes another never wins
         pieces = sorted(self._control, key=len, reverse=True)
         self._split_re = re.compile("(" + "|".join(map(re.escape, pieces)) + ")") if pieces else None
@@ -185,6 +191,8 @@ class SentencePieceTokenizer(Tokenizer):
     def _special_id(self, key: str, sp_default: int) -> int | None:
         """The id of special token `key` named in tokenizer_config.json, else sentencepiece's."""
         token = _token_content(self.config.get(key))
+        if token in self._added:
+            return self._added[token]
         if token is not None:
             i = self.sp.piece_to_id(token)
             if i != self.sp.unk_id() or token == self.sp.id_to_piece(self.sp.unk_id()):
@@ -193,7 +201,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
+        return max([self.sp.get_piece_size()] + [i + 1 for i in self._text_of])
 
     def _encode(self, text: str) -> list[int]:
         if self._split_re is None:
@@ -207,16 +215,21 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
-        special = set(self._control.values())
-        if skip_special:
-            return self.sp.decode([i for i in ids if i not in special])
+        n = self.sp.get_piece_size()
         out, run = [], []
         for i in ids:
-            if i in special:
-                out += [self.sp.decode(run), self.sp.id_to_piece(i)]
-                run = []
-            else:
+            if i in self._special:
+                if skip_special:
+                    continue
+            elif 0 <= i < n:
                 run.append(i)
+                continue
+            elif i not in self._text_of:
+                # past the tokenizer (a model's vocabulary padded beyond it): nothing, as in HF;
+                # sentencepiece raised IndexError, which ended the generator at its reward
+                continue
+            out += [self.sp.decode(run), self._text_of.get(i) or self.sp.id_to_piece(i)]
+            run = []
         return "".join(out + [self.sp.decode(run)])
 
     def _pad_id(self) -> int | None:
@@ -250,6 +263,8 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     the `bos_token=...` style variables templates refer to.
     """
     import jinja2
+    import jinja2.ext  # not loaded by `import jinja2`: without transformers imported first, the
+    # environment below failed with "module 'jinja2' has no attribute 'ext'"
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -261,13 +276,31 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
                           sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, _generation_tag()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template).render(
         messages=messages, tools=None, documents=None,
         add_generation_prompt=add_generation_prompt, **special_tokens)
+
+
+def _generation_tag():
+    """The `{% generation %}...{% endgeneration %}` block of transformers' templates (it marks the
+    assistant's tokens for training masks); rendering, it is just its body. A template using it
+    failed to compile here ("unknown tag 'generation'") while transformers rendered it."""
+    import jinja2.ext
+    from jinja2 import nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return GenerationTag
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -344,6 +377,21 @@ def _token_content(token) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
+
+
+def _added_tokens(config: dict, n_pieces: int) -> tuple[dict[str, int], set[int]]:
+    """The tokens of tokenizer_config.json's added_tokens_decoder ({"32000": {"content":
+    "<|im_start|>", "special": true, ...}}) past the model's `n_pieces` (the entries of its own
+    pieces are skipped): ({text: id}, the ids of the special ones). transformers writes this table
+    into every tokenizer_config.json it saves."""
+    added, special = {}, set()
+    for key, token in (config.get("added_tokens_decoder") or {}).items():
+        i, text = int(key), _token_content(token)
+        if i >= n_pieces and text:
+            added[text] = i
+            if not isinstance(token, dict) or token.get("special", True):
+                special.add(i)
+    return added, special
 
 
 def _portable_tokenizer_class(config_path: Path) -> None:

@@ -149,6 +149,7 @@ def load_held_out(data, ev) -> list[PromptItem]:
 
 
 _LOADER_KEYS = {"seed": "data.seed", "num_prompts": "data.num_prompts", "start": None,
+                "size": "data.num_prompts",  # reasoning_gym's create_dataset(size=...)
                 "prompt_field": "data.prompt_field", "messages_field": "data.messages_field",
                 "answer_field": "data.answer_field", "source": "data.source"}
 
@@ -156,8 +157,9 @@ _LOADER_KEYS = {"seed": "data.seed", "num_prompts": "data.num_prompts", "start":
 def task_options(data) -> dict:
     """The task parameters of `config.DataConfig` data: a synthetic task's digits, then
     data.task_options (which may override them). Keys that the loader itself takes are refused:
-    data.task_options={seed=5} used to crash the loader, and {start=500000} made training draw
-    the held-out items."""
+    data.task_options={seed=5} used to crash the loader, {start=500000} made training draw
+    the held-out items, and a reasoning_gym {size=5000} failed as create_dataset's "multiple
+    values for keyword argument 'size'"."""
     taken = sorted(set(data.task_options) & set(_LOADER_KEYS))
     if taken:
         fixes = [f"{k}: set by {_LOADER_KEYS[k]}" if _LOADER_KEYS[k] else f"{k}: the loader's own"

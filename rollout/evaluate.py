@@ -35,19 +35,23 @@ def greedy_rewards(engine: Engine, items, prompt_ids, score, max_new_tokens: int
 
 @torch.no_grad()
 def accuracy(model, tokenizer, items, reward_fn, max_new_tokens: int, num_slots: int = 64,
-             max_len: int = 256, chat_template: bool = False, stop_token_ids=None) -> float:
+             max_len: int | None = None, chat_template: bool = False,
+             stop_token_ids=None) -> float:
     """Mean reward of greedy completions (exact match: the fraction solved). The prompts are
     rendered as training renders them (`rollout.data.render_prompt`, data.chat_template); the
     completions stop on `stop_token_ids` (a run's: `rollout.worker.stop_token_ids`), by default
-    the tokenizer's EOS ids."""
+    the tokenizer's EOS ids. `max_len` (prompt + completion) defaults to the longest prompt plus
+    `max_new_tokens`: a fixed 256 cut completions short of max_new_tokens unsaid."""
     if not items:
         raise ValueError("accuracy needs at least one held-out prompt")
+    prompt_ids = [render_prompt(it, tokenizer, chat_template) for it in items]
+    if max_len is None:
+        max_len = max(map(len, prompt_ids)) + max_new_tokens
     engine = Engine(model, num_slots=num_slots, max_len=max_len)
 
     def score(its, done):
         return [reward_fn(it, tokenizer.decode(c.completion_ids), c.completion_ids)
                 for it, c in zip(its, done)]
-    prompt_ids = [render_prompt(it, tokenizer, chat_template) for it in items]
     stops = tokenizer.stop_ids if stop_token_ids is None else stop_token_ids
     _, rewards = greedy_rewards(engine, items, prompt_ids, score, max_new_tokens, stops)
     return sum(rewards) / len(rewards)

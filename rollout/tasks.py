@@ -69,6 +69,15 @@ class _SyntheticTask:
         return f"{type(self).__name__}({params})"
 
 
+def _digits(task: str, digits) -> int:
+    """`digits` checked: an int >= 1 (int() took 2.5 as 2 and True as 1 unsaid, and "x" failed
+    naming neither the option nor the task)."""
+    if isinstance(digits, bool) or not isinstance(digits, int) or digits < 1:
+        raise ValueError(f"{task} needs an integer digits >= 1, got digits={digits!r} "
+                         f"(data.task_options or data.synthetic_digits)")
+    return digits
+
+
 class AdditionTask(_SyntheticTask):
     """"a+b=" -> "a+b" in decimal; each operand has at most `digits` digits ("12+34=" -> "46")."""
 
@@ -76,10 +85,8 @@ class AdditionTask(_SyntheticTask):
     alphabet = "0123456789+= "
 
     def __init__(self, digits: int = 2, seed: int = 0):
-        if int(digits) < 1:
-            raise ValueError(f"AdditionTask needs digits >= 1, got digits={digits}")
         super().__init__(seed)
-        self.digits = int(digits)
+        self.digits = _digits("AdditionTask", digits)
 
     def _make(self, rng: random.Random) -> tuple[str, str]:
         a, b = rng.randrange(10 ** self.digits), rng.randrange(10 ** self.digits)
@@ -93,10 +100,8 @@ class ReverseTask(_SyntheticTask):
     alphabet = "0123456789> "
 
     def __init__(self, digits: int = 4, seed: int = 0):
-        if int(digits) < 1:
-            raise ValueError(f"ReverseTask needs digits >= 1, got digits={digits}")
         super().__init__(seed)
-        self.digits = int(digits)
+        self.digits = _digits("ReverseTask", digits)
 
     def _make(self, rng: random.Random) -> tuple[str, str]:
         digits = "".join(rng.choice("0123456789") for _ in range(self.digits))

@@ -184,7 +184,8 @@ def test_role_passes_task_options_to_the_task(tmp_path):
     # the loader's own keys are not task parameters: {seed=5} crashed it, {start=500000} made
     # training draw the held-out items
     for options, words in (('{"seed": 5}', r"\['seed'\].*seed: set by data.seed"),
-                           ('{"start": 500000}', r"\['start'\].*start: the loader's own")):
+                           ('{"start": 500000}', r"\['start'\].*start: the loader's own"),
+                           ('{"size": 50}', r"\['size'\].*size: set by data.num_prompts")):
         cfg = load_config(None, ["--data.source=synthetic:addition", f"--data.task_options={options}"])
         with pytest.raises(ValueError, match="data.task_options has key.*" + words):
             load_items(cfg, tok)
@@ -305,3 +306,14 @@ def test_render_prompt_with_chat_template_writes_bos_once():
     ids = render_prompt(item, tok, chat_template=True)
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
     assert tok.decode(ids, skip_special=False) == "<bos>u:1+2="
+
+
+@pytest.mark.parametrize("digits", [2.5, True, "x", None])
+def test_task_digits_must_be_an_integer(digits):
+    """data.task_options={"digits": 2.5} ran with 2 digits and {"digits": true} with 1, unsaid;
+    "x" failed with int()'s message, naming neither the option nor the task."""
+    with pytest.raises(ValueError, match=r"AdditionTask needs an integer digits >= 1, got "
+                                         rf"digits={digits!r:.3}.*data.task_options"):
+        load_prompts("synthetic:addition", num_prompts=2, digits=digits)
+    with pytest.raises(ValueError, match=r"ReverseTask needs an integer digits >= 1"):
+        make_task("reverse", digits=digits)

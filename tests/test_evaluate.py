@@ -201,6 +201,22 @@ def test_accuracy_is_the_same_score(setup):
     assert accuracy(model, tok, items, digit_sum_reward, 4, num_slots=5) == pytest.approx(want)
 
 
+def test_accuracy_completions_reach_max_new_tokens(setup):
+    """The engine's max_len was a fixed 256: with max_new_tokens=300 every completion that did
+    not stop was cut at 256 - its prompt's length, and the score taken on those (the demo's
+    before/after with a long generator.max_new_tokens)."""
+    cfg, model, tok, _ = setup
+    items = load_prompts("synthetic:addition", num_prompts=2, digits=2)
+    lengths = []
+
+    def length(it, text, ids):
+        lengths.append(len(ids))
+        return float(len(ids))
+    got = accuracy(model, tok, items, length, 300, num_slots=2)
+    assert max(lengths) == 300  # this random policy does not stop on one of them
+    assert got == accuracy(model, tok, items, length, 300, num_slots=2, max_len=400)
+
+
 def test_accuracy_renders_prompts_as_training_does(setup):
     """With chat_template=True the prompts go through the tokenizer's chat template
     (`render_prompt`, as data.chat_template has training render them), and the completions stop

@@ -156,3 +156,65 @@ def test_errors_name_the_path_and_the_fix(tmp_path):
     (bad / "generation_config.json").write_text("{oops")
     with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
         load_tokenizer(bad)
+
+
+def test_chat_template_renders_without_transformers_imported(tmp_path, sp_model):
+    """`import jinja2` does not load jinja2.ext: a sentencepiece folder's template failed with
+    "module 'jinja2' has no attribute 'ext'" in a process that had not imported transformers (a
+    training run); the tests passed only because this module imports it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    code = ("import sys; from model.tokenizer import load_tokenizer; "
+            f"print(load_tokenizer({str(tmp_path)!r}).apply_chat_template({MESSAGES!r})); "
+            "assert 'transformers' not in sys.modules and 'jinja2.ext' in sys.modules")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("<s><|im_start|>system\nbe brief<|im_end|>\n")
+
+
+def test_generation_tag_renders_like_transformers():
+    """transformers' templates may mark the assistant's turns with {% generation %} (training
+    masks); the sentencepiece renderer refused the tag ("unknown tag 'generation'")."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+                "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['role'] }}:{{ m['content'] }}"
+                "{% endif %}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+    chat = MESSAGES + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "2"}]
+    for gen in (True, False):
+        expected = render_jinja_template([chat], chat_template=template, add_generation_prompt=gen)
+        assert render_chat_template(template, chat, gen) == expected[0][0]
+    assert render_chat_template(template, chat, True) == "system:be briefuser:hello worldhiuser:2A:"
+
+
+def test_sentencepiece_added_tokens_and_ids_past_the_model(tmp_path, sp_model):
+    """tokenizer_config.json's added_tokens_decoder (a ChatML fine-tune of a sentencepiece model):
+    its EOS "<|im_end|>" resolved to the model's "</s>", its pad to EOS, the template's markers
+    were spelled out piece by piece, and decoding an added id (or any id past the model, which a
+    padded vocabulary can sample) raised IndexError in the generator."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
+    n = sp.get_piece_size()
+    added = {str(n + k): {"content": t, "special": k != 1, "lstrip": False, "rstrip": False,
+                          "normalized": False, "single_word": False}
+             for k, t in enumerate(["<|im_start|>", "<|x|>", "<|im_end|>", "<pad>"])}
+    (tmp_path / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>", "chat_template": CHATML,
+         "added_tokens_decoder": {"0": {"content": "<unk>", "special": True}, **added}}))
+    tok = load_tokenizer(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (sp.bos_id(), n + 2, n + 3, n + 4)
+    assert tok.stop_ids == [n + 2]
+    text = tok.apply_chat_template(MESSAGES)
+    assert tok.encode(text)[:3] == [sp.bos_id(), n, *sp.encode("system")[:1]]
+    assert tok.encode("hello<|im_end|>") == sp.encode("hello") + [n + 2]
+    ids = sp.encode("hello") + [n + 1] + sp.encode("world") + [n + 2, n + 3, n + 50, -1]
+    assert tok.decode(ids) == "hello<|x|>world"  # <|x|> is not special: kept
+    assert tok.decode(ids, skip_special=False) == "hello<|x|>world<|im_end|><pad>"
+    tok.save(tmp_path / "again")
+    assert load_tokenizer(tmp_path / "again").encode(text) == tok.encode(text)
