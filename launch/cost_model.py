@@ -17,7 +17,9 @@ Memory per rank (feasible iff <= mem_headroom * gpu_mem)
             (kv_bytes = gen_bytes, but 4 for a bf16/fp16 generator on CPU: `kv_elem_bytes`;
             max_len = max_prompt_len + R); plus one staged copy of the shard for the weight
             sync (N * gen_bytes / gen_tp) and the engine's weight copies:
-            oneDNN-packed on CPU, stacked q|k|v (and gate|up up to 2 GiB) on GPUs at tp 1
+            oneDNN-packed on CPU, stacked q|k|v (and gate|up up to 2 GiB) on GPUs at tp 1;
+            with held-out evaluations (eval.every_steps) replica 0 also holds the evaluation
+            engine's KV cache: min(eval prompts, slots) slots of max_prompt_len + eval tokens
   colocated ranks hold both.
 Time (datasheet; a Profile replaces the per-layer and link numbers with measured ones)
   T_gen   = waves * (prefill + R * decode_step),  per generator replica (replicas run in parallel)
@@ -147,7 +149,11 @@ class Workload:
     `kl_reference`: each trainer rank also holds its shard of a frozen KL reference model
     (algo.kl_coef > 0, trainer.role.build_ref_model). `updates`: optimizer updates per step
     (trainer.updates_per_step); `prox_loss`: the loss needs pi_prox (decoupled PPO, PPO with
-    token IS), one more forward a micro-batch when updates > 1 (trainer.step)."""
+    token IS), one more forward a micro-batch when updates > 1 (trainer.step).
+    `eval_prompts`: eval.num_prompts where eval.every_steps > 0, else 0: generator replica 0 then
+    also holds an evaluation engine's KV cache of min(eval_prompts, slots) slots of
+    `eval_slot_len` positions (rollout.role.build_eval); `eval_new_tokens`: eval.max_new_tokens
+    (0: response_len)."""
     prompts_per_step: int
     group_size: int
     prompt_len: int
@@ -161,11 +167,14 @@ class Workload:
     kl_reference: bool = False
     updates: int = 1
     prox_loss: bool = False
+    eval_prompts: int = 0
+    eval_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         _at_least(1, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                   prompt_len=self.prompt_len, response_len=self.response_len, updates=self.updates)
-        _at_least(0, eta=self.eta)
+        _at_least(0, eta=self.eta, eval_prompts=self.eval_prompts,
+                  eval_new_tokens=self.eval_new_tokens)
         if self.max_prompt_len and self.max_prompt_len < self.prompt_len:
             raise ValueError(f"max_prompt_len={self.max_prompt_len} < prompt_len={self.prompt_len}: "
                              "the longest prompt admitted cannot be shorter than the mean")
@@ -179,6 +188,17 @@ class Workload:
     def slot_len(self) -> int:
         """Positions of one KV slot: the engine's max_len = max_prompt_len + max_new_tokens."""
         return self.prompt_cap + self.response_len
+
+    @property
+    def longest_seq(self) -> int:
+        """Tokens of the longest sequence the trainer packs: the longest prompt admitted plus
+        response_len (the KV slot's length)."""
+        return self.slot_len
+
+    @property
+    def eval_slot_len(self) -> int:
+        """Positions of one evaluation KV slot (rollout.evaluate.engine_shape)."""
+        return self.prompt_cap + (self.eval_new_tokens or self.response_len)
 
     @property
     def seqs(self) -> int:
@@ -381,6 +401,16 @@ def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max
     return kv_bytes_per_token(args, gen_bytes, tp) * slots * max_len
 
 
+def eval_kv_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, slots: int) -> float:
+    """The held-out evaluation engine's KV cache on generator replica 0, beside the rollout
+    engine's (rollout.role.build_eval: min(eval prompts, generator.num_slots) slots of
+    max_prompt_len + eval tokens, the rollout cache's dtype); 0 without evaluations.
+    Llama-3-8B bf16, tp 2, 200 prompts, 256 slots, 512 + 2048 positions: 200 * 2560 * 65536
+    = 33.6 GB."""
+    kvt = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp)
+    return kvt * min(wl.eval_prompts, slots) * wl.eval_slot_len
+
+
 @dataclass
 class Memory:
     trainer: float = 0.0    # bytes per trainer rank
@@ -394,20 +424,27 @@ class Memory:
 def generator_memory(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, gen_dp: int,
                      reserved: float = 0.0, slots: int = 0) -> tuple[float, int, str]:
     """(bytes per generator rank, KV slots, why-infeasible). slots=0 picks the most that fit,
-    capped at the replica's sequences per step; `reserved` is memory already taken (colocated)."""
+    capped at the replica's sequences per step; `reserved` is memory already taken (colocated).
+    The bytes are replica 0's, the largest: with held-out evaluations each of its first
+    `wl.eval_prompts` slots has an evaluation slot beside it (`eval_kv_bytes`)."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
     gb = dtype_bytes(wl.gen_dtype)
     weights = (weight_bytes(args, gen_tp, gb) + packed_copy_bytes(args, cl, wl, gen_tp)
                + stacked_copy_bytes(args, cl, wl, gen_tp) + sync_staging_bytes(args, wl, gen_tp))
-    per_slot = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp) * wl.slot_len
+    kvt = kv_bytes_per_token(args, kv_elem_bytes(cl, wl.gen_dtype), gen_tp)
+    per_slot, eval_slot = kvt * wl.slot_len, (kvt * wl.eval_slot_len if wl.eval_prompts else 0)
     seqs = -(-wl.prompts_per_step // gen_dp) * wl.group_size
     free = cap - reserved - weights
-    if not slots:
-        slots = min(seqs, int(free // per_slot)) if free > 0 else 0
-    used = weights + slots * per_slot
+    if not slots and free > 0:
+        slots = int(free // (per_slot + eval_slot))  # each slot with an evaluation slot
+        if slots >= wl.eval_prompts:  # the evaluation slots stop at eval_prompts
+            slots = int((free - wl.eval_prompts * eval_slot) // per_slot)
+        slots = min(seqs, slots)
+    used = weights + slots * per_slot + eval_kv_bytes(args, cl, wl, gen_tp, slots)
     if slots < 1:
         return used, 0, (f"generator: weights {weights / GB:.1f} GB (+{reserved / GB:.1f} GB reserved) "
-                         f"leave no room for one KV slot of {per_slot / GB:.2f} GB")
+                         f"leave no room for one KV slot of {(per_slot + eval_slot) / GB:.2f} GB"
+                         + (" (with its evaluation slot)" if eval_slot else ""))
     if used + reserved > cap:
         return used, slots, f"generator: needs {(used + reserved) / GB:.1f} GB > {cap / GB:.1f} GB usable"
     return used, slots, ""
@@ -418,8 +455,11 @@ def trainer_memory(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: in
     """(bytes per trainer rank, micro-batch tokens, why-infeasible). micro_batch_tokens=0 picks the
     largest power of two that fits, capped at the rank's tokens per step; one sequence at least.
     A given micro_batch_tokens below one sequence is charged one sequence: the runtime packs
-    whole sequences, at least one a micro-batch (trainer.batch.token_budget_bins)."""
+    whole sequences, at least one a micro-batch (trainer.batch.token_budget_bins). "One
+    sequence" is the longest the config admits, max_prompt_len + R (`wl.longest_seq`), not the
+    mean: a micro-batch of that one sequence is the peak the budget must hold."""
     cap = cl.mem_headroom * cl.gpu_mem_gb * GB
+    one = wl.longest_seq
     state = trainer_state_bytes(args, fsdp, tp, dtype_bytes(wl.master_dtype), cl.compute_bytes,
                                 cl.fsdp_units) + reference_bytes(args, wl, fsdp, tp)
     per_tok = trainer_act_bytes_per_token(args, tp, cl.compute_bytes, ac)
@@ -428,13 +468,13 @@ def trainer_memory(args: ModelArgs, cl: Cluster, wl: Workload, fsdp: int, tp: in
     if not micro_batch_tokens:
         fit = int(free // per_tok) if free > 0 else 0
         micro_batch_tokens = min(_pow2_floor(fit), _pow2_ceil(tokens))
-        if fit >= wl.seq_len:
-            micro_batch_tokens = max(micro_batch_tokens, wl.seq_len)
+        if fit >= one:
+            micro_batch_tokens = max(micro_batch_tokens, one)
         else:
             return state + micro_batch_tokens * per_tok, micro_batch_tokens, (
                 f"trainer: states {state / GB:.1f} GB (+{reserved / GB:.1f} GB reserved) leave room "
-                f"for {max(free, 0) / per_tok:.0f} activation tokens < one sequence of {wl.seq_len}")
-    used = state + max(micro_batch_tokens, wl.seq_len) * per_tok
+                f"for {max(free, 0) / per_tok:.0f} activation tokens < one sequence of {one}")
+    used = state + max(micro_batch_tokens, one) * per_tok
     if used + reserved > cap:
         return used, micro_batch_tokens, f"trainer: needs {(used + reserved) / GB:.1f} GB > {cap / GB:.1f} GB usable"
     return used, micro_batch_tokens, ""
@@ -447,7 +487,8 @@ def plan_memory(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement,
     what is left."""
     if p.mode == "colocated":
         ac = p.activation_checkpointing
-        state, _, why = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, 0.0, wl.seq_len)
+        state, _, why = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, 0.0,
+                                       wl.longest_seq)
         gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, state, slots)
         tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, gen,
                                         micro_batch_tokens)

@@ -41,11 +41,13 @@ def world_size_of(cfg) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     if p.trainer_fsdp <= 0:
+        world = (f"trainer_fsdp * trainer_tp = n * {p.trainer_tp}" if p.mode == "colocated" else
+                 f"generator_ranks + trainer_fsdp * trainer_tp = {p.generator_ranks} + n * {p.trainer_tp}")
         raise ConfigError(
             f"cannot derive the world size for a dry run: parallel.trainer_fsdp={p.trainer_fsdp} is "
             f"derived from the world size, and no WORLD_SIZE is set. Set the degrees explicitly "
-            f"(e.g. --parallel.trainer_fsdp=<n>; world = generator_ranks + trainer_fsdp * trainer_tp"
-            f" = {p.generator_ranks} + n * {p.trainer_tp}), or run with WORLD_SIZE=<world size>")
+            f"(e.g. --parallel.trainer_fsdp=<n>; world = {world} in {p.mode} mode), or run with "
+            f"WORLD_SIZE=<world size>")
     trainer = p.trainer_fsdp * p.trainer_tp
     return trainer if p.mode == "colocated" else p.generator_ranks + trainer
 
@@ -124,7 +126,7 @@ def _print_memory(cfg, args, dims) -> None:
     dt = compute_dtype_of(cfg, "cuda")
     cl_fields = base_settings(cfg, wl.prompt_len, "cuda")[1]  # FSDP units, compute bytes
     # the runtime packs whole sequences, at least one a micro-batch (cm.trainer_memory charges so)
-    act_tokens = max(t.micro_batch_tokens, wl.seq_len)
+    act_tokens = max(t.micro_batch_tokens, wl.longest_seq)
     print(f"memory per rank (launch/cost_model.py; {_SHORT[str(dt).removeprefix('torch.')]} compute):")
     for name in ("h100", "h200"):
         cl = cm.gpu_cluster(name, 1, **cl_fields)
@@ -139,13 +141,12 @@ def _print_memory(cfg, args, dims) -> None:
         kv = cm.generator_kv_bytes(args, dims.gen_tp, cm.kv_elem_bytes(cl, cfg.model.gen_dtype),
                                    g.num_slots, wl.slot_len)
         staging = cm.sync_staging_bytes(args, wl, dims.gen_tp)
-        ev = _eval_kv_bytes(cfg, args, dims)  # replica 0's held-out evaluation engine
-        gen += ev
+        ev = _eval_kv_bytes(cfg, args, dims)  # replica 0's held-out evaluation engine, in `gen`
         total = tr + gen if dims.mode == "colocated" else max(tr, gen)
         if name == "h100":
             print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "
                   f"{act_tokens} tokens"
-                  + (f" (micro_batch_tokens={t.micro_batch_tokens} < one sequence of {wl.seq_len})"
+                  + (f" (micro_batch_tokens={t.micro_batch_tokens} < one sequence of {wl.longest_seq})"
                      if act_tokens > t.micro_batch_tokens else "")
                   + f" (activation checkpointing {'on' if cfg.parallel.activation_checkpointing else 'off'})"
                   + (f" + KL reference shard {_gb(ref)}" if ref else ""))
@@ -154,8 +155,8 @@ def _print_memory(cfg, args, dims) -> None:
                   + (f" + weight-sync staging {_gb(staging)}" if staging else "")
                   + (f" + held-out eval KV cache {_gb(ev)} (replica 0)" if ev else ""))
         verdict = "fits" if total <= cap else "DOES NOT FIT"
-        # the cost model's reason where one mesh alone is over the cap (the eval cache and the
-        # colocated sum enter only the total)
+        # the cost model's reason where one mesh alone is over the cap (the colocated sum enters
+        # only the total)
         whys = "; ".join(w for w in (why_t, why_g) if w)
         print(f"  {name} ({cl.gpu_mem_gb:.0f} GB, {cap / GB:.0f} GB usable): {verdict}"
               + (f" ({whys})" if whys else ""))

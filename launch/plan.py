@@ -10,8 +10,10 @@ cost model (launch/cost_model.py), ReaL-style (arXiv 2406.14088), and write the 
 
 Search. Every placement is enumerated: mode (split or colocated), generator ranks G = 1..N-1,
 gen_tp and trainer_tp among the divisors of gpus_per_node that divide both head counts (TP stays
-inside a node), gen_dp = G/gen_tp and trainer_fsdp = (N-G)/trainer_tp (both <= prompts_per_step,
-as the runtime requires), activation checkpointing off/on. For each, memory picks the most KV
+inside a node), gen_dp = G/gen_tp and trainer_fsdp = (N-G)/trainer_tp (gen_dp and
+trainer_fsdp * updates_per_step <= prompts_per_step, as the runtime requires; TP 1 only where the
+base config refuses TP: parallel.compile for the trainer, generator.stack_weights='all' for the
+generator), activation checkpointing off/on. For each, memory picks the most KV
 slots and the largest power-of-two micro-batch that fit; memory and phase times are cached per
 mesh (the generator's depend only on (gen_tp, gen_dp), the trainer's on (fsdp, tp, ac)), so
 1024 GPUs (~5600 placements for Llama-3-8B) take 1-4 s here. Weight sync is first costed in
@@ -107,9 +109,13 @@ def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False) -> l
 
 
 def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
-               modes=("split", "colocated"), one_host: bool = False, trainer_tp: bool = True):
+               modes=("split", "colocated"), one_host: bool = False, trainer_tp: bool = True,
+               updates: int = 1, gen_tp: bool = True):
     """Every placement the runtime accepts (see the module docstring); `trainer_tp` False: the
-    trainer at TP 1 only (a config with parallel.compile, which config.py refuses with TP)."""
+    trainer at TP 1 only (a config with parallel.compile, which config.py refuses with TP);
+    `gen_tp` False: the generator at TP 1 only (generator.stack_weights='all', which config.py
+    refuses with TP); `updates`: trainer.updates_per_step, each of which deals every trainer
+    data-parallel rank a prompt group (config.py: trainer_fsdp * updates <= prompts_per_step)."""
     unknown = set(modes) - {"split", "colocated"}
     if unknown:
         raise ValueError(f"unknown placement mode(s) {sorted(unknown)}; choose from 'split', 'colocated'")
@@ -118,31 +124,41 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
         gens = range(1, world) if mode == "split" else [world]
         for g in gens:
             t = world - g if mode == "split" else world
-            for gtp in tps:
+            for gtp in tps if gen_tp else [1]:
                 aligned = one_host or (world - g) % gtp == 0  # TP groups must not straddle nodes
                 if g % gtp or not aligned or g // gtp > prompts_per_step:
                     continue
                 for ttp in tps if trainer_tp else [1]:
-                    if t % ttp or t // ttp > prompts_per_step:
+                    if t % ttp or t // ttp * updates > prompts_per_step:
                         continue
                     for ac in (False, True):
                         yield cm.Placement(world, mode, g, gtp, ttp, ac)
 
 
 def no_placement_reason(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
-                        modes=("split", "colocated"), one_host: bool = False) -> str:
-    """Why `placements` yields nothing, and the fix: every generator replica and every trainer
-    data-parallel rank needs a prompt group, so gen_dp and trainer_fsdp are <= --prompts, and
-    the TP degrees that shrink them are few (e.g. only 1 for tied embeddings)."""
+                        modes=("split", "colocated"), one_host: bool = False, trainer_tp: bool = True,
+                        updates: int = 1, gen_tp: bool = True) -> str:
+    """Why `placements` (same arguments) yields nothing, and the fix: split mode needs two ranks;
+    every generator replica and every trainer data-parallel rank needs a prompt group (one per
+    update), so gen_dp and trainer_fsdp * updates are <= --prompts, and the TP degrees that
+    shrink them are few (e.g. only 1 for tied embeddings)."""
+    if world < 2 and "colocated" not in modes:
+        return (f"split mode needs at least 2 ranks (a generator and a trainer), the job has "
+                f"{world}; add --modes colocated (every rank does both) or use more ranks")
     tps = tp_degrees(args, gpus_per_node, one_host)
-    enough = next((b for b in range(prompts_per_step + 1, world + 1)
-                   if next(placements(args, world, gpus_per_node, b, modes, one_host), None)), None)
+    trainer_tps, gen_tps = (tps if trainer_tp else [1]), (tps if gen_tp else [1])
+    enough = next((b for b in range(prompts_per_step + 1, world * updates + 1)
+                   if next(placements(args, world, gpus_per_node, b, modes, one_host, trainer_tp,
+                                      updates, gen_tp), None)), None)
     fix = (f"raise --prompts to at least {enough}, or use fewer ranks" if enough
            else "use fewer ranks")
+    trainer = (f"trainer_fsdp * trainer.updates_per_step = trainer ranks / trainer_tp * {updates}"
+               if updates > 1 else "trainer_fsdp = trainer ranks / trainer_tp")
     return (f"no placement of {world} ranks ({'/'.join(modes)}) is valid for --prompts "
-            f"{prompts_per_step}: gen_dp = G / gen_tp and trainer_fsdp = trainer ranks / trainer_tp "
-            f"must each be <= --prompts (one prompt group at least per generator replica and "
-            f"trainer data-parallel rank), and this model allows TP degrees {tps} only; {fix}")
+            f"{prompts_per_step}: gen_dp = G / gen_tp and {trainer} must each be <= --prompts "
+            f"(one prompt group at least per generator replica, and per trainer data-parallel rank "
+            f"and update), and this model and config allow generator TP degrees {gen_tps} and "
+            f"trainer TP degrees {trainer_tps} only; {fix}")
 
 
 @dataclass
@@ -154,6 +170,9 @@ class PlanResult:
     feasible: int
     seconds: float
     infeasible_why: dict = field(default_factory=dict)  # reason -> count
+    # reason -> (bytes, label, why) of the infeasible placement that needs the least memory on
+    # that mesh: the nearest miss, which says by how much a model does not fit
+    nearest_miss: dict = field(default_factory=dict)
 
     def speedup(self, e: cm.Estimate) -> float:
         return self.best_sync.step_sync / e.step if self.best_sync else math.nan
@@ -174,9 +193,9 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
         lambda gtp, gdp: cm.generator_memory(args, cluster, wl, gtp, gdp))
     train_mem = functools.lru_cache(maxsize=None)(
         lambda f, tp, ac: cm.trainer_memory(args, cluster, wl, f, tp, ac))
-    ests, why, searched = [], {}, 0
+    ests, why, nearest, searched = [], {}, {}, 0
     for p in placements(args, world, cluster.gpus_per_node, wl.prompts_per_step, modes,
-                        cluster.one_cpu_host, trainer_tp):
+                        cluster.one_cpu_host, trainer_tp, wl.updates, gen_tp_allowed(wl)):
         searched += 1
         # memory is separable in split mode: key it on the mesh, not the whole placement
         m = (cm.plan_memory(args, cluster, wl, p) if p.mode == "colocated"
@@ -184,6 +203,11 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
         if m.why:
             key = m.why.split(":")[0]
             why[key] = why.get(key, 0) + 1
+            # colocated ranks hold both meshes: their sum is what did not fit
+            need = (m.per_rank if p.mode == "colocated" else
+                    m.generator if key == "generator" else m.trainer)
+            if key not in nearest or need < nearest[key][0]:
+                nearest[key] = (need, p.label(), m.why)
             continue
         g = gen_time(p.gen_tp, p.gen_dp, m.slots, p.mode == "split")
         tr = train_time(p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing, m.micro_batch_tokens)
@@ -194,7 +218,13 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
     ranked = sorted(refined, key=lambda e: (round(e.step, 9), e.times.gen + e.times.train + e.times.sync))
     best_sync = min(refined, key=lambda e: e.step_sync, default=None)
     return PlanResult(ranked[:keep], ranked[0] if ranked else None, best_sync, searched, len(ests),
-                      time.perf_counter() - t0, why)
+                      time.perf_counter() - t0, why, nearest)
+
+
+def gen_tp_allowed(wl: cm.Workload) -> bool:
+    """Whether the generator may use TP: config.py refuses generator.stack_weights='all' with
+    parallel.gen_tp > 1 (the engine cannot stack TP shards)."""
+    return wl.stack_weights != "all"
 
 
 def _split_memory(gen_mem, train_mem, p: cm.Placement) -> cm.Memory:
@@ -238,6 +268,7 @@ def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:
     the written config runs: its master dtype, prompt sharing, stacked weights, the longest prompt
     it admits (data.max_prompt_len, when longer than --prompt-len: the KV slots hold it), a KL
     reference (algo.kl_coef > 0), its updates per step and whether its loss needs pi_prox, its
+    held-out evaluation engine (eval.every_steps > 0: its KV cache on generator replica 0), its
     FSDP units and compute dtype."""
     from parallel.dims import resolve_fsdp_units
     from trainer.step import needs_prox
@@ -246,7 +277,9 @@ def base_settings(cfg, prompt_len: int, device_type: str) -> tuple[dict, dict]:
               stack_weights=cfg.generator.stack_weights,
               max_prompt_len=max(cfg.data.max_prompt_len, prompt_len),
               kl_reference=a.kl_coef > 0, updates=cfg.trainer.updates_per_step,
-              prox_loss=needs_prox(a))
+              prox_loss=needs_prox(a),
+              eval_prompts=cfg.eval.num_prompts if cfg.eval.every_steps else 0,
+              eval_new_tokens=cfg.eval.max_new_tokens)
     cl = dict(fsdp_units=resolve_fsdp_units(cfg.parallel.fsdp_units, device_type),
               compute_bytes=compute_dtype_of(cfg, device_type).itemsize)
     return wl, cl
@@ -432,7 +465,7 @@ def _main(a) -> int:
         cl = cm.with_profile(cl, prof)
     modes = tuple(a.modes.split(","))
     # config.py refuses parallel.compile with trainer TP: search the trainer at TP 1 then
-    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine,
+    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine, keep=max(50, a.top),
                     trainer_tp=not base.parallel.compile)
     print(f"model {spec}: {args.num_params() / 1e9:.3f}B params; {cl.world} ranks "
           f"({cl.nodes} x {cl.gpus_per_node} {cl.name}); workload {wl.prompts_per_step} prompts x "
@@ -441,10 +474,15 @@ def _main(a) -> int:
           f"feasible{'; infeasible: ' + str(res.infeasible_why) if res.infeasible_why else ''}")
     if res.searched == 0:
         raise ValueError(no_placement_reason(args, cl.world, cl.gpus_per_node, wl.prompts_per_step,
-                                             modes, cl.one_cpu_host))
+                                             modes, cl.one_cpu_host, not base.parallel.compile,
+                                             wl.updates, gen_tp_allowed(wl)))
     if res.best is None:
-        raise ValueError(f"no placement fits in memory ({res.infeasible_why}); add nodes, use a "
-                         "larger GPU, or shorten --response-len / --prompt-len")
+        misses = "; ".join(f"{label}: {why}" for _, label, why in res.nearest_miss.values())
+        plural = "es, per mesh" if len(res.nearest_miss) > 1 else ""
+        raise ValueError(f"no placement fits in memory ({res.infeasible_why}); the nearest "
+                         f"miss{plural}: {misses}. Add nodes or use a larger GPU (a TP group stays inside a "
+                         f"node: at most --gpus-per-node {cl.gpus_per_node} GPUs share a "
+                         "generator replica's weights), or shorten --response-len / --prompt-len")
     print(table(res, a.top))
     if a.out:
         write_toml(res, wl, spec, a.out, a.base_config)

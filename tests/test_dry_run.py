@@ -53,6 +53,12 @@ def test_world_size_needs_explicit_degrees(monkeypatch):
         world_size_of(cfg)
     cfg.parallel.trainer_fsdp, cfg.parallel.mode = 64, "colocated"
     assert world_size_of(cfg) == 64 * 4
+    # colocated, the world is trainer_fsdp * trainer_tp: the message added generator_ranks
+    cfg.parallel.trainer_fsdp = 0
+    with pytest.raises(ConfigError, match=r"world = trainer_fsdp \* trainer_tp = n \* 4 in "
+                                          "colocated mode") as e:
+        world_size_of(cfg)
+    assert "generator_ranks +" not in str(e.value)
 
 
 def test_dry_run_of_a_real_model_folder_runs_preflight(tmp_path, monkeypatch, capsys):

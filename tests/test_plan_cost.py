@@ -90,6 +90,157 @@ def test_generator_memory_holds_the_weight_sync_staging_copy():
     assert most == int((0.9 * 80e9 - 2 * n) // (2560 * 65536)) == 333
 
 
+def test_generator_memory_holds_the_held_out_evaluation_cache():
+    """eval.every_steps gives generator replica 0 an evaluation engine with its own KV cache of
+    min(eval.num_prompts, num_slots) slots beside the rollout one (rollout.role.build_eval); the
+    planner filled the GPU with rollout slots without it. Llama-3-8B bf16 at gen_tp 2, 2560
+    positions a slot (65536 B a position): 72 GB - 2 * 8.03 GB leaves 333 slots without
+    evaluations; with 200 evaluation prompts each of the first 200 slots has a twin:
+    2 * s <= 333.4 -> 166 slots; with 100, s + 100 <= 333.4 -> 233."""
+    cl, n = cm.gpu_cluster("h100", 1), L8B.num_params()
+    per_slot = 2560 * 65536
+    wl = lambda k, new=0: cm.Workload(512, 16, 512, 2048, gen_dtype="bfloat16",  # noqa: E731
+                                      eval_prompts=k, eval_new_tokens=new)
+    assert cm.generator_memory(L8B, cl, wl(0), 2, 1)[1] == 333
+    used, slots, why = cm.generator_memory(L8B, cl, wl(200), 2, 1)
+    assert not why and slots == 166 and used == pytest.approx(2 * n + 2 * 166 * per_slot)
+    used, slots, why = cm.generator_memory(L8B, cl, wl(100), 2, 1)
+    assert not why and slots == 233 and used == pytest.approx(2 * n + (233 + 100) * per_slot)
+    # a given slot count (the dry run's num_slots): the evaluation cache is min(200, 256) slots of
+    # 512 + eval.max_new_tokens positions
+    used = cm.generator_memory(L8B, cl, wl(200, 1024), 2, 1, slots=256)[0]
+    assert used == pytest.approx(2 * n + 256 * per_slot + 200 * 1536 * 65536)
+    assert cm.eval_kv_bytes(L8B, cl, wl(200, 1024), 2, 256) == 200 * 1536 * 65536
+
+
+def test_plan_with_held_out_evaluations_writes_a_config_that_fits(tmp_path, capsys):
+    """Llama-3-8B on 8 H100s with a base config's eval.every_steps: the written config's dry run
+    said DOES NOT FIT (colocated, 229 slots: 72.8 GB generator + 29.3 GB trainer > 72 GB),
+    because the search did not count the evaluation engine's KV cache on replica 0."""
+    from launch.dry_run import dry_run
+    base, out = tmp_path / "base.toml", tmp_path / "best.toml"
+    base.write_text(load_config(None, ["--eval.every_steps=5"]).to_toml())
+    assert plan_main(["--preset", "llama3-8b", "--nodes", "1", "--gpus-per-node", "8", "--prompts",
+                      "512", "--group", "16", "--prompt-len", "512", "--response-len", "4096",
+                      "--top", "1", "--base-config", str(base), "--out", str(out)]) == 0
+    capsys.readouterr()
+    cfg = load_config(str(out))
+    assert cfg.eval.every_steps == 5
+    assert dry_run(cfg) == 0
+    out_text = capsys.readouterr().out
+    assert "held-out eval KV cache" in out_text
+    assert "h100 (80 GB, 72 GB usable): fits" in out_text
+
+
+def test_plan_respects_the_base_configs_updates_per_step(tmp_path, capsys):
+    """trainer.updates_per_step deals every trainer data-parallel rank a group per update
+    (config.py: trainer_fsdp * updates <= prompts_per_step); the search proposed trainer_fsdp up
+    to --prompts, and writing its best placement (4 CPU ranks, 3 prompts: train 3x1) failed
+    after the search with config.py's error."""
+    from launch.plan import no_placement_reason, placements
+    base, out = tmp_path / "base.toml", tmp_path / "best.toml"
+    base.write_text(load_config(None, ["--trainer.updates_per_step=2"]).to_toml())
+    argv = ["--preset", "tiny", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4",
+            "--group", "8", "--prompt-len", "8", "--response-len", "64", "--top", "1",
+            "--base-config", str(base)]
+    assert plan_main([*argv, "--prompts", "3", "--out", str(out)]) == 0
+    cfg = load_config(str(out))
+    assert cfg.trainer.updates_per_step == 2 and cfg.parallel.trainer_fsdp * 2 <= 3
+    cfg.resolve(cfg.parallel.generator_ranks + cfg.parallel.trainer_fsdp * cfg.parallel.trainer_tp)
+    for p in placements(TINY, 4, 4, 3, one_host=True, updates=2):
+        assert p.trainer_fsdp * 2 <= 3
+    assert any(p.trainer_fsdp == 3 for p in placements(TINY, 4, 4, 3, one_host=True))
+    capsys.readouterr()
+    # 8 ranks, 1 prompt: the fix names the updates and a --prompts that has a placement
+    assert plan_main([*argv[:7], "8", *argv[8:], "--prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer_fsdp * trainer.updates_per_step" in err and "raise --prompts to at least 3" in err
+    assert next(placements(TINY, 8, 8, 3, one_host=True, updates=2), None) is not None
+    assert next(placements(TINY, 8, 8, 2, one_host=True, updates=2), None) is None
+    assert "at least 3" in no_placement_reason(TINY, 8, 8, 1, one_host=True, updates=2)
+
+
+def test_plan_with_stacked_weights_keeps_the_generator_at_tp_1(tmp_path, capsys):
+    """config.py refuses generator.stack_weights='all' with gen_tp > 1: such a base config made
+    the plan fail after its search whenever the best placement had generator TP (4 CPU ranks,
+    2 prompts: gen 1x2)."""
+    base, out = tmp_path / "base.toml", tmp_path / "best.toml"
+    argv = ["--preset", "tiny", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4",
+            "--prompts", "2", "--group", "8", "--prompt-len", "8", "--response-len", "64", "--top", "1"]
+    base.write_text(load_config(None, ["--generator.stack_weights=all"]).to_toml())
+    assert plan_main([*argv, "--base-config", str(base), "--out", str(out)]) == 0
+    cfg = load_config(str(out))
+    assert cfg.generator.stack_weights == "all" and cfg.parallel.gen_tp == 1
+    from launch.plan import placements
+    assert {p.gen_tp for p in placements(TINY, 4, 4, 2, one_host=True)} == {1, 2}
+    assert {p.gen_tp for p in placements(TINY, 4, 4, 2, one_host=True, gen_tp=False)} == {1}
+
+
+def test_plan_of_one_rank_in_split_mode_names_the_rank_count(capsys):
+    """One rank, --modes split: the error blamed --prompts and said "use fewer ranks"."""
+    argv = ["--preset", "tiny", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "1",
+            "--prompts", "2", "--group", "2", "--prompt-len", "8", "--response-len", "8"]
+    assert plan_main([*argv, "--modes", "split"]) == 2
+    err = capsys.readouterr().err
+    assert "split mode needs at least 2 ranks" in err and "--modes colocated" in err
+    assert "fewer ranks" not in err
+    assert plan_main(argv) == 0  # colocated on the one rank
+
+
+def test_plan_that_nothing_fits_names_the_nearest_miss(capsys):
+    """Llama-3-405B in bf16 on 4 H100 nodes: the error said only {'generator': 296} and "add
+    nodes", which cannot help: a generator replica is at most one node (TP 8), whose shard and
+    its staged copy are 405.85e9 * 2 B / 8 * 2 = 202.9 GB > 72 GB usable."""
+    assert plan_main(["--preset", "405b", "--nodes", "4", "--prompts", "64", "--group", "8",
+                      "--prompt-len", "512", "--response-len", "1024"]) == 2
+    err = capsys.readouterr().err
+    n = preset_args("405b").num_params()
+    assert f"{n * 2 / 8 * 2 / 1e9:.1f}" == "202.9"
+    assert "the nearest miss: G=" in err and "gen 1x8" in err
+    assert "generator: weights 202.9 GB (+0.0 GB reserved) leave no room for one KV slot" in err
+    assert "at most --gpus-per-node 8 GPUs" in err
+
+
+def test_plan_table_has_the_rows_asked_for(capsys):
+    """--top 80 printed 50 rows of 144 feasible placements: the search kept its 50 best only."""
+    argv = ["--preset", "llama3-8b", "--nodes", "2", "--prompts", "64", "--group", "8",
+            "--prompt-len", "512", "--response-len", "1024", "--top"]
+    assert plan_main([*argv, "80"]) == 0
+    out = capsys.readouterr().out
+    assert "144 feasible" in out
+    rows = [ln for ln in out.splitlines() if re.match(r"\s*\d+ (G=|coloc)", ln)]
+    assert [int(r.split()[0]) for r in rows] == list(range(1, 81))
+
+
+def test_trainer_memory_holds_the_longest_sequence_admitted(tmp_path, capsys):
+    """The runtime packs at least one whole sequence a micro-batch, and a config admits prompts
+    up to data.max_prompt_len: the peak is that longest sequence, not the mean one. Llama-3-8B,
+    fsdp 2, AC, --prompt-len 512 + 2048 with data.max_prompt_len 1024: the plan charged 2560
+    tokens (71.6 GB, fits) and wrote micro_batch_tokens 2560; the dry run of that config charged
+    3072 (72.5 GB > 72 GB usable: DOES NOT FIT)."""
+    cl = cm.gpu_cluster("h100", 1)
+    mean = cm.Workload(64, 8, 512, 2048)
+    capped = cm.Workload(64, 8, 512, 2048, max_prompt_len=1024)
+    assert (mean.longest_seq, capped.longest_seq) == (2560, 3072)
+    state = cm.trainer_state_bytes(L8B, 2, 1, 4, 2)
+    per_tok = 32 * 2 * 4096 + cm.act_bytes_per_token_layer(L8B, 2, 1) + 128256 * 10
+    used, mbt, why = cm.trainer_memory(L8B, cl, mean, 2, 1, True)
+    assert not why and mbt == 2560 and used == pytest.approx(state + 2560 * per_tok)
+    assert (state + 3072 * per_tok) / 1e9 == pytest.approx(72.5, abs=0.05)
+    used, _, why = cm.trainer_memory(L8B, cl, capped, 2, 1, True, 0.0, 2560)
+    assert used == pytest.approx(state + 3072 * per_tok) and why.startswith("trainer: needs 72.5 GB")
+    assert "one sequence of 3072" in cm.trainer_memory(L8B, cl, capped, 2, 1, True)[2]
+    # the plan on 3 H100s (G=1 + fsdp 2 was its pick): nothing fits, said, instead of a config
+    # that does not fit
+    base = tmp_path / "base.toml"
+    base.write_text(load_config(None, ["--data.max_prompt_len=1024"]).to_toml())
+    assert plan_main(["--preset", "llama3-8b", "--nodes", "1", "--gpus-per-node", "3", "--prompts",
+                      "64", "--group", "8", "--prompt-len", "512", "--response-len", "2048",
+                      "--base-config", str(base), "--out", str(tmp_path / "best.toml")]) == 2
+    assert "one sequence of 3072" in capsys.readouterr().err
+    assert not (tmp_path / "best.toml").exists()
+
+
 def test_kv_slots_are_sized_for_the_longest_prompt_admitted():
     """The engine allocates num_slots x (data.max_prompt_len + max_new_tokens) positions: the
     planner sizes a slot for max_prompt_len (by default the --prompt-len) + R positions."""
@@ -138,12 +289,17 @@ def test_base_config_settings_reach_the_search():
                               "--algo.loss=decoupled_ppo"])
     wl, cl = base_settings(base, 512, "cuda")
     assert wl == dict(master_dtype="float32", share_prompts=False, stack_weights="all",
-                      max_prompt_len=1024, kl_reference=True, updates=4, prox_loss=True)
+                      max_prompt_len=1024, kl_reference=True, updates=4, prox_loss=True,
+                      eval_prompts=0, eval_new_tokens=0)
     assert cl == dict(fsdp_units="model", compute_bytes=4)
     assert base_settings(load_config(None), 512, "cuda") == (
         dict(master_dtype="float32", share_prompts=True, stack_weights="auto", max_prompt_len=512,
-             kl_reference=False, updates=1, prox_loss=False),
+             kl_reference=False, updates=1, prox_loss=False, eval_prompts=0, eval_new_tokens=0),
         dict(fsdp_units="layer", compute_bytes=2))
+    evals = load_config(None, ["--eval.every_steps=5", "--eval.num_prompts=64",
+                               "--eval.max_new_tokens=128"])
+    assert base_settings(evals, 512, "cuda")[0]["eval_prompts"] == 64
+    assert base_settings(evals, 512, "cuda")[0]["eval_new_tokens"] == 128
     assert base_settings(load_config(None), 8, "cpu")[1] == dict(fsdp_units="model", compute_bytes=4)
     # the KL reference: frozen fp32 parameters, sharded like the trainer (fsdp 2 x tp 2): 8.03 GB
     h100, n = cm.gpu_cluster("h100", 1), L8B.num_params()
