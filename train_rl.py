@@ -94,9 +94,11 @@ def _run_role(cfg, dims, tokenizer) -> None:
 
 
 def main(argv=None) -> int:
+    from launch import preemption
     rank = int(os.environ.get("RANK", "0"))
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
+    preemption.note_sigint()
     try:
         section = help_requested(argv)
         if section is not None:
@@ -126,13 +128,23 @@ def main(argv=None) -> int:
             print(f"error (rank {rank}): stdout was closed (BrokenPipeError)", file=sys.stderr)
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback from each
-        if rank == 0:
-            from trainer.checkpointing import interrupted_line
-            print(interrupted_line(cfg), file=sys.stderr, flush=True)
-        return 130
-    except Exception:
+        return _interrupted(rank, cfg)
+    except BaseException as e:
+        # a Ctrl-C that ended this rank through another error: a DCP save under way wraps it in
+        # a CheckpointException (a BaseException), a collective fails on the peer it ended first
+        if preemption.interrupted() and not isinstance(e, SystemExit):
+            return _interrupted(rank, cfg)
+        if not isinstance(e, Exception):
+            raise
         print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
+
+
+def _interrupted(rank: int, cfg) -> int:
+    if rank == 0:
+        from trainer.checkpointing import interrupted_line
+        print(interrupted_line(cfg), file=sys.stderr, flush=True)
+    return 130
 
 
 def _drop_stdout() -> None:

@@ -1,24 +1,46 @@
 """Fault injection for resilience tests (and game days): with
-    TANDEM_FAULT_KILL="rank=R,step=S[,signal=INT|TERM]"
+    TANDEM_FAULT_KILL="rank=R,step=S[,signal=KILL|INT|TERM|TERM_SELF]"
 rank R SIGKILLs itself when it reaches trainer step S (a trainer rank, at the start of the step) or
 weights version S (a generator rank, when the version arrives), on the first attempt only, so the
 restarted job runs through. `signal=INT` sends SIGINT to its launcher (the torchrun agent) instead,
 which passes it to every rank as Ctrl-C in a terminal does; `signal=TERM` sends SIGTERM, as SLURM
 or `kill` of the launcher does (launch/preemption.py); `signal=TERM_SELF` sends it to rank R alone
-(one node of several preempted). Unset, it costs one dict lookup per step."""
+(one node of several preempted). A value not of that form is a ValueError at the first step, not
+another fault than the one asked for. Unset, it costs one dict lookup per step."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
+
+SIGNALS = ("KILL", "INT", "TERM", "TERM_SELF")
+
+
+@functools.lru_cache(maxsize=None)
+def parse_spec(spec: str) -> tuple[int, int, str]:
+    """TANDEM_FAULT_KILL's value as (rank, step, signal name)."""
+    fields = {}
+    for kv in spec.split(","):
+        key, eq, value = kv.partition("=")
+        fields[key.strip()] = value.strip() if eq else ""
+    name = fields.pop("signal", "KILL")
+    try:
+        rank, step = int(fields.pop("rank")), int(fields.pop("step"))
+    except (KeyError, ValueError):
+        rank = step = None
+    if rank is None or fields or name not in SIGNALS:
+        raise ValueError(f"TANDEM_FAULT_KILL={spec!r} is not of the form rank=R,step=S[,signal=S] "
+                         f"with integers R and S and a signal one of {', '.join(SIGNALS)} (e.g. "
+                         "TANDEM_FAULT_KILL=rank=1,step=3,signal=TERM); unset it for no fault")
+    return rank, step, name
 
 
 def maybe_kill(rank: int, step: int) -> None:
     spec = os.environ.get("TANDEM_FAULT_KILL")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    fields = dict(kv.split("=", 1) for kv in spec.split(","))
-    if int(fields["rank"]) == rank and int(fields["step"]) == step:
-        name = fields.get("signal", "KILL")
+    fault_rank, fault_step, name = parse_spec(spec)
+    if fault_rank == rank and fault_step == step:
         if name == "TERM_SELF":
             print(f"[rank {rank}] fault injection: SIGTERM to this rank alone at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)

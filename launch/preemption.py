@@ -171,6 +171,29 @@ def local_ranks_alive(pid_dir, env=os.environ) -> bool:
     return True
 
 
+def note_sigint() -> None:
+    """From now on Ctrl-C (SIGINT) raises KeyboardInterrupt as by default, noted first
+    (`interrupted`), so that what it makes fail otherwise is known for what it is: a DCP save
+    wraps it in a CheckpointException (no Exception), and a rank blocked in a collective fails
+    on a peer that it ended first. Call from the main thread; an ignored SIGINT stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+_sigint = False
+
+
+def _on_sigint(signum, frame) -> None:
+    global _sigint
+    _sigint = True
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C reached this process since `note_sigint`."""
+    return _sigint
+
+
 def request(reason: str) -> None:
     """Ask for the stop without a signal (a generator's notice, fault injection)."""
     if _state.reason is None:

@@ -13,9 +13,12 @@ Every run's overrides go through config.load_config before anything starts, so a
 a bad value fails fast with config's message (which names the valid keys).
 
 --slurm writes a sweep file, one line of overrides per run, that launch/tandem.sbatch reads by
-SLURM_ARRAY_TASK_ID, and prints (or, with --submit, runs) the `sbatch --array` command.
+SLURM_ARRAY_TASK_ID, and prints (or, with --submit, runs) the `sbatch --array` command. A task
+reads its line when it starts (again when requeued), so a sweep file is never rewritten with
+other runs: the default, runs/sweeps/<prefix>-<digest>.txt, is named by its contents.
 """
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -118,6 +121,9 @@ def expand(grid: list[tuple[str, list[str]]], prefix: str, common: list[str] = (
     for key, (raw, values) in zip(keys, grid):
         if keys.count(key) > 1:
             raise ValueError(f"grid key {key!r} is given more than once; list all its values in one --grid")
+        if not values:  # the product would be empty: no run, and --slurm an array of 0--1
+            raise ValueError(f"grid key {key!r} has no values; give it at least one "
+                             "(e.g. \"trainer.lr\" = [1e-4]) or leave it out of the grid")
         if key in ("run.name", "run.dir"):
             raise ValueError(f"{key} is set per run by the sweep (run.name, its folder "
                              "runs/<run.name>); use --name-prefix instead")
@@ -183,19 +189,48 @@ def check_sweep_file_words(runs: list[Run]) -> None:
                              "--data.task_options={\"digits\":1})")
 
 
+def sweep_file_text(runs: list[Run]) -> str:
+    return "".join(" ".join(run.overrides) + "\n" for run in runs)
+
+
+def default_sweep_file(prefix: str, runs: list[Run]) -> str:
+    """runs/sweeps/<prefix>-<digest of its lines>.txt: another sweep of the same prefix gets
+    another file (write_sweep_file), the same sweep submitted again the same one."""
+    digest = hashlib.sha1(sweep_file_text(runs).encode()).hexdigest()[:8]
+    return os.path.join(ROOT, "runs", "sweeps", f"{_slug(prefix)}-{digest}.txt")
+
+
 def write_sweep_file(path: str, runs: list[Run]) -> None:
+    """Write the runs' lines to `path`, which must not hold another sweep's: an array task reads
+    its line when it starts, so the queued (and requeued: preempted) tasks of that sweep would
+    run this one's overrides, under this one's run names."""
+    text = sweep_file_text(runs)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            if fh.read() != text:
+                raise ValueError(f"--sweep-file {path} holds another sweep's runs, which its array "
+                                 "job's queued or requeued tasks still read by line; give another "
+                                 "--sweep-file (or leave it out: runs/sweeps/<prefix>-<digest>.txt), "
+                                 "or delete that file once no task of its sweep can start again")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
-        fh.writelines(" ".join(run.overrides) + "\n" for run in runs)
+        fh.write(text)
 
 
 def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool) -> int:
-    """Run one after the other; stop at the first failure unless keep_going. Returns the exit code."""
+    """Run one after the other; stop at the first failure unless keep_going. Returns the exit
+    code: 130 after a Ctrl-C, which ends the sweep (the runs resume when it is run again)."""
     env = {**os.environ, "CONFIG": config, **({"NPROC": str(nproc)} if nproc else {})}
     failed = []
     for i, run in enumerate(runs):
         print(f"[sweep {i + 1}/{len(runs)}] {local_command(config, run, nproc)}", flush=True)
-        rc = subprocess.run(["bash", RUN_LOCAL, *run.overrides], cwd=ROOT, env=env).returncode
+        try:
+            rc = wait_launcher(subprocess.Popen(["bash", RUN_LOCAL, *run.overrides], cwd=ROOT, env=env))
+        except KeyboardInterrupt:
+            print(f"[sweep] interrupted in run {run.name} ({i + 1}/{len(runs)}); {i - len(failed)} "
+                  "runs succeeded before it; run the same sweep again to go on (a finished run "
+                  "says so, an unfinished one resumes from its latest checkpoint)", flush=True)
+            return 130
         if rc:
             failed.append(f"{run.name} (exit {rc})")
             if not keep_going:
@@ -205,6 +240,32 @@ def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool)
           (f"; failed: {', '.join(failed)}" if failed else "") +
           (f"; {len(runs) - done} not started (use --keep-going)" if done < len(runs) else ""))
     return 1 if failed else 0
+
+
+# How long a Ctrl-C'd launcher may take to stop: torchrun gives its ranks 30 s after passing a
+# signal on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and Ctrl-C is not a signal it waits longer for.
+INTERRUPT_WAIT_S = 60.0
+
+
+def wait_launcher(proc: subprocess.Popen) -> int:
+    """The exit code of a run's launcher. On Ctrl-C, which reaches the launcher too (the terminal
+    signals its whole foreground process group), give it INTERRUPT_WAIT_S to stop its ranks and
+    print where the run can resume (subprocess.run SIGKILLed it 0.25 s in: that line was lost and
+    the ranks were orphaned), then raise the KeyboardInterrupt; kill it after that, or at once on
+    a second Ctrl-C."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=INTERRUPT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            print(f"[sweep] the run's launcher (pid {proc.pid}) did not stop within "
+                  f"{INTERRUPT_WAIT_S:g} s of the Ctrl-C: killing it", file=sys.stderr, flush=True)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int_at_least(1), help="--local: ranks per run (default: run_local.sh derives it)")
     ap.add_argument("--keep-going", action="store_true", help="--local: continue after a failed run")
     ap.add_argument("--sbatch", default=SBATCH, help="--slurm: batch script")
-    ap.add_argument("--sweep-file", help="--slurm: where to write the overrides (default runs/sweeps/<prefix>.txt)")
+    ap.add_argument("--sweep-file", help="--slurm: where to write the overrides (default "
+                    "runs/sweeps/<prefix>-<digest>.txt); not a file that holds another sweep")
     ap.add_argument("--max-concurrent", type=int_at_least(1), help="--slurm: array throttle (--array=0-N%%K)")
     ap.add_argument("--submit", action="store_true", help="--slurm: call sbatch instead of printing it")
     args, rest = ap.parse_known_args(argv)
@@ -241,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         validate(args.config, runs, args.nproc if args.local else None)
         if args.slurm:
             check_sweep_file_words(runs)
+            sweep_file = os.path.abspath(args.sweep_file or default_sweep_file(prefix, runs))
+            write_sweep_file(sweep_file, runs)
     except (ValueError, OSError, tomllib.TOMLDecodeError) as e:  # ConfigError is a ValueError
         ap.error(str(e))
 
@@ -251,8 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.local:
         return run_local(args.config, runs, args.nproc, args.keep_going)
-    sweep_file = os.path.abspath(args.sweep_file or os.path.join(ROOT, "runs", "sweeps", f"{_slug(prefix)}.txt"))
-    write_sweep_file(sweep_file, runs)
     array = f"--array=0-{len(runs) - 1}" + (f"%{args.max_concurrent}" if args.max_concurrent else "")
     sbatch = os.path.join(ROOT, args.sbatch) if args.sbatch == SBATCH else os.path.abspath(args.sbatch)
     cmd = ["sbatch", array, sbatch]

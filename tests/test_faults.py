@@ -172,3 +172,36 @@ def test_a_finished_run_trains_on_from_its_last_step(reference, tmp_path):
     assert proc.returncode == 0, err[-4000:]
     assert f"at step {STEPS} (version {STEPS})" in out
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 3))
+
+
+@pytest.mark.parametrize("spec", ["rank=1", "rank=1;step=3", "rank=one,step=3", "rank=1,step=3,signal=SIGTERM",
+                                  "rank=1,step=3,signal=term", "rank=1,step=3,sig=TERM"])
+def test_a_malformed_fault_spec_is_refused_naming_its_form(spec, monkeypatch):
+    """A spec without a step was a KeyError traceback on every rank, and an unknown signal name
+    (SIGTERM for TERM) SIGKILLed the rank: another fault than the one the test asked for."""
+    from launch import faults
+    monkeypatch.setenv("TANDEM_FAULT_KILL", spec)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: pytest.fail(f"sent {sig!r} for {spec!r}"))
+    with pytest.raises(ValueError, match=r"TANDEM_FAULT_KILL=.* is not of the form rank=R,step=S.*TERM_SELF"):
+        faults.maybe_kill(1, 3)
+
+
+@pytest.mark.parametrize("spec, sent", [
+    ("rank=1,step=3", ("self", "SIGKILL")), ("rank=1, step=3 ", ("self", "SIGKILL")),
+    ("rank=1,step=3,signal=TERM", ("launcher", "SIGTERM")), ("rank=1,step=3,signal=INT", ("launcher", "SIGINT")),
+    ("rank=1,step=3,signal=TERM_SELF", ("self", "SIGTERM"))])
+def test_a_fault_spec_sends_its_signal_at_its_rank_and_step_only(spec, sent, monkeypatch):
+    import signal
+    from launch import faults
+    monkeypatch.setenv("TANDEM_FAULT_KILL", spec)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    calls = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: calls.append(
+        ("self" if pid == os.getpid() else "launcher", signal.Signals(sig).name)))
+    for rank, step in ((0, 3), (1, 2), (1, 4), (1, 3)):
+        faults.maybe_kill(rank, step)
+    assert calls == [sent]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
+    faults.maybe_kill(1, 3)
+    assert calls == [sent]

@@ -177,6 +177,41 @@ def test_slurm_writes_one_override_line_per_run(tmp_path, capsys):
                        f"sbatch --array=0-1%2 {os.path.join(sweep.ROOT, 'launch', 'tandem.sbatch')}")
 
 
+def test_a_grid_key_without_values_is_refused(tmp_path, capsys):
+    """`"trainer.lr" = []` in a grid file made no runs: --local crashed (UnboundLocalError),
+    --slurm wrote an empty sweep file and printed `sbatch --array=0--1`."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[grid]\n"trainer.lr" = []\n')
+    for mode in (["--local"], ["--slurm", "--sweep-file", str(tmp_path / "s.txt")], ["--dry-run"]):
+        with pytest.raises(SystemExit) as e:
+            sweep.main(["--config", TINY, "--grid-file", str(grid), *mode])
+        assert e.value.code == 2
+        assert "grid key 'trainer.lr' has no values" in capsys.readouterr().err
+    assert not (tmp_path / "s.txt").exists()
+
+
+def test_a_later_sweep_never_rewrites_the_lines_an_earlier_ones_tasks_read(tmp_path, monkeypatch, capsys):
+    """Both sweeps of one prefix wrote runs/sweeps/<prefix>.txt: the first one's queued (or
+    requeued) array tasks then ran the second one's overrides and run names."""
+    monkeypatch.setattr(sweep, "ROOT", str(tmp_path))
+    lr, staleness = ["--grid", "trainer.lr=1e-4,3e-4"], ["--grid", "algo.max_staleness=0,1"]
+    files = []
+    for grid in (lr, staleness, lr):
+        assert sweep.main(["--config", TINY, *grid, "--slurm"]) == 0
+        files.append(capsys.readouterr().out.split("overrides in ")[1].split(";")[0])
+    assert files[0] != files[1] and files[2] == files[0]  # the same sweep again: its own file
+    assert all(os.path.dirname(f) == str(tmp_path / "runs" / "sweeps") for f in files)
+    assert open(files[0]).read() == ("--trainer.lr=1e-4 --run.name=tiny_cpu_lr-1e-4\n"
+                                     "--trainer.lr=3e-4 --run.name=tiny_cpu_lr-3e-4\n")
+    explicit = tmp_path / "mine.txt"  # an explicit file: the same sweep again, never another
+    assert sweep.main(["--config", TINY, *lr, "--slurm", "--sweep-file", str(explicit)]) == 0
+    assert sweep.main(["--config", TINY, *lr, "--slurm", "--sweep-file", str(explicit)]) == 0
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--config", TINY, *staleness, "--slurm", "--sweep-file", str(explicit)])
+    assert e.value.code == 2 and "holds another sweep's runs" in capsys.readouterr().err
+    assert "--trainer.lr=3e-4" in explicit.read_text()
+
+
 @pytest.mark.parametrize("keep_going, started, rc", [(False, 1, 1), (True, 3, 1)])
 def test_local_runs_in_order_and_stops_on_failure(tmp_path, monkeypatch, capsys, keep_going, started, rc):
     log = tmp_path / "calls"
@@ -191,6 +226,50 @@ def test_local_runs_in_order_and_stops_on_failure(tmp_path, monkeypatch, capsys,
     assert len(calls) == started and all("--nproc-per-node 3" in c for c in calls)
     assert [c.split("--trainer.lr=")[1].split()[0] for c in calls] == ["1e-4", "2e-4", "3e-4"][:started]
     assert "failed: tiny_cpu_lr-1e-4 (exit 1)" in capsys.readouterr().out
+
+
+def test_ctrl_c_lets_the_runs_launcher_stop_and_ends_the_sweep_with_one_line(tmp_path):
+    """Ctrl-C reaches the sweep and its run's launcher alike. subprocess.run SIGKILLed the
+    launcher 0.25 s later, before torchrun had stopped its ranks and shown where the run can
+    resume, then the sweep died with a KeyboardInterrupt traceback."""
+    import queue
+    import signal
+    import threading
+    launcher = _stub(tmp_path / "python", f"""\
+        if [[ "$1 $2" != "-m torch.distributed.run" ]]; then exec {sys.executable} "$@"; fi
+        trap 'sleep 1; echo "launcher: interrupted, resume from step_000002"; exit 130' INT
+        echo ready
+        while true; do sleep 0.05; done
+        """)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "sweep.py"), "--config", TINY,
+                             "--grid", "trainer.lr=1e-4,2e-4", "--local", "--nproc", "3"],
+                            cwd=ROOT, env={**os.environ, "PYTHON": launcher}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    out = []
+    try:
+        while "ready\n" not in out:  # the first run's launcher is up
+            out.append(lines.get(timeout=60))
+            assert out[-1] is not None, f"the sweep ended before its launcher started: {out}"
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal's whole foreground group
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    while out[-1] is not None:
+        out.append(lines.get(timeout=60))
+    out = "".join(out[:-1])
+    assert proc.returncode == 130, out
+    assert "launcher: interrupted, resume from step_000002" in out and "Traceback" not in out, out
+    assert out.rstrip().splitlines()[-1].startswith(
+        "[sweep] interrupted in run tiny_cpu_lr-1e-4 (1/2); 0 runs succeeded before it; run the same sweep again")
+    assert "[sweep 2/2]" not in out
 
 
 # ---- shell scripts -------------------------------------------------------------------------------

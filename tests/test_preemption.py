@@ -310,3 +310,37 @@ def test_a_generator_leader_passes_a_sigterm_during_an_evaluation_on_at_once():
     assert sent == [("ACK", 1, sent[0][2]), ("EVALUATING", 1, None),
                     ("STOP", 1, {"reason": "SIGTERM on generator rank 0"}),
                     ("EVALUATING", 1, {"seconds": 2.0})]
+
+
+# ----- Ctrl-C during a checkpoint --------------------------------------------------------------
+_CTRL_C_IN_A_SAVE = """
+    import sys
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import train_rl
+
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):  # Ctrl-C while the shards are written
+            os.kill(os.getpid(), signal.SIGINT)
+            return super().write_data(plan, planner)
+
+    def run(cfg):  # this rank's part of the run: a checkpoint, as trainer/checkpointing.save's
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://{ckpt}.store", rank=0, world_size=1)
+        dcp.save({{"w": torch.zeros(4)}}, storage_writer=Writer({ckpt!r}))
+    train_rl.run = run
+    sys.exit(train_rl.main(["--config", "configs/tiny_cpu.toml", "--run.dir={run_dir}"]))
+"""
+
+
+def test_ctrl_c_during_a_checkpoint_ends_a_rank_with_one_line(tmp_path):
+    """DCP wraps a KeyboardInterrupt raised in a save in a CheckpointException, which is no
+    Exception: train_rl.main let it out, and Ctrl-C printed a traceback from each trainer rank
+    (with the inner tracebacks of every rank's part of the save) and no 'interrupted' line."""
+    for rank, line in (("0", f"interrupted: {tmp_path} has no checkpoint to resume from"), ("1", "")):
+        body = _CTRL_C_IN_A_SAVE.format(ckpt=str(tmp_path / f"ckpt{rank}"), run_dir=tmp_path)
+        proc = subprocess.run([sys.executable, "-c", "import os, signal\n" + textwrap.dedent(body)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "RANK": rank, "WORLD_SIZE": "3"})
+        assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+        assert proc.stderr.startswith(line) and proc.stderr.count("\n") == (1 if line else 0), proc.stderr
