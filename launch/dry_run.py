@@ -79,7 +79,7 @@ def dry_run(cfg) -> int:
     dims = ParallelDims.from_config(p, world)
     args, preset = model_shape(cfg)
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
-                     args.intermediate_size)
+                     args.intermediate_size, args.vocab_size)
     print(f"dry run: world_size={world}, no process group created")
     print(dims.rank_map())
     print(f"model: {cfg.model.path}: {args.num_params() / 1e9:.3f}B params, {args.num_layers} layers, "

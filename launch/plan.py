@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from config import int_at_least  # noqa: E402
 from launch import cost_model as cm  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
+from parallel.dims import vocab_checkpointable  # noqa: E402
 
 PRESETS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -114,7 +115,8 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
     """Every placement the runtime accepts (see the module docstring); `trainer_tp` False: the
     trainer at TP 1 only (a config with parallel.compile, which config.py refuses with TP);
     `gen_tp` False: the generator at TP 1 only (generator.stack_weights='all', which config.py
-    refuses with TP); `updates`: trainer.updates_per_step, each of which deals every trainer
+    refuses with TP); no trainer layout whose vocabulary shards DCP cannot checkpoint
+    (`parallel.dims.vocab_checkpointable`); `updates`: trainer.updates_per_step, each of which deals every trainer
     data-parallel rank a prompt group (config.py: trainer_fsdp * updates <= prompts_per_step)."""
     unknown = set(modes) - {"split", "colocated"}
     if unknown:
@@ -129,7 +131,8 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
                 if g % gtp or not aligned or g // gtp > prompts_per_step:
                     continue
                 for ttp in tps if trainer_tp else [1]:
-                    if t % ttp or t // ttp * updates > prompts_per_step:
+                    if (t % ttp or t // ttp * updates > prompts_per_step
+                            or not vocab_checkpointable(args.vocab_size, ttp, t // ttp)):
                         continue
                     for ac in (False, True):
                         yield cm.Placement(world, mode, g, gtp, ttp, ac)

@@ -29,7 +29,7 @@ def preflight(cfg, dims):
         check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
     _check_tp_fits_model(cfg, dims, args)
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
-                     args.intermediate_size)
+                     args.intermediate_size, args.vocab_size)
     _check_device_choices(cfg)
     tok = load_tokenizer(cfg.model.path)
     if tok.vocab_size > args.vocab_size:

@@ -8,7 +8,9 @@ A checkpoint is a directory `<root>/step_000123/` holding
     contents, RNG states as lists). JSON, not pickle: it is readable, diffable and safe to load.
 Saves are atomic: everything goes to `step_000123.tmp/`, and rank 0 renames it only after every
 rank has finished writing. `latest_checkpoint` never returns a `.tmp` directory, so a crash during
-a save leaves the previous checkpoint as the one resumed from.
+a save leaves the previous checkpoint as the one resumed from. Saving a step that exists moves the
+old folder aside to `step_000123.old/` first; a crash between that rename and the next leaves no
+`step_000123/`, and the `.old` folder (complete) stands for it until that step is saved again.
 
 Every function that takes `group` is collective over it: pass a process group spanning every
 trainer rank (and no generator rank). `None` means the default group, or no group at all when
@@ -36,7 +38,8 @@ from model.hf_io import (INDEX_FILE, SINGLE_FILE, _split_shards, expected_tensor
                          to_dtype)
 
 EXTRA_FILE = "extra.json"
-_STEP_DIR = re.compile(r"step_(\d+)")  # full match only: "step_000123.tmp" is never a checkpoint
+_STEP_DIR = re.compile(r"step_(\d+)(\.old)?")  # full match: "step_000123.tmp" is never one
+_ASIDE = ".old"  # suffix of a finished folder moved aside while a new one replaces it (_replace_dir)
 
 
 # ----- directory naming, latest and pruning (pure file-system logic, no process group) ---------
@@ -48,16 +51,20 @@ def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
 def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, dir) of every finished checkpoint under root, oldest first: a folder named like one
     with DCP's .metadata in it (written last; a half-copied folder lacks it, and 'auto' resumed
-    from one and failed on every rank)."""
+    from one and failed on every rank). A step's `.old` folder counts only where the step has no
+    folder of its own: a save of that step again was cut off between `_replace_dir`'s renames,
+    and the step was lost to every resume. Read only, so that every rank sees the same."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
+    found: dict[int, Path] = {}
     for child in root.iterdir():
         m = _STEP_DIR.fullmatch(child.name)
         if m and (child / ".metadata").is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+            step = int(m.group(1))
+            if m.group(2) is None or step not in found:  # the step's own folder wins
+                found[step] = child
+    return sorted(found.items())
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -75,6 +82,8 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int) -> list[Path]:
     doomed = [d for _, d in complete_checkpoints(root)[:-keep_last]]
     for d in doomed:
         shutil.rmtree(d)
+        # and the copy a save of that step cut off in its clean-up left aside (if d is not it)
+        shutil.rmtree(_aside(d.with_name(d.name.removesuffix(_ASIDE))), ignore_errors=True)
     return doomed
 
 
@@ -98,17 +107,21 @@ def _quiet_single_process():
         yield
 
 
+def _aside(final: Path) -> Path:
+    return final.with_name(final.name + _ASIDE)
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Rename `tmp` to `final`; an existing `final` (same step saved again) is moved aside first,
-    because a directory rename cannot overwrite a non-empty directory."""
+    because a directory rename cannot overwrite a non-empty directory. A crash between the two
+    renames leaves `final.old`, which `complete_checkpoints` takes for `final`; the `.old` folder
+    is deleted only once `final` is in place."""
+    old = _aside(final)
     if final.exists():
-        old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)  # also one that an earlier cut-off save left
 
 
 def _fresh_tmp(final: Path, group) -> Path:
@@ -177,6 +190,10 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
         latest = latest_checkpoint(folder.parent)
         raise ValueError(f"{folder} is not a finished checkpoint (no DCP .metadata file); "
                          f"latest finished checkpoint under {folder.parent}: {latest}")
+    if folder.name.endswith(_ASIDE) and _rank(group) == 0:
+        print(f"loading {folder}: the save that was replacing it was cut off between its renames "
+              f"(no {folder.name.removesuffix(_ASIDE)}), so this earlier save of that step is "
+              "the checkpoint", flush=True)
     state = _app_state(model, optimizer)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(folder), process_group=group)

@@ -38,6 +38,13 @@ def resolve_fsdp_units(policy: str, device_type: str) -> str:
     return policy if policy != "auto" else ("model" if device_type == "cpu" else "layer")
 
 
+def vocab_checkpointable(vocab_size: int, trainer_tp: int, trainer_fsdp: int) -> bool:
+    """Whether DCP can save and load the trainer's vocabulary-sharded embeddings and lm_head:
+    trainer_tp divides vocab_size, or trainer_fsdp <= 2 (`ParallelDims._check_vocab`; the planner
+    skips the other layouts)."""
+    return trainer_tp == 1 or trainer_fsdp <= 2 or vocab_size % trainer_tp == 0
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
@@ -89,10 +96,11 @@ class ParallelDims:
                        f"{self.trainer_ranks}", "choose trainer_tp dividing the trainer ranks")
 
     def check_model(self, num_heads: int, num_kv_heads: int, tied_embeddings: bool = False,
-                    intermediate_size: int = 0) -> None:
+                    intermediate_size: int = 0, vocab_size: int = 0) -> None:
         """TP shards whole heads and the MLP's intermediate size evenly: every tp degree must
         divide both head counts and intermediate_size (an uneven split passed here and then
-        broke every forward: the row-parallel down projection assumes equal shards)."""
+        broke every forward: the row-parallel down projection assumes equal shards). The
+        vocabulary may split unevenly, except on a trainer with fsdp >= 3 (`_check_vocab`)."""
         sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads}
         if intermediate_size:
             sizes["intermediate_size"] = intermediate_size
@@ -106,6 +114,22 @@ class ParallelDims:
             if tp > 1 and tied_embeddings:
                 self._fail(f"{name}={tp} with tied input/output embeddings is not supported",
                            f"set {name}=1 (tied models are small) or untie the embeddings")
+        self._check_vocab(vocab_size, divides)
+
+    def _check_vocab(self, vocab_size: int, divides) -> None:
+        """FSDP2 over a TP shard of uneven size (the embeddings and lm_head when trainer_tp does
+        not divide vocab_size) stores chunks that torch's DTensor offsets disagree with from
+        fsdp=3 on (parallel/layout.py's docstring): torch.distributed.checkpoint then refuses
+        every save ("overlapping chunks") and resume (an AssertionError on the sizes), after the
+        steps trained so far. fsdp <= 2 agrees for every size."""
+        tp, fsdp = self.trainer_tp, self.trainer_fsdp
+        if vocab_size and not vocab_checkpointable(vocab_size, tp, fsdp):
+            fits = [d for d in range(1, tp + 1)
+                    if vocab_size % d == 0 and divides(d) and self.trainer_ranks % d == 0]
+            self._fail(f"trainer_tp={tp} does not divide vocab_size={vocab_size}, and with "
+                       f"trainer_fsdp={fsdp} >= 3 the uneven vocabulary shards cannot be saved "
+                       "or resumed by torch.distributed.checkpoint",
+                       f"pick trainer_tp from {fits}, or a layout with trainer_fsdp <= 2")
 
     # ----- the rank map ------------------------------------------------------------------
     @property
@@ -193,8 +217,10 @@ def main(argv=None) -> int:
     t = a.world if a.mode == "colocated" else a.world - g
     try:
         if t < 1:
+            choice = (f"choose 1..{a.world - 1}" if a.world > 1 else
+                      "split mode needs --world 2 or more (a trainer rank and a generator rank)")
             raise ValueError(f"--generator-ranks {g} leaves no trainer ranks of --world {a.world}; "
-                             f"choose 1..{a.world - 1} (split mode) or --mode colocated")
+                             f"{choice}, or use --mode colocated")
         _check_divides(("--gen-tp", a.gen_tp, "generator", g), ("--trainer-tp", a.trainer_tp, "trainer", t))
         dims = ParallelDims(a.world, a.mode, g, a.gen_tp, g // a.gen_tp, t // a.trainer_tp, a.trainer_tp)
     except ValueError as e:

@@ -28,7 +28,8 @@ def _make(root, *names, finished=True):
 def test_latest_picks_highest_finished_step_never_tmp(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
-    _make(tmp_path, "step_000009", "step_000010", "step_000100.tmp", "step_000200.old", "other")
+    # a `.old` folder beside its step's own folder is the one being replaced: never taken
+    _make(tmp_path, "step_000009", "step_000010", "step_000010.old", "step_000100.tmp", "other")
     (tmp_path / "step_000300").write_text("a file, not a checkpoint")
     assert latest_checkpoint(tmp_path) == tmp_path / "step_000010"
     _make(tmp_path, "step_1234567")  # past the padding width: ordered by number, not by name
@@ -48,6 +49,68 @@ def test_prune_keeps_newest_and_leaves_tmp_alone(tmp_path):
     assert prune_checkpoints(tmp_path, keep_last=5) == []
     with pytest.raises(ValueError, match="keep_last must be an integer >= 1"):
         prune_checkpoints(tmp_path, keep_last=0)
+
+
+def test_prune_also_deletes_what_a_cut_off_replace_left_aside(tmp_path):
+    """A save of an existing step killed while it deleted the folder it moved aside left
+    `step_N.old` beside `step_N`; pruning step N left that copy behind for good."""
+    _make(tmp_path, "step_000002", "step_000003", "step_000004")
+    _make(tmp_path, "step_000002.old", finished=False)  # half deleted: its .metadata went first
+    assert prune_checkpoints(tmp_path, keep_last=2) == [tmp_path / "step_000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004"]
+
+
+def test_a_save_killed_between_its_renames_resumes_from_the_folder_moved_aside(tmp_path, monkeypatch,
+                                                                             capsys):
+    """Saving a step again moves the old folder to `step_N.old`, then renames `step_N.tmp` to
+    `step_N`. Killed in between, no `step_N` was left: 'auto' resumed from an earlier step (or
+    from scratch) and pruning kept no copy of step N. The complete `.old` folder stands for the
+    step, with a line saying so, until the step is saved again."""
+    import pathlib
+
+    from model import ModelArgs, Transformer
+    from parallel.checkpoint import complete_checkpoints, load_sharded, save_sharded
+    model = Transformer(ModelArgs())
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    model(torch.randint(0, 32, (1, 5))).sum().backward()
+    opt.step()
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    first_avg = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    _make(tmp_path, "step_000004")
+    path = checkpoint_dir(tmp_path, 5)
+    save_sharded(path, model, opt, extra={"v": 1})
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    rename = pathlib.Path.rename
+
+    def killed_after_moving_aside(self, target):
+        out = rename(self, target)
+        if pathlib.Path(target).name.endswith(".old"):
+            raise KeyboardInterrupt("killed between the renames")
+        return out
+    monkeypatch.setattr(pathlib.Path, "rename", killed_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded(path, model, opt, extra={"v": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004", "step_000005.old",
+                                                         "step_000005.tmp"]
+    aside = tmp_path / "step_000005.old"
+    assert latest_checkpoint(tmp_path) == aside
+    assert prune_checkpoints(tmp_path, keep_last=1) == [tmp_path / "step_000004"]
+    fresh = Transformer(ModelArgs())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), **ADAMW)
+    capsys.readouterr()
+    assert load_sharded(latest_checkpoint(tmp_path), fresh, fresh_opt) == {"v": 1}
+    assert "step_000005.old: the save that was replacing it was cut off" in capsys.readouterr().out
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, first[n]), n
+        assert torch.equal(fresh_opt.state[p]["exp_avg"], first_avg[n]), n
+    # the step saved again: its own folder, the copy aside deleted
+    save_sharded(path, model, opt, extra={"v": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005"]
+    assert complete_checkpoints(tmp_path) == [(5, path)]
+    assert load_sharded(path, fresh) == {"v": 2}
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
 
 
 def test_a_start_below_an_earlier_runs_checkpoints_is_refused(tmp_path):

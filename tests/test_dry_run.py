@@ -98,6 +98,23 @@ def test_dry_run_of_a_real_model_folder_runs_preflight(tmp_path, monkeypatch, ca
     assert "held-out eval" not in capsys.readouterr().out
 
 
+def test_dry_run_refuses_a_vocabulary_split_dcp_cannot_checkpoint(tmp_path, monkeypatch):
+    """trainer_tp not dividing the vocabulary at trainer_fsdp >= 3 failed at the first
+    checkpoint, after the steps trained (ParallelDims._check_vocab): the dry run and preflight
+    refuse it with the model's vocab_size."""
+    from model.hf_io import load_model_args
+    from tools.make_tiny_model import make_random_model
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = make_random_model(tmp_path / "model", hidden=32, layers=2)
+    vocab = load_model_args(model).vocab_size
+    assert vocab % 2, vocab
+    cfg = load_config("configs/tiny_cpu.toml", [f"--model.path={model}", f"--run.dir={tmp_path / 'run'}",
+                                                "--parallel.trainer_fsdp=3", "--parallel.trainer_tp=2",
+                                                "--parallel.generator_ranks=1"])
+    with pytest.raises(ValueError, match=rf"trainer_tp=2 does not divide vocab_size={vocab}"):
+        dry_run(cfg)
+
+
 def test_dry_run_rejects_heads_that_tp_cannot_split(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = load_config(CONFIG, ["--parallel.trainer_tp=16", "--parallel.trainer_fsdp=32"])

@@ -75,6 +75,26 @@ def test_strided_shard_is_fsdp2_storage():
                 assert (box.sizes, box.offsets) == (tuple(sizes), tuple(offsets))
 
 
+def test_dcp_offsets_of_uneven_strided_shards():
+    """Where torch's DTensor offsets (which torch.distributed.checkpoint writes and reads by) part
+    from FSDP2's storage of a strided shard: only where tp does not divide the dim and fsdp >= 3.
+    `ParallelDims._check_vocab` refuses exactly those trainer layouts for the vocabulary."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def torch_agrees(n, fs, tp):
+        pl, torch_pl = [("strided_shard", 0, tp), ("shard", 0)], [_StridedShard(0, split_factor=tp), Shard(0)]
+        for f, t in itertools.product(range(fs), range(tp)):
+            box = shard_box((n, 3), (fs, tp), pl, (f, t))
+            sizes, offsets = _compute_local_shape_and_global_offset((n, 3), (fs, tp), [f, t], torch_pl)
+            if box.sizes != tuple(sizes) or (box.sizes[0] and box.offsets != tuple(offsets)):
+                return False
+        return True
+    for n, fs, tp in itertools.product(range(1, 120), range(2, 5), range(2, 5)):
+        if fs == 2 or n % tp == 0:
+            assert torch_agrees(n, fs, tp), (n, fs, tp)
+    assert not torch_agrees(97, 3, 2)  # the tiny models' vocabulary on a 6-rank trainer
+
+
 def test_shard_box_rejects_bad_input():
     with pytest.raises(ValueError, match="placements"):
         shard_box((4,), (2, 2), [("shard", 0)], (0, 0))

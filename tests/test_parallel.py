@@ -62,6 +62,26 @@ def test_tp_must_divide_heads():
         dims.check_model(num_heads=8, num_kv_heads=4, intermediate_size=63)
 
 
+def test_an_uneven_vocab_split_under_fsdp3_is_refused():
+    """trainer_tp not dividing vocab_size with trainer_fsdp >= 3: FSDP2's chunks of the
+    vocab-sharded embeddings and lm_head are not where torch's DTensor offsets put them, and
+    torch.distributed.checkpoint failed every save and resume, after the steps trained so far
+    (`test_layout.py::test_dcp_offsets_of_uneven_strided_shards` shows where they part). fsdp=2
+    and even splits are fine."""
+    fsdp3 = ParallelDims(8, "split", 2, 1, 2, 3, 2)
+    fsdp3.check_model(num_heads=4, num_kv_heads=2, vocab_size=96)
+    fsdp3.check_model(num_heads=4, num_kv_heads=2)  # vocab not given: not checked
+    with pytest.raises(ValueError, match=r"trainer_tp=2 does not divide vocab_size=97, and with "
+                                         r"trainer_fsdp=3 >= 3 .*pick trainer_tp from \[1\], or a "
+                                         r"layout with trainer_fsdp <= 2"):
+        fsdp3.check_model(num_heads=4, num_kv_heads=2, vocab_size=97)
+    ParallelDims(6, "split", 2, 1, 2, 2, 2).check_model(num_heads=4, num_kv_heads=2, vocab_size=97)
+    # the degrees offered fit the heads, the vocabulary and the 9 trainer ranks (not 2)
+    with pytest.raises(ValueError, match=r"trainer_tp=3 does not divide vocab_size=98.*from \[1\],"):
+        ParallelDims(10, "split", 1, 1, 1, 3, 3).check_model(num_heads=6, num_kv_heads=6,
+                                                             vocab_size=98)
+
+
 def test_duplicate_gpu_in_one_mesh_is_refused_by_uuid():
     from parallel.mesh import check_no_duplicate_gpu
     # every task sees its own GPU as cuda:0 (SLURM --gpus-per-task=1): distinct UUIDs, accepted
@@ -82,6 +102,13 @@ def test_dry_run_cli_prints_rank_map(capsys):
     assert "trainer   mesh (fsdp=96, tp=8): [0..767]" in out
     assert "generator mesh (dp=32, tp=8): [768..1023]" in out
     assert main(["--world", "10", "--generator-ranks", "3", "--gen-tp", "2"]) == 2
+    capsys.readouterr()
+    # one rank: split mode has no valid --generator-ranks (it offered "choose 1..0")
+    assert main(["--world", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --generator-ranks 1 leaves no trainer ranks of --world 1; split mode needs "
+        "--world 2 or more (a trainer rank and a generator rank), or use --mode colocated\n")
+    assert main(["--world", "1", "--mode", "colocated"]) == 0
 
 
 # ----- sharded training vs a single process -------------------------------------------------

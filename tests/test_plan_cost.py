@@ -1,6 +1,7 @@
 """launch/cost_model.py against hand-computed cases, and launch/plan.py's search and TOML output."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -1052,7 +1053,8 @@ def test_plan_warns_when_the_profile_is_of_other_hardware(tmp_path, capsys):
 
 def test_placements_are_those_the_runtime_accepts():
     """The search proposed TP degrees that preflight refuses (ParallelDims.check_model): an
-    intermediate size the degree does not divide."""
+    intermediate size the degree does not divide; a trainer TP that does not divide the
+    vocabulary at trainer_fsdp >= 3 (DCP cannot checkpoint it)."""
     from launch.plan import placements, tp_degrees
     from parallel.dims import ParallelDims
     odd = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=90, num_layers=2,
@@ -1061,10 +1063,14 @@ def test_placements_are_those_the_runtime_accepts():
     qwen3 = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=8, num_kv_heads=4, qk_norm=True)
     assert tp_degrees(qwen3, 8) == [1, 2, 4]  # per-head q/k norms train under TP too
-    for args in (odd, qwen3):
+    odd_vocab = dataclasses.replace(qwen3, vocab_size=97)
+    for args in (odd, qwen3, odd_vocab):
+        layouts = set()
         for p in placements(args, 8, 8, 64):
             trainers = 8 - p.generator_ranks if p.mode == "split" else 8
             dims = ParallelDims(8, p.mode, p.generator_ranks, p.gen_tp, p.generator_ranks // p.gen_tp,
                                 trainers // p.trainer_tp, p.trainer_tp)
             dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
-                             args.intermediate_size)
+                             args.intermediate_size, args.vocab_size)
+            layouts.add((trainers // p.trainer_tp, p.trainer_tp))
+        assert ((3, 2) in layouts) == (args is not odd_vocab)  # 6 trainer ranks as fsdp 3 x tp 2
