@@ -76,7 +76,12 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
            "train_rl.py", "--config", CONFIG, *argv]
     print("== " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    rc = subprocess.run(cmd).returncode
+    if rc:  # train_rl.py has said why above; a traceback of this process would only bury it
+        resume = " ".join(a for a in argv if not a.startswith("--run.dir")) + f" --run.dir={cfg.run.dir}"
+        print(f"error: the RL run exited with {rc} (its output is above); to resume it: "
+              f"python launch/demo.py {resume.strip()}", file=sys.stderr, flush=True)
+        return rc
     after = held_out_accuracy(Path(cfg.run.dir) / "hf_final", cfg)
     minutes = (time.time() - t0) / 60
     print(f"== held-out greedy exact match: before {before:.3f} -> after {after:.3f} "

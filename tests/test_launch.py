@@ -414,6 +414,27 @@ def test_demo_reports_a_bad_override_in_one_line(capsys, monkeypatch):
     assert "takes --section.key=value overrides only" in capsys.readouterr().err
 
 
+def test_demo_ends_a_failed_rl_run_with_one_line_and_its_exit_code(capsys, monkeypatch):
+    """A failed torchrun ended `make demo` with a CalledProcessError traceback below the run's own
+    error; now one line with the exit code and the command that resumes the run."""
+    import subprocess
+    from launch import demo
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(demo, "held_out_accuracy", lambda folder, cfg: 0.25)
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 143)
+    monkeypatch.setattr(demo.subprocess, "run", run)
+    monkeypatch.setattr(demo.Path, "is_file", lambda self: True)  # the tiny model "exists"
+    assert demo.main(["--trainer.max_steps=3", "--run.dir=runs/x"]) == 143
+    err = capsys.readouterr().err
+    assert err == ("error: the RL run exited with 143 (its output is above); to resume it: "
+                   "python launch/demo.py --trainer.max_steps=3 --run.dir=runs/x\n")
+    assert len(calls) == 1 and "train_rl.py" in calls[0]
+
+
 @pytest.mark.parametrize("config_text, env, name", [
     ('[run]\nname = "mine"\n', {}, "mine"),              # the config's name, as torchrun would use it
     ("[trainer]\nlr = 1e-6\n", {}, "own_1234"),           # none in the config: file name + job id
