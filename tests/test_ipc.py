@@ -158,6 +158,47 @@ def test_versions_arrive_bitwise_and_apply_is_atomic(direct):
     sender.close()
 
 
+@pytest.mark.parametrize("buffers,direct", [(1, False), (2, False), (1, True), (0, False),
+                                            (0, True)])
+def test_no_message_before_its_copy_is_done(buffers, direct):
+    """What the CUDA path relies on: a slot is announced only once filled, and released (acked)
+    only once copied out of. CPU copies are synchronous, so the other order (ack, then copy)
+    passed every other test here, fast and slow; on a GPU the trainer would refill the slot
+    while the generator still copied it. Here each peer acts the moment it is told: the
+    generator reads a slot when it is announced, the trainer overwrites it (zero copy: its
+    parameters) when it is acked."""
+    trainer, gen, sender, recv = _pair(buffers=buffers, direct=direct)
+    announced = {}
+    publish, ack = sender.control.publish_ready, recv.control.ack
+
+    def publish_and_read(s, d, version, slot):
+        publish(s, d, version, slot)
+        if not sender.zero_copy:
+            announced[version] = (slot, sender.staging[d][slot].clone())
+
+    def ack_and_overwrite(s, d, slot, version):
+        ack(s, d, slot, version)
+        for t in sender.tensors.values() if sender.zero_copy else [sender.staging[d][slot]]:
+            t.fill_(float("nan"))  # the trainer's next fill (zero copy: update) may start now
+
+    sender.control.publish_ready, recv.control.ack = publish_and_read, ack_and_overwrite
+    g = torch.Generator().manual_seed(7)
+    for v in (1, 2, 3):
+        with torch.no_grad():
+            for prm in trainer.parameters():
+                prm.copy_(torch.randn(prm.shape, generator=g))
+        want = {n: prm.detach().to(torch.bfloat16) for n, prm in trainer.named_parameters()}
+        sender.push(v)
+        if not sender.zero_copy:
+            sender.wait_sent()
+            slot, seen = announced[v]
+            assert torch.equal(seen, sender.staging[9][slot]), v  # announced after the fill
+        recv.receive(v)()
+        sender.wait_sent()
+        assert all(torch.equal(gen.get_parameter(n), t) for n, t in want.items()), v
+    sender.close()
+
+
 def test_handles_are_exported_and_mapped_once():
     trainer, gen, sender, recv = _pair(buffers=2)
     ptrs = [b.data_ptr() for b in sender.staging[9]]
@@ -295,6 +336,73 @@ def test_close_waits_for_the_last_ack():
         sender.close()
     recv.receive(1)
     sender.close()
+
+
+@pytest.mark.parametrize("buffers", [0, 1])
+def test_close_after_a_failed_wait_does_not_wait_again(buffers):
+    """A generator that missed its deadline already had its timeout: a cleanup's close() sat
+    out another whole timeout_s and raised the same TimeoutError again. A later version that
+    goes through makes close() wait for its ack as before."""
+    _, _, sender, recv = _pair(buffers=buffers, timeout_s=0.3)
+    sender.push(1)
+    if buffers:  # one buffer: v2 waits for v1's ack
+        sender.wait_sent()
+        sender.push(2)
+    with pytest.raises(TimeoutError, match="not acked weights version 1"):
+        sender.wait_sent()
+    sender.close()  # returns at once
+    recv.receive(1)()
+    sender.push(2)  # the generator is back: this version's waits count again
+    with pytest.raises(TimeoutError, match="not acked weights version 2"):
+        sender.close()
+
+
+def test_a_stuck_staging_thread_times_out_with_a_watch(monkeypatch):
+    """A fill that never finishes (e.g. behind a GPU stream that hangs) is outside the thread's
+    polls: without a watch, wait_sent's join gave up after timeout_s plus its grace; with one
+    (the trainer's first rank), its watch loop waited for ever."""
+    import threading
+    from weights_sync.ipc import watch_link
+    _, _, sender, _ = _pair(buffers=1, timeout_s=0.2)
+    monkeypatch.setattr(sender._inflight, "JOIN_GRACE_S", 0.1)
+    release = threading.Event()
+    monkeypatch.setattr(sender.memory, "run", lambda fn, after: release.wait(60))
+    watch_link(sender, FakeLink(0))
+    sender.push(1)
+    done = concurrent.futures.ThreadPoolExecutor(1).submit(sender.wait_sent)
+    try:
+        with pytest.raises(TimeoutError, match=r"weights version 1: trainer rank 0 has not staged "
+                                               r"it for generator ranks \[9\] \(CUDA IPC\)"):
+            done.result(timeout=30)
+    finally:
+        release.set()
+
+
+def test_a_failed_receive_leaves_no_earlier_apply_to_run():
+    """Two sources, staged: receive(2) copied trainer rank 0's part of v2 into the staging, then
+    timed out on rank 1. The v1 apply() still held by the caller installed rank 0's v2 rows with
+    rank 1's v1 rows under version 1; it is refused, as after a completed later receive()."""
+    p, store = _toy_plan(n_src=2), dist.HashStore()
+    halves = [Toy(3, seed=5), Toy(3, seed=6)]
+    with torch.no_grad():
+        halves[1].b.copy_(halves[0].b)  # b is replicated on the trainer
+    gen = Toy(6, torch.bfloat16, seed=4)
+    senders = [IpcSender(h, p, r, torch.bfloat16, 0.3, buffers=2, store=store)
+               for r, h in enumerate(halves)]
+    recv = IpcReceiver(gen, p, 9, 0.3, store=store)
+    for s in senders:
+        s.push(1)
+    apply1 = recv.receive(1)
+    for h in halves:
+        _bump(h, 100)
+    senders[0].push(2)
+    senders[0].wait_sent()
+    with pytest.raises(TimeoutError, match=r"version 2 from trainer rank\(s\) \[1\]"):
+        recv.receive(2)
+    before = {n: x.detach().clone() for n, x in gen.named_parameters()}
+    with pytest.raises(RuntimeError, match="apply before receiving again"):
+        apply1()
+    assert all(torch.equal(before[n], x) for n, x in gen.named_parameters())
 
 
 def test_dtype_mismatch_is_a_value_error():

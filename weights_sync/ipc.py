@@ -363,6 +363,8 @@ class IpcSender:
         self._done.set()
         self._abandon = threading.Event()  # wait_sent() gave that version up (its watch raised)
         self._waiting = ""  # what the staging thread waits for now: the watch's error names it
+        # a wait on the generators failed since the last push: close() waits no more
+        self._failed = False
 
     def _handles(self, d: int) -> dict:
         if self.zero_copy:  # export (on CPU: move into shared memory) before any view is taken
@@ -379,6 +381,7 @@ class IpcSender:
     def push(self, version: int) -> None:
         """Start staging `version` in the background; returns at once."""
         self.wait_sent()
+        self._failed = False  # this version's waits say whether the generators still fail
         after = self.memory.marker()  # the fill waits for the caller's queued updates
         self._done.clear()
         try:
@@ -390,21 +393,33 @@ class IpcSender:
     def wait_sent(self) -> None:
         """Block until the version in flight is staged (zero copy: read by every peer): the
         parameters may change after this."""
-        self._watch_inflight()
-        self._join()
+        try:
+            self._watch_inflight()
+            self._join()
+        except BaseException:
+            self._failed = True
+            raise
 
     def _join(self) -> None:
         # the thread's own waits time out first (join adds a grace), naming the peer and version
-        self._inflight.join(self.timeout_s, f"trainer rank {self.rank} has not staged it for "
-                                            f"generator ranks {sorted(self.peers)} (CUDA IPC)")
+        self._inflight.join(self.timeout_s, self._not_staged())
+
+    def _not_staged(self) -> str:
+        return (f"trainer rank {self.rank} has not staged it for generator ranks "
+                f"{sorted(self.peers)} (CUDA IPC)")
 
     def _watch_inflight(self) -> None:
         """With a `watch`: wait for the staging thread in slices and run the watch between them.
         Once it raises, the thread is abandoned (it stops at its next poll rather than sitting
         out its deadline, so no store call of it outlives this one) and the watch's error goes
-        up: the generator's cause says more than whatever the thread failed of meanwhile."""
+        up: the generator's cause says more than whatever the thread failed of meanwhile.
+        The slices end where `_join` gives up (the thread's deadline plus the join's grace): a
+        thread stuck outside its polls (a fill behind a GPU stream that never finishes) kept
+        this loop, and so the trainer, waiting for ever where `_join` alone raised."""
         if self.watch is None:
             return
+        budget = self.timeout_s + self._inflight.JOIN_GRACE_S
+        end = time.monotonic() + budget
         while not self._done.wait(WATCH_EVERY_S):
             try:
                 self.watch(self._waiting)
@@ -417,6 +432,9 @@ class IpcSender:
                 finally:
                     self._abandon.clear()
                 raise
+            if time.monotonic() > end:  # as `_join` would say (the watch first: its cause wins)
+                raise TimeoutError(f"weights version {self._inflight.version}: "
+                                   f"{self._not_staged()} after {budget:.0f}s")
 
     def _abandoned(self) -> None:
         """The staging thread's watch: ends its wait once `wait_sent()` gave the version up."""
@@ -478,13 +496,23 @@ class IpcSender:
                    watch=watch)
 
     def close(self) -> None:
-        """Wait until every staged version was copied out, so the buffers can be freed."""
+        """Wait until every staged version was copied out, so the buffers can be freed. After a
+        failed wait on the generators (one missed its deadline or shut down), close() waits no
+        more: that generator already had its timeout, and the caller is handling the error (a
+        cleanup's close() held the failing trainer for another whole timeout_s, then raised the
+        same error again)."""
+        if self._failed:
+            return
         self.wait_sent()
         deadline = time.monotonic() + self.timeout_s
-        for d, slots in self.held.items():
-            for k in range(len(slots)):
-                self._wait_released(d, k, deadline, self._watch_here)
-                slots[k] = None
+        try:
+            for d, slots in self.held.items():
+                for k in range(len(slots)):
+                    self._wait_released(d, k, deadline, self._watch_here)
+                    slots[k] = None
+        except BaseException:
+            self._failed = True
+            raise
 
 
 class IpcReceiver:
@@ -590,6 +618,8 @@ class IpcReceiver:
             self._open(s, deadline)
         slots: dict[int, int] = {}
         pending = list(self.peers)
+        if not self.direct:  # the staging is about to be refilled, maybe only in part (a timeout):
+            self.staged_version = None  # no earlier apply() may install it (staged_apply)
 
         def step():  # take whichever sources are ready, in any order
             for s in list(pending):
