@@ -400,9 +400,31 @@ def test_a_failed_receive_leaves_no_earlier_apply_to_run():
     with pytest.raises(TimeoutError, match=r"version 2 from trainer rank\(s\) \[1\]"):
         recv.receive(2)
     before = {n: x.detach().clone() for n, x in gen.named_parameters()}
-    with pytest.raises(RuntimeError, match="apply before receiving again"):
+    with pytest.raises(RuntimeError, match=r"apply\(\) of weights version 1 after a later "
+                                           r"receive\(\) began refilling the staging and did not "
+                                           r"complete; apply before receiving again"):
         apply1()
     assert all(torch.equal(before[n], x) for n, x in gen.named_parameters())
+
+
+def test_a_multi_senders_close_closes_every_part_then_raises_the_first_error():
+    """MultiSender.close stopped at the first part that raised: the IPC part's failure left the
+    point-to-point part's sends unwaited."""
+    closed = []
+
+    class Part:
+        def __init__(self, name, error=None):
+            self.name, self.error = name, error
+
+        def close(self):
+            closed.append(self.name)
+            if self.error:
+                raise self.error
+    sender = MultiSender.__new__(MultiSender)
+    sender.parts = [Part("ipc", TimeoutError("ipc part")), Part("p2p", RuntimeError("p2p part"))]
+    with pytest.raises(TimeoutError, match="ipc part"):
+        sender.close()
+    assert closed == ["ipc", "p2p"]
 
 
 def test_dtype_mismatch_is_a_value_error():

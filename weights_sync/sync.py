@@ -296,9 +296,11 @@ def staged_apply(receiver, version: int):
     receiver refuses it."""
     def apply() -> None:
         if receiver.staged_version != version:
+            later = receiver.staged_version
+            what = (f"receive() of version {later} refilled the staging" if later is not None else
+                    "a later receive() began refilling the staging and did not complete")
             raise RuntimeError(f"generator rank {receiver.rank}: apply() of weights version "
-                               f"{version} after receive() of version {receiver.staged_version} "
-                               "refilled the staging; apply before receiving again")
+                               f"{version} after {what}; apply before receiving again")
         receiver._apply()
     return apply
 
@@ -426,8 +428,16 @@ class MultiSender:
             p.wait_sent()
 
     def close(self) -> None:
+        """Close every part, then raise the first part's error: one part's failure left the
+        others unclosed (their waits for the generators not made)."""
+        first = None
         for p in self.parts:
-            p.close()
+            try:
+                p.close()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     @property
     def staging_bytes(self) -> int:
