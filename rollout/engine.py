@@ -513,15 +513,26 @@ class Engine:
         self._copies.invalidate()
 
     def add_requests(self, requests: Sequence[Request]) -> None:
-        """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate,
-        and then queues none of them."""
+        """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate
+        or holds an id outside the model's vocabulary, and then queues none of them."""
+        vocab = self.model.args.vocab_size
         for r in requests:
             n_prompt = len(r.prompt_ids)
-            if not 1 <= n_prompt <= self.max_len - 1:
+            if n_prompt == 0:
+                raise ValueError(f"request {r.request_id!r}: the prompt is empty; give at least "
+                                 "one token (a chat template's or the tokenizer's BOS)")
+            if n_prompt > self.max_len - 1:
                 raise ValueError(
                     f"request {r.request_id!r}: prompt has {n_prompt} tokens; the engine's "
                     f"max_len={self.max_len} allows 1..{self.max_len - 1} (room for >= 1 new token); "
                     "filter long prompts in the data layer or raise max_len")
+            # checked here: in the prefill it is an IndexError on CPU (that left the request's
+            # slots taken: every later generate() spun forever) and a device assert on CUDA
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+                bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
+                raise ValueError(
+                    f"request {r.request_id!r}: prompt ids {bad[:5]} are outside the model's "
+                    f"vocabulary [0, {vocab}); encode prompts with the model's own tokenizer")
         now = time.perf_counter()
         for r in requests:
             seed = r.params.seed

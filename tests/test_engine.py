@@ -98,7 +98,10 @@ def test_bf16_logp_equals_trainer_forward_on_cpu(folders, family):
     """A bf16 model on CPU: mu equals the trainer's `token_logprobs` of a full bf16 forward of
     the same weights within 1e-5. The engine's cache is fp32 there (`cache_dtype`), so decode
     attention computes in fp32 like the full forward's CPU attention; a bf16 cache rounds scores
-    and softmax to bf16 and was 4.5e-3 off (llama3; 5.5e-3 qwen2)."""
+    and softmax to bf16 and was 4.5e-3 off (llama3; 5.5e-3 qwen2). Within 1e-5 on these
+    inputs, not on all: a key projected for one token in decode and in the full forward's larger
+    matmul may round to another bf16 value, and the tokens after it then differ by ~2e-3 (seen
+    with llama3 and qwen3 over 40 new tokens; the fp32 parity, the acceptance's, has no such flip)."""
     from model.kv_cache import cache_dtype
     from rollout import packed_linear
     from trainer.losses import token_logprobs
@@ -437,6 +440,24 @@ def test_stop_tokens_max_new_tokens_and_max_len(folders):
     twin.generate([Request("x", p, sp)])
     again = Request("b", p[:5], SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True))
     assert engine.generate([again])[0].completion_ids == twin.generate([again])[0].completion_ids
+
+
+def test_empty_prompts_and_ids_outside_the_vocabulary_are_refused(folders):
+    """An id the embedding cannot look up is a ValueError naming it, with nothing queued: in the
+    prefill it was an IndexError that left the request's slots taken, so that the next
+    generate() spun forever (and on CUDA a device-side assert)."""
+    model = load(folders)
+    engine = Engine(model, num_slots=2, max_len=16)
+    sp = SamplingParams(max_new_tokens=3, greedy=True, ignore_eos=True)
+    for bad, named in (([1, 2, tiny.VOCAB], tiny.VOCAB), ([-1, 4], -1)):
+        with pytest.raises(ValueError, match=rf"request 'bad': prompt ids \[{named}\] are outside "
+                                             rf"the model's vocabulary \[0, {tiny.VOCAB}\)"):
+            engine.generate([Request("ok", [1, 2, 3], sp), Request("bad", bad, sp)])
+        assert not engine.has_work()
+    with pytest.raises(ValueError, match="request 'empty': the prompt is empty"):
+        engine.add_requests([Request("empty", [], sp)])  # (it was told to filter long prompts)
+    ok = engine.generate([Request("ok", [1, 2, tiny.VOCAB - 1], sp)])[0]
+    assert len(ok.completion_ids) == 3
 
 
 def test_n_samples_share_one_prefill_and_differ(folders):
