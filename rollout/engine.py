@@ -56,7 +56,7 @@ Sampling and mu conventions: rollout/sampling.py.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -563,8 +563,13 @@ class Engine:
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Run until every request is done; completions in request order, then sample order.
         Completions of other requests finished meanwhile stay for `poll_finished`."""
+        rank = {r.request_id: i for i, r in enumerate(requests)}
+        if len(rank) < len(requests):  # their completions would be sorted under one rank
+            counts = Counter(r.request_id for r in requests)
+            dup = [repr(i) for i, n in counts.items() if n > 1]
+            raise ValueError(f"generate() got request ids {', '.join(dup)} more than once; give "
+                             "each request its own id (n samples of a prompt: SamplingParams.n)")
         self.add_requests(requests)
-        rank = {r.request_id: i for i, r in enumerate(requests)}  # request ids must be unique
         mine, others = [], []
         while self.has_work():
             self.step()

@@ -458,6 +458,10 @@ def test_empty_prompts_and_ids_outside_the_vocabulary_are_refused(folders):
         engine.add_requests([Request("empty", [], sp)])  # (it was told to filter long prompts)
     ok = engine.generate([Request("ok", [1, 2, tiny.VOCAB - 1], sp)])[0]
     assert len(ok.completion_ids) == 3
+    # one id twice: generate() sorted both requests' completions under one rank
+    with pytest.raises(ValueError, match=r"request ids 'a' more than once.*SamplingParams.n"):
+        engine.generate([Request("a", [1, 2], sp), Request("b", [3], sp), Request("a", [4], sp)])
+    assert not engine.has_work()
 
 
 def test_n_samples_share_one_prefill_and_differ(folders):
