@@ -46,11 +46,11 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 @dataclass
 class ModelConfig:
     """Which weights to load and how to run them."""
-    path: str = _f("", "Hugging Face model folder (config.json + safetensors); '' = none.")
+    path: str = _f("", "Hugging Face model folder (config.json + safetensors); required: a run refuses the default '' at start-up. A dry run also takes 'preset:<name>', a model shape of launch/plan.py's PRESETS (e.g. 'preset:llama3-8b').")
     dtype: Dtype = _f("float32", "Dtype of the trainer's parameters (the master copy).")
     gen_dtype: Dtype = _f("float32", "Dtype of the generator's weights copy, e.g. 'bfloat16'.")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Dtype the trainer computes in (its parameters stay model.dtype): 'auto' = bfloat16 on CUDA, model.dtype on CPU; 'bfloat16' on CPU pays off with AMX (a tiny Llama's train step 1.5x faster, BENCHMARKS.md). With FSDP it is FSDP's param dtype, on one rank an autocast.")
-    attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "The trainer's attention over packed sequences: 'auto' = flash-attn (varlen) on CUDA in fp16/bf16 where importable, else SDPA per sequence; 'flash' fails at start-up where flash-attn or CUDA is missing. The generator's KV-cache attention does not use it.")
+    attn_backend: Literal["auto", "sdpa", "flash"] = _f("auto", "The trainer's attention over packed sequences: 'auto' = flash-attn (varlen) on CUDA in fp16/bf16 where importable, else SDPA per sequence; 'flash' fails at start-up where flash-attn or CUDA is missing, or where the trainer computes in fp32 (model.compute_dtype). The generator's KV-cache attention does not use it.")
     ref_path: str = _f("", "Reference model folder for the KL penalty (used when algo.kl_coef > 0); '' = the starting policy, model.path.")
 
 
@@ -70,19 +70,20 @@ class ParallelConfig:
     ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC), or on the same host's CPUs (cpu_shm): staging buffers per pair (split mode; colocated mode reshards over gloo/NCCL point-to-point). 0 = zero copy: the generator applies straight from the trainer's shards (no staging memory on either side, fastest; the trainer's next update waits until the generator has applied the version); 2 = double buffering.", ge=0)
     cpu_shm: bool = _f(True, "Weight sync between CPU ranks on the same host through a shared-memory file (the protocol of ipc_buffers) instead of gloo over TCP loopback (split mode; colocated mode reshards over gloo). false = gloo, e.g. for containers on one host that do not share /dev/shm.")
     timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds (a weight version's transfer to or from all of a rank's peers shares one; ranks waiting for their mesh leader's decisions wait twice as long, so that the leader's error reaches them first); also how long a rank that got SIGTERM waits for the run to stop at a step boundary before it exits (launch/preemption.py).", gt=0)
-    warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile; the generators wait for that step's weights as long), and for the end (the final evaluation and export), in seconds.", gt=0)
+    warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile; the generators wait for that step's weights as long), and for the end (the final evaluation and export), in seconds; those waits take the longer of this and timeout_s.", gt=0)
 
 
 @dataclass
 class GeneratorConfig:
     """Rollout engine and sampling."""
     num_slots: int = _f(16, "Concurrent sequences per generator replica (KV-cache slots). On CUDA "
-                        "every decode step computes all of them, filled or not (one CUDA graph per "
-                        "shape); on CPU only the filled ones. More than the replica's sequences per "
-                        "step (prompts_per_step / gen_dp x n_samples) costs cache memory, and on "
-                        "CUDA compute.", ge=1)
+                        "and in the compiled step (generator.decode='compile') every decode step "
+                        "computes all of them, filled or not (one CUDA graph or compilation per "
+                        "shape); eager decode on CPU computes only the filled ones. More than the "
+                        "replica's sequences per step (prompts_per_step / gen_dp x n_samples) costs "
+                        "cache memory, and compute where all are computed.", ge=1)
     max_new_tokens: int = _f(32, "Maximum tokens generated per completion.", ge=1)
-    temperature: float = _f(1.0, "Sampling temperature (ignored when greedy).", ge=0)
+    temperature: float = _f(1.0, "Sampling temperature; 0 = greedy. With greedy decoding it picks no token, but the log-probs recorded (mu) and the trainer's are still taken at it (at 1 where it is 0).", ge=0)
     top_p: float = _f(1.0, "Nucleus sampling mass, in (0, 1]; 1 = off.", gt=0, le=1)
     top_k: int = _f(0, "Sample from the k most likely tokens; 0 = off.", ge=0)
     greedy: bool = _f(False, "Argmax decoding (evaluation / debugging; no exploration).")
@@ -91,9 +92,9 @@ class GeneratorConfig:
     seed: int = _f(0, "Sampling seed (offset by generator replica).")
     kv_policy: Literal["recompute", "keep"] = _f("keep", "On a weights update: 'keep' in-flight KV caches, or 'recompute' them with the new weights.")
     ignore_eos: bool = _f(False, "Generate exactly max_new_tokens (no EOS id stops, generation_config.json's included; stop_token_ids still do); for benchmarks with fixed lengths.")
-    pack_weights: Literal["auto", "on", "off"] = _f("auto", "CPU engine: run the large fp32 linears on oneDNN-prepacked weights. 'auto' times a decode forward both ways at start-up and keeps the faster (it depends on the CPU; logged); 'on'/'off' pin it, e.g. for bitwise-repeatable runs (the two differ by fp32 rounding).")
+    pack_weights: Literal["auto", "on", "off"] = _f("auto", "CPU engine with eager decode: run the large fp32 linears (and bf16 ones, where the CPU has oneDNN's bf16 kernels) on oneDNN-prepacked weights; the compiled step (generator.decode='compile') packs its own, and CUDA none, so 'on' fails there when the generator builds its engine. 'auto' times a decode forward both ways at start-up and keeps the faster (it depends on the CPU; logged); 'on'/'off' pin it, e.g. for bitwise-repeatable runs (the two differ by fp32 rounding).")
     decode: Literal["auto", "eager", "cudagraph", "compile"] = _f("auto", "Decode step: 'auto' = a replayed CUDA graph on CUDA (23.0k tok/s for the 1.1B shape on an H200, 5.7x eager), eager on CPU; 'compile' = torch.compile of the step (+ a CUDA graph on CUDA): it costs a start-up compilation (20-40 s) and fuses the step's small ops: 36.7k tok/s on the H200 with FlexAttention (BENCHMARKS.md, 'GPU'); on CPU 1.3-1.9x faster than eager for small models (vs_trl's generator: 1.93x in bf16, 1.34x in fp32) and about even (0.98-1.05x) at rollout_vs_hf's fp32 model (BENCHMARKS.md, 'Generation').")
-    stack_weights: Literal["auto", "all", "qkv", "off"] = _f("auto", "One matmul over each layer's stacked q|k|v weights, and one over gate|up, instead of one a projection (the compiled step of a 4-layer model on CPU: 0.93x the time for q|k|v, 0.97-0.98x more for gate|up). The stacked copies cost memory beside the model's own, mostly gate|up's (2 x hidden x intermediate a layer: 1.07 GB for the 1.1B shape in bf16, 7.5 GB for Llama-3-8B). 'auto' = on CUDA and in the compiled step on CPU, q|k|v, and gate|up while its copies take at most 2 GiB; 'all' = both (not with parallel.gen_tp > 1: tensor-parallel shards are not stacked); 'qkv' = q|k|v only; 'off' = neither. The planner counts the choice.")
+    stack_weights: Literal["auto", "all", "qkv", "off"] = _f("auto", "One matmul over each layer's stacked q|k|v weights, and one over gate|up, instead of one a projection (the compiled step of a 4-layer model on CPU: 0.93x the time for q|k|v, 0.97-0.98x more for gate|up). The stacked copies cost memory beside the model's own, mostly gate|up's (2 x hidden x intermediate a layer: 1.07 GB for the 1.1B shape in bf16, 7.5 GB for Llama-3-8B). 'auto' = on CUDA and in the compiled step on CPU, q|k|v, and gate|up while its copies take at most 2 GiB; 'all' = both, wherever (eager CPU too; not with parallel.gen_tp > 1: tensor-parallel shards are not stacked); 'qkv' = q|k|v only, where 'auto' stacks (CUDA, the compiled step on CPU; the eager CPU step stacks nothing); 'off' = neither. The planner counts the choice.")
     decode_attention: Literal["auto", "sdpa", "matmul", "flex"] = _f("auto", "Attention over the KV cache in decode: 'auto' = 'flex' (FlexAttention, reading each row's cache up to its length) for the compiled step on CUDA, 'sdpa' for the CUDA graph, 'matmul' on CPU. 'flex' needs generator.decode='compile'.")
 
 
@@ -115,7 +116,7 @@ class TrainerConfig:
     min_lr_ratio: float = _f(0.1, "Cosine schedule floor, as a fraction of lr.", ge=0, le=1)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 = off.", ge=0)
     seed: int = _f(0, "Seed for model init and trainer-side randomness.")
-    max_nonfinite_steps: int = _f(3, "Abort after this many consecutive steps with a non-finite loss/grad (they are skipped).", ge=0)
+    max_nonfinite_steps: int = _f(3, "Abort after this many consecutive steps with a non-finite loss/grad (they are skipped); 0 and 1 both abort at the first.", ge=0)
 
 
 @dataclass
@@ -123,9 +124,9 @@ class AlgoConfig:
     """RL objective, advantages and the off-policy buffer."""
     loss: Literal["aipo", "ppo", "decoupled_ppo"] = _f("aipo", "Policy loss: AIPO truncated IS, PPO-clip, or decoupled PPO.")
     rho: float = _f(4.0, "AIPO truncation of the IS ratio pi/mu: min(pi/mu, rho).", ge=1)
-    clip_eps: float = _f(0.2, "PPO clip range epsilon (decoupled PPO: acts from a step's second update on, so it is inert with trainer.updates_per_step=1; trainer/losses.decoupled_ppo_loss).", gt=0)
+    clip_eps: float = _f(0.2, "PPO clip range epsilon: around the generator's mu for algo.loss='ppo' with algo.token_is='none'; around the policy before the step's first update (pi_prox) for decoupled PPO and for PPO with algo.token_is, where it acts from a step's second update on, so it is inert with trainer.updates_per_step=1 (trainer/step._loss).", gt=0)
     dual_clip_c: float = _f(0.0, "Dual clip of PPO and decoupled PPO (Ye et al. 2020; verl's clip_ratio_c, 3 there): a token with advantage A < 0 has a surrogate of at least c*A, so a ratio above c gives it no gradient instead of one growing with the ratio. 0 = off, the references' PPO and decoupled PPO (AReaL); otherwise more than 1 + clip_eps. Not with algo.loss='aipo', whose weight is capped at rho.", ge=0)
-    prox_cap: float = _f(5.0, "Decoupled PPO: cap on the behaviour-to-proximal IS weight.", ge=1)
+    prox_cap: float = _f(5.0, "Decoupled PPO: tokens whose behaviour-to-proximal IS weight pi_prox/mu exceeds this are dropped from the loss, not truncated to it; they still count in its normalisation (trainer/losses.decoupled_ppo_loss).", ge=1)
     advantage: Literal["group_mean", "grpo", "rloo"] = _f("group_mean", "Baseline: group mean, GRPO (mean/std), or leave-one-out.")
     max_staleness: int = _f(1, "eta: max policy versions a sample may lag; 0 = synchronous on-policy. Split mode only: parallel.mode=colocated is on-policy whatever this says (each step generates with the weights it trains).", ge=0)
     buffer_capacity: int = _f(0, "Off-policy buffer size in samples; 0 = derived: prompts_per_step * n_samples * (max_staleness + 1), also the least split mode accepts (what the generators may deliver before the trainer takes a batch; colocated: one step).", ge=0)
@@ -145,10 +146,10 @@ class DataConfig:
     answer_field: str = _f("answer", "Column holding the reference answer given to the reward.")
     chat_template: bool = _f(False, "Render prompts with the tokenizer's chat template.")
     max_prompt_len: int = _f(256, "Prompts longer than this many tokens are dropped.", ge=1)
-    num_prompts: int = _f(0, "Use the first N prompts; 0 = all (synthetic: its default size).", ge=0)
+    num_prompts: int = _f(0, "Use the first N prompts; 0 = all of a file, 10000 items of a synthetic task, 1000 of a reasoning_gym task.", ge=0)
     seed: int = _f(0, "Shuffle / synthetic generation seed.")
     shuffle: bool = _f(True, "Shuffle prompts each epoch.")
-    synthetic_digits: int = _f(2, "Digits per operand of synthetic arithmetic tasks.", ge=1)
+    synthetic_digits: int = _f(2, "Digits of a synthetic task's items: each operand's for synthetic:addition, the string's length for synthetic:reverse (in place of the task's own default, 4).", ge=1)
     task_options: dict = _f({}, "Options of a synthetic or reasoning_gym task, as a TOML table "
                                 "(on the command line a JSON object), e.g. {digits = 1} for "
                                 "synthetic:addition (it overrides synthetic_digits); a "
@@ -197,7 +198,7 @@ class RunConfig:
     name: str = _f("tandem", "Run name.")
     dir: str = _f("", "Run directory; '' = derived: runs/<name>.")
     seed: int = _f(0, "Global seed, added to data.seed, generator.seed and trainer.seed when the config is resolved (a seed sweep varies this one key); the run's saved config.toml holds the sums and run.seed = 0.")
-    dry_run: bool = _f(False, "Build everything, print the plan, and exit before training.")
+    dry_run: bool = _f(False, "Validate the config, print the rank map, the weight-sync plan and the memory per rank, and exit: no process group is created and no model is built (what --dry-run sets; launch/dry_run.py).")
 
 
 @dataclass

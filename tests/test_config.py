@@ -644,3 +644,197 @@ def test_dual_clip_is_off_by_default_and_checked_against_the_loss_and_clip_eps()
     load_config(None, ["--algo.loss=ppo", "--algo.dual_clip_c=1.2", "--algo.clip_eps=0.1"])
     with pytest.raises(ConfigError, match=r"algo.dual_clip_c=-1.0 is invalid: it must be >= 0"):
         load_config(None, ["--algo.loss=ppo", "--algo.dual_clip_c=-1"])
+
+
+# ---- help strings checked against what the code does ----------------------------------------------
+
+def test_model_path_help_says_a_run_needs_one_and_a_dry_run_takes_a_preset():
+    """The help said "'' = none", but every run refuses an empty model.path at start-up; a dry
+    run takes a shape preset instead, which the help did not say."""
+    from launch.dry_run import model_shape
+    from launch.preflight import _check_model_folder
+    text = _help("model.path")
+    assert "'' = none" not in text and "refuses the default ''" in text
+    with pytest.raises(ConfigError, match="model.path is empty"):
+        _check_model_folder(Config())
+    preset = re.search(r"e\.g\. '(preset:[\w.-]+)'", text).group(1)
+    args, is_preset = model_shape(load_config(None, [f"--model.path={preset}"]))
+    assert is_preset and args.num_layers > 0
+
+
+def test_attn_backend_help_names_every_reason_flash_is_refused():
+    """'flash' is refused in fp32 too (flash-attn runs in fp16/bf16 only); the help named only
+    a missing flash-attn or CUDA."""
+    import torch
+    from model.attention import check_backend
+    with pytest.raises(ValueError, match="compute dtype float32"):
+        check_backend("flash", "cuda", torch.float32)
+    assert "fp32 (model.compute_dtype)" in _help("model.attn_backend")
+
+
+def test_synthetic_digits_help_names_every_synthetic_task_it_sets():
+    """data.synthetic_digits sets every synthetic task's `digits` (synthetic:reverse's string
+    length too, in place of its own default 4); the help said "of synthetic arithmetic tasks"."""
+    from rollout.data import load_prompts, task_options
+    from rollout.tasks import TASKS
+    for name in TASKS:
+        cfg = load_config(None, [f"--data.source=synthetic:{name}", "--data.synthetic_digits=6"])
+        assert task_options(cfg.data) == {"digits": 6}
+        assert load_prompts(cfg.data.source, num_prompts=1, **task_options(cfg.data))
+        assert f"synthetic:{name}" in _help("data.synthetic_digits"), name
+    reverse = load_prompts("synthetic:reverse", num_prompts=1, **task_options(
+        load_config(None, ["--data.source=synthetic:reverse"]).data))[0]
+    assert len(reverse.answer) == C.DataConfig().synthetic_digits == 2  # not ReverseTask's 4
+
+
+def test_num_prompts_help_gives_each_sources_size_at_0():
+    """data.num_prompts=0 loads 10000 items of a synthetic task and 1000 of a reasoning_gym one;
+    the help said "all (synthetic: its default size)"."""
+    from rollout.data import REASONING_GYM_DEFAULT_SIZE, SYNTHETIC_DEFAULT_SIZE, load_prompts
+    text = _help("data.num_prompts")
+    assert f"{SYNTHETIC_DEFAULT_SIZE} items of a synthetic task" in text
+    assert f"{REASONING_GYM_DEFAULT_SIZE} of a reasoning_gym task" in text
+    assert len(load_prompts("synthetic:addition", num_prompts=0)) == SYNTHETIC_DEFAULT_SIZE
+
+
+def test_prox_cap_help_says_tokens_above_it_are_dropped_not_truncated():
+    """decoupled_ppo_loss drops a token whose pi_prox/mu exceeds prox_cap (no loss, no gradient);
+    the help called it a "cap on the ... IS weight", which reads as min(weight, cap)."""
+    import torch
+    from trainer.losses import decoupled_ppo_loss
+    logp = torch.tensor([0.5, 0.5]).log().requires_grad_()
+    mu = torch.tensor([0.25, 0.05]).log()  # behaviour weights 2 and 10
+    out = decoupled_ppo_loss(logp, logp.detach(), mu, torch.ones(2), torch.ones(2, dtype=torch.bool),
+                             eps=0.2, prox_cap=5.0)
+    out.loss_sum.backward()
+    assert out.loss_sum.item() == pytest.approx(-2.0)  # weight 10 neither truncated to 5 nor kept
+    assert logp.grad.tolist() == pytest.approx([-2.0, 0.0]) and int(out.tokens) == 2
+    text = _help("algo.prox_cap")
+    assert "dropped from the loss, not truncated" in text and "cap on" not in text
+
+
+def test_clip_eps_help_names_every_loss_whose_clip_waits_for_a_second_update():
+    """PPO with token IS clips around pi_old, the policy before the step's updates, as
+    decoupled PPO clips around pi_prox: with one update a step neither clips anything, while
+    naive PPO clips around mu. The help named decoupled PPO only."""
+    import torch
+    from types import SimpleNamespace
+    from trainer.step import _loss
+    logp = torch.tensor([-0.1, -3.0, -1.0]).requires_grad_()
+    batch = SimpleNamespace(loss_mask_N=torch.ones(3, dtype=torch.bool),
+                            logp_mu_N=torch.tensor([-2.0, -0.5, -1.0]), adv_N=torch.tensor([1., -1., 1.]))
+    inert = []
+    for loss, token_is in (("ppo", "none"), ("ppo", "truncate"), ("ppo", "mask"), ("decoupled_ppo", "none")):
+        acfg = load_config(None, [f"--algo.loss={loss}", f"--algo.token_is={token_is}"]).algo
+        if int(_loss(acfg, logp, batch).clipped_count) == 0:  # one update: logp_prox is None
+            inert.append((loss, token_is))
+    assert inert == [("ppo", "truncate"), ("ppo", "mask"), ("decoupled_ppo", "none")]
+    text = _help("algo.clip_eps")
+    assert "for decoupled PPO and for PPO with algo.token_is" in text
+    assert "inert with trainer.updates_per_step=1" in text
+
+
+def test_stack_weights_help_matches_the_engines_choice_on_an_eager_cpu_step():
+    """'qkv' stacks q|k|v only where 'auto' stacks (CUDA, the compiled step), so on an eager
+    CPU step it stacks nothing, while 'all' stacks there too; the help read "'qkv' = q|k|v
+    only" as if it forced them."""
+    import torch
+    from model import ModelArgs, Transformer
+    from rollout.engine import Engine
+    model = Transformer(ModelArgs(vocab_size=31, hidden_size=16, intermediate_size=24, num_layers=1,
+                                  num_heads=2, num_kv_heads=1))
+    model.init_weights(seed=0)
+    made = {c: Engine(model, num_slots=2, max_len=16, stack_weights=c, pack_weights=False,
+                      device=torch.device("cpu")).stacked_weights
+            for c in ("qkv", True, None)}
+    assert made["qkv"] is None and made[None] is None and made[True] is not None
+    text = _help("generator.stack_weights")
+    assert "'qkv' = q|k|v only, where 'auto' stacks" in text and "'all' = both, wherever" in text
+
+
+def test_pack_weights_help_names_what_the_engine_packs_and_where():
+    """The engine packs bf16 linears too (where oneDNN has the kernels), and only in the eager
+    CPU step: 'on' is refused for the compiled step. The help said "the large fp32 linears"."""
+    import torch
+    from model import ModelArgs, Transformer
+    from rollout import packed_linear
+    from rollout.engine import _packed_linears
+    text = _help("generator.pack_weights")
+    assert "bf16" in text and "eager decode" in text and "'on' fails there" in text
+    model = Transformer(ModelArgs(vocab_size=31, hidden_size=16, intermediate_size=24, num_layers=1,
+                                  num_heads=2, num_kv_heads=1))
+    with pytest.raises(ValueError, match="needs an eager CPU engine"):
+        _packed_linears(model, torch.device("cpu"), True, compiled=True)
+    if packed_linear.available() and torch.bfloat16 in packed_linear.packed_dtypes():
+        assert _packed_linears(model.to(torch.bfloat16), torch.device("cpu"), True, compiled=False).modules
+
+
+def test_max_nonfinite_steps_help_says_what_0_does():
+    """0 aborts at the first skipped step, as 1 does (0 reads as "off" elsewhere in this config:
+    grad_clip, kl_coef, every_steps); the help did not say."""
+    from trainer.step import NonFiniteGuard, StepResult
+    for k in (0, 1):
+        with pytest.raises(FloatingPointError, match="1 trainer steps in a row"):
+            NonFiniteGuard(k).check(StepResult({}, float("nan"), skipped=True, lr=0.0))
+    assert "0 and 1 both abort at the first" in _help("trainer.max_nonfinite_steps")
+
+
+def test_dry_run_help_says_what_a_dry_run_does(capsys):
+    """run.dry_run said "Build everything"; a dry run creates no process group and builds no
+    model (a 1024-rank config is checked on one CPU process)."""
+    import torch.distributed as dist
+    import train_rl
+    assert "Build everything" not in _help("run.dry_run")
+    assert "no process group is created and no model is built" in _help("run.dry_run")
+    assert train_rl.main(["--dry-run", "--config", os.path.join(REPO, "configs", "example_1024.toml")]) == 0
+    assert "dry run ok" in capsys.readouterr().out and not dist.is_initialized()
+
+
+def test_num_slots_help_says_which_decode_steps_compute_every_slot():
+    """Only eager decode on CPU compacts away the free slots; the compiled step on CPU computes
+    every slot, as CUDA does. The help (and the README) said "on CPU only the filled ones"."""
+    from model import ModelArgs, Transformer
+    from rollout.engine import Engine
+    model = Transformer(ModelArgs(vocab_size=31, hidden_size=16, intermediate_size=24, num_layers=1,
+                                  num_heads=2, num_kv_heads=1))
+    model.init_weights(seed=0)
+    rows = {mode: Engine(model, num_slots=4, max_len=16, compile_decode=mode,
+                         pack_weights=False)._decode_key()[-1] for mode in (False, "compile")}
+    assert rows == {False: 1, "compile": 4}  # idle: the eager step computes one row, not four
+    assert "eager decode on CPU computes only the filled ones" in _help("generator.num_slots")
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "idle rows compacted away in eager CPU decode" in readme
+
+
+def test_warmup_timeout_help_says_start_up_takes_the_longer_of_the_two():
+    """The start-up, first-step and end waits take max(timeout_s, warmup_timeout_s)
+    (config.warmup_budget_s): a warmup_timeout_s below timeout_s does not shorten them, which
+    the help did not say."""
+    p = load_config(None, ["--parallel.timeout_s=600", "--parallel.warmup_timeout_s=60"]).parallel
+    assert C.warmup_budget_s(p) == 600
+    assert "the longer of this and timeout_s" in _help("parallel.warmup_timeout_s")
+
+
+def test_temperature_help_says_greedy_log_probs_still_use_it():
+    """Greedy decoding ignores the temperature for the tokens, but the engine records mu at it
+    and the trainer takes its log-probs at it (trainer.step.trainer_temperature); the help said
+    "ignored when greedy"."""
+    from model import ModelArgs, Transformer
+    from rollout.engine import Engine, Request, SamplingParams
+    from trainer.step import trainer_temperature
+    model = Transformer(ModelArgs(vocab_size=31, hidden_size=16, intermediate_size=24, num_layers=1,
+                                  num_heads=2, num_kv_heads=1))
+    model.init_weights(seed=0)
+    done = {}
+    for t in (1.0, 0.5, 0.0):
+        params = SamplingParams(max_new_tokens=4, greedy=True, temperature=t, ignore_eos=True)
+        done[t] = Engine(model, num_slots=2, max_len=16, pack_weights=False).generate(
+            [Request(0, [1, 2, 3], params)])[0]
+    assert done[1.0].completion_ids == done[0.5].completion_ids == done[0.0].completion_ids
+    at_0 = SamplingParams(max_new_tokens=4, greedy=False, temperature=0.0, ignore_eos=True)
+    assert Engine(model, num_slots=2, max_len=16, pack_weights=False).generate(
+        [Request(0, [1, 2, 3], at_0)])[0].completion_ids == done[1.0].completion_ids  # 0 = greedy
+    assert done[0.0].logp == done[1.0].logp and done[0.5].logp != done[1.0].logp
+    assert (trainer_temperature(0.5), trainer_temperature(0.0)) == (0.5, 1.0)
+    text = _help("generator.temperature")
+    assert "ignored when greedy" not in text and "0 = greedy" in text and "(mu)" in text

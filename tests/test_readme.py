@@ -1,6 +1,8 @@
 """Every command in the README's shell blocks still parses: the scripts exist, their options are
 known, and the configs and overrides they name load. (The README once documented
-`launch/calibrate.py --out profile.json`, which fails for want of --model.) Nothing is run."""
+`launch/calibrate.py --out profile.json`, which fails for want of --model.) Nothing is run.
+Then some of the README's statements about the code, checked against the code they describe."""
+import json
 import os
 import re
 import shlex
@@ -105,3 +107,63 @@ def test_the_venv_is_activated_before_the_first_bare_command():
                      for line in re.finditer(r"^(python|torchrun) ", block.group(1), flags=re.M))
     activate = text.find("source .venv/bin/activate")
     assert 0 <= activate < first_bare, "the first bare command comes before the activation"
+
+
+# ---- the README's claims about the code, checked against it ---------------------------------------
+
+def _readme() -> str:
+    return " ".join(open(os.path.join(REPO, "README.md")).read().split())  # lines joined
+
+
+def test_saved_config_writes_derived_keys_as_the_readme_says(tmp_path):
+    """The README said config.toml writes the derived keys as "derive"; it writes them as given
+    (0 or "", which derive them again), their values for this run in comments."""
+    from config import DERIVED, load_config, value_of
+    readme = _readme()
+    assert 'are written as given, 0 or "" (derive it again), with this run\'s values in comments' in readme
+    cfg = load_config(os.path.join(REPO, "configs", "tiny_cpu.toml")).resolve(3)
+    cfg.save(str(tmp_path / "config.toml"))
+    text = (tmp_path / "config.toml").read_text()
+    for key in DERIVED:
+        if key == "parallel.generator_ranks":  # the preset gives it (1): nothing derived
+            continue
+        section, name = key.split(".")
+        assert re.search(rf"# derived for this run: {re.escape(json.dumps(value_of(cfg, key)))}\n"
+                         rf"{name} = (0|\"\")\n", text), key
+
+
+def test_the_readmes_plan_signature_is_weights_sync_plans():
+    """The README's folder table gave `plan(src_layout, dst_layout)`; it takes the parameter
+    specs too."""
+    import inspect
+    from weights_sync.plan import plan
+    args = re.search(r"`plan\(([^)]*)\)`", _readme()).group(1).split(", ")
+    assert len(args) == len(inspect.signature(plan).parameters), args
+
+
+def test_resume_settings_the_readme_says_are_refused_before_process_groups():
+    """The README said a resume with another prompt set is refused before any process group:
+    only RESUME_SETTINGS are (launch/preflight via check_resume); a changed prompt set fails
+    when the generators restore their cursors, after start-up."""
+    from trainer.checkpointing import RESUME_SETTINGS
+    readme = _readme()
+    sentence = re.search(r"but not (.*?): the checkpoint's gates", readme).group(1)
+    assert set(re.findall(r"`(\w+\.\w+)`", sentence)) == set(RESUME_SETTINGS), sentence
+    assert "one over another prompt set, when the generators restore their cursors" in readme
+
+
+def test_the_readmes_ppo_with_token_is_clips_around_the_policy_before_the_update():
+    """The README said PPO clips around mu, token IS or not; with token IS it clips around the
+    policy before the step's updates, so one update a step clips nothing (trainer/step._loss)."""
+    import torch
+    from types import SimpleNamespace
+    from config import load_config
+    from trainer.step import _loss
+    logp = torch.tensor([-0.1, -3.0, -1.0])
+    batch = SimpleNamespace(loss_mask_N=torch.ones(3, dtype=torch.bool),
+                            logp_mu_N=torch.tensor([-2.0, -0.5, -1.0]), adv_N=torch.tensor([1., -1., 1.]))
+    clipped = {t: int(_loss(load_config(None, ["--algo.loss=ppo", f"--algo.token_is={t}"]).algo,
+                            logp, batch).clipped_count) for t in ("none", "truncate")}
+    assert clipped == {"none": 2, "truncate": 0}
+    assert ("(with token IS, `algo.token_is`, as verl's TIS: clipped around the policy before the "
+            "step's updates instead" in _readme())
