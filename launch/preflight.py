@@ -117,16 +117,26 @@ def _given_layout(cfg):
 
 def _check_device_choices(cfg) -> None:
     """Choices that this machine must support: model.attn_backend (against the trainer's compute
-    dtype too), generator.decode and generator.decode_attention."""
+    dtype too), generator.decode, generator.decode_attention and generator.pack_weights."""
     from model.attention import check_backend
     from model.hf_io import to_dtype
     from parallel.mesh import pick_device
     from parallel.sharding import compute_dtype
+    from rollout import packed_linear
     from rollout.engine import attention_choice, decode_mode
     device = pick_device()
     dtype = compute_dtype(cfg.model.compute_dtype, device.type, to_dtype(cfg.model.dtype))
     check_backend(cfg.model.attn_backend, device.type, dtype)
-    attention_choice(cfg.generator.decode_attention, device, decode_mode(cfg.generator.decode, device))
+    g = cfg.generator
+    mode = decode_mode(g.decode, device)
+    attention_choice(g.decode_attention, device, mode)
+    if g.pack_weights == "on" and (device.type != "cpu" or mode or not packed_linear.available()):
+        # the engine refuses it too, but only once each generator has built its model
+        raise ConfigError(f"generator.pack_weights='on' needs eager decode on a CPU with oneDNN "
+                          f"(this run: device {device.type}, generator.decode={g.decode!r}, oneDNN "
+                          f"kernels available: {packed_linear.available()}); set "
+                          "--generator.pack_weights=auto (it packs where it can) or "
+                          "--generator.decode=eager on CPU")
 
 
 def _check_writable(run_dir: Path) -> None:

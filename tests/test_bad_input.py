@@ -89,6 +89,10 @@ def _case(name, tmp_path, good_model):
         "flex_without_compile": ([m, "--generator.decode_attention=flex"],
                                  ["generator.decode_attention='flex' needs the compiled decode step",
                                   "generator.decode='compile'"]),
+        # the compiled step packs its own weights: the engine refused 'on' after start-up
+        "pack_weights_with_compile": ([m, "--generator.pack_weights=on", "--generator.decode=compile"],
+                                      ["generator.pack_weights='on' needs eager decode",
+                                       "--generator.pack_weights=auto"]),
         "stop_ids_outside_vocab": ([m, "--generator.stop_token_ids=[-5, 999999]"],
                                    ["generator.stop_token_ids has [-5, 999999]", "vocabulary"]),
         # the preset evaluates every 100 steps: a file dataset has no held-out part of its own
@@ -102,7 +106,8 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
          "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda",
          "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab",
-         "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option"]
+         "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option",
+         "pack_weights_with_compile"]
 WORLDS = {"tp_vs_heads": "5", "layout_vs_heads": "4", "tp_vs_heads_and_layout": "4"}  # else 3
 # what a case's message must not say: a degree the other check refuses, a key task_options refuses
 ABSENT = {"layout_vs_heads": ["[1, 3]"], "tp_vs_heads_and_layout": ["[1, 2]"],
