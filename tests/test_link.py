@@ -95,6 +95,114 @@ def test_a_second_shutdown_is_not_sent_to_a_peer_that_stopped_at_the_first():
     assert out["seconds"] < 4.0  # no wait for the unread second one (its timeout is 5 s)
 
 
+def _replica_fails(rank, world):
+    """Rank 1, a generator replica, fails; rank 0, the trainer, waits for groups; rank 2, the
+    other replica, waits for the trainer's next message."""
+    import types
+    from trainer.worker import TrainerWorker
+    link = Link(rank, [1, 2] if rank == 0 else [0], timeout_s=10)
+    if rank == 1:
+        link.broadcast_shutdown("generator rank 1: RuntimeError: boom", announce=False)
+        return {}
+    if rank == 2:
+        m = link.wait_for(Msg.SHUTDOWN, "the trainer's next message")
+        return {"error": m.payload["error"]}
+    for dst in (1, 2):  # the last step's weights: rank 1 never takes them
+        link.send(dst, Msg.WEIGHTS_READY, 2, {"dropped": 0})
+    sent, send = [], link.send
+    link.send = lambda dst, *a, **k: (sent.append(dst), send(dst, *a, **k))[1]
+    trainer = types.SimpleNamespace(
+        step=2, stopped=None, link=link, meshes=types.SimpleNamespace(rank=0),
+        cfg=types.SimpleNamespace(trainer=types.SimpleNamespace(max_steps=5)),
+        _one_step=lambda: link.wait_for(Msg.TRAJECTORIES, "4 prompt groups for step 3"))
+    with pytest.raises(PeerError, match="generator rank 1: RuntimeError: boom"):
+        TrainerWorker.run(trainer)
+    return {"sent": sent}
+
+
+def test_a_replicas_failure_reaches_the_other_replicas_with_its_cause():
+    """The trainer re-raised a generator's failure (PeerError) without telling the other
+    replicas: on another host they failed on the lost store or their timeout, without the
+    cause. Not sent to the replica that failed, nor waited for what that one never took: it
+    reads nothing more (a wait for its weights message timed out first, and closed the process
+    group before the other replica had taken its SHUTDOWN)."""
+    out = run_ranks(_replica_fails, 3, timeout=60)
+    assert out[0]["sent"] == [2]
+    assert out[2]["error"] == ("trainer rank 0: PeerError: rank 1 shut down while rank 0 waited "
+                               "for 4 prompt groups for step 3: generator rank 1: RuntimeError: boom")
+
+
+def _many(rank, world):
+    link = Link(rank, [1 - rank], timeout_s=30, max_in_flight=4)
+    if rank == 1:
+        for i in range(40):
+            link.send(0, Msg.TRAJECTORIES, i, [i])
+        left = len(link._sends)
+        link.wait_for(Msg.ACK, "the receipt of all 40")
+        link.flush()
+        return {"left": left}
+    got = [link.wait_for(Msg.TRAJECTORIES, f"message {i}").version for i in range(40)]
+    link.send(1, Msg.ACK, 0)
+    link.flush()
+    return {"got": got}
+
+
+def test_a_sender_runs_through_its_window_and_every_message_arrives_in_order():
+    """40 messages through a window of 4: each look that finds the window's older half taken
+    frees it all; no message is lost or reordered."""
+    receiver, sender = run_ranks(_many, 2, timeout=60)
+    assert receiver["got"] == list(range(40)) and sender["left"] <= 4
+
+
+def _full_window(rank, world):
+    """Rank 1, a generator, ships more messages than its window holds (max_in_flight 2) to rank
+    0, the trainer at its end, which reads nothing more: it sends the final SHUTDOWN and waits
+    until that is received."""
+    link = Link(rank, [1 - rank], timeout_s=10, max_in_flight=2)
+    if rank == 1:
+        for i in range(5):
+            link.send(0, Msg.TRAJECTORIES, i, [{"prompt_id": i}])
+        return {"got": link.wait_for(Msg.SHUTDOWN, "the final SHUTDOWN").version}
+    link.send(1, Msg.SHUTDOWN, 7)
+    link.flush()
+    return {}
+
+
+def test_a_sender_with_a_full_window_still_reads_the_final_shutdown():
+    """The sender waited in gloo for the trainer to take its oldest message, the trainer for it
+    to take the SHUTDOWN: both timed out, and a run whose generator shipped more than 64 groups
+    during the last step failed after it (no export, no COMPLETE). Its window wait now ends
+    when the receiver has shut down."""
+    assert run_ranks(_full_window, 2, timeout=60)[1] == {"got": 7}
+
+
+def _window_times_out(rank, world):
+    import torch.distributed as dist
+    link = Link(rank, [1 - rank], timeout_s=1, max_in_flight=1)
+    out = {}
+    if rank == 1:
+        link.send(0, Msg.TRAJECTORIES, 0, [])
+        with pytest.raises(TimeoutError) as e:
+            link.send(0, Msg.TRAJECTORIES, 1, [])
+        out["error"] = str(e.value)
+    dist.barrier()  # rank 0 reads nothing until then; the process group is whole
+    if rank == 0:
+        out["got"] = [m.version for m in (link.wait_for(Msg.TRAJECTORIES, "group 0"),
+                                          link.wait_for(Msg.TRAJECTORIES, "group 1"))]
+    link.flush()
+    return out
+
+
+def test_a_full_window_times_out_naming_the_receiver_and_keeps_the_process_group():
+    """A receiver that reads nothing: the sender's window wait ends after timeout_s, naming it,
+    and without a timed-out gloo wait, which would have closed every pair of the process group
+    (the barrier after it failed)."""
+    out = run_ranks(_window_times_out, 2, timeout=60)
+    assert out[1]["error"] == ("rank 1 timed out after 1s waiting for rank 0 to receive a "
+                               "TRAJECTORIES message (it sends at most 1 messages ahead)")
+    assert out[0]["got"] == [0, 1]
+
+
 def test_a_ctrl_c_shutdown_prints_nothing_of_its_own(capsys):
     """Ctrl-C prints one line for the whole run (train_rl.py): the broadcast stays silent."""
     from collections import deque

@@ -324,6 +324,48 @@ def test_the_trainers_batch_timeout_names_an_evaluation_under_way():
     assert TrainerWorker._evaluating_note(ns(evaluating=None)) == ""
 
 
+def test_the_trainers_wait_names_the_step_it_waits_for():
+    """After step 2's console line the batch awaited is step 3's; a generator's failure while
+    the trainer waited for it said "for step 2" (the steps done, not the one waited for)."""
+    from trainer.worker import TrainerWorker
+
+    class Failed(Exception):
+        pass
+
+    def wait_for(types, what, timeout_s=None):
+        raise Failed(what)
+    worker = ns(cfg=ns(trainer=ns(prompts_per_step=4), parallel=ns(timeout_s=10.0),
+                       logging=ns(progress=False)),
+                warm=True, step=2, version=2, link=ns(poll=lambda: [], wait_for=wait_for),
+                buffer=ns(try_take=lambda n, version: None))
+    with pytest.raises(Failed, match="^4 prompt groups for step 3$"):
+        TrainerWorker._collect(worker)
+
+
+@pytest.mark.parametrize("error, ctrl_c, announced", [
+    (RuntimeError("Connection closed by peer"), False, True),   # a failure of its own: printed
+    (RuntimeError("Connection closed by peer"), True, False),   # what a Ctrl-C broke: not
+    (KeyboardInterrupt(), True, False)])
+def test_the_trainers_shutdown_prints_no_error_that_a_ctrl_c_caused(monkeypatch, error, ctrl_c,
+                                                                    announced):
+    """A Ctrl-C that ended a peer first fails this rank's collective ("Connection closed by
+    peer"): that is the interruption, which train_rl prints as one line, not an error line. The
+    generators get the SHUTDOWN either way."""
+    from launch import preemption
+    from trainer.worker import TrainerWorker
+    monkeypatch.setattr(preemption, "_sigint", ctrl_c)
+    calls = []
+
+    def one_step():
+        raise error
+    worker = ns(cfg=ns(trainer=ns(max_steps=5)), stopped=None, step=0, meshes=ns(rank=0),
+                _one_step=one_step,
+                link=ns(broadcast_shutdown=lambda msg, announce: calls.append(announce)))
+    with pytest.raises(type(error)):
+        TrainerWorker.run(worker)
+    assert calls == [announced]
+
+
 def test_a_checkpoint_cut_waits_one_deadline_for_all_replies():
     """The cut's wait for the generators' replies had a fresh timeout_s per message that arrived
     meanwhile (groups, acks): one deadline for them all now."""

@@ -29,6 +29,7 @@ awaited. Messages that arrive while waiting for something else are queued, not l
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import sys
@@ -48,6 +49,9 @@ TAG_BODY = 12
 # The watcher's store wait. Long: every timed-out wait logs a c10d warning; `close()` rings the
 # bell to end it.
 WATCH_S = 24 * 3600.0
+# How often a sender with a full window looks whether its oldest message was taken: a receipt
+# rings no bell (Link._wait_oldest)
+RECEIPT_POLL_S = 0.01
 _WATCHED: "weakref.WeakSet[Link]" = weakref.WeakSet()  # links whose watcher runs
 
 
@@ -111,32 +115,93 @@ class Link:
         self.store = attempt_store("link", store)
         self._next_ticket = 1  # next of my tickets to read
         self._queue: deque[Message] = deque()
-        self._sends: deque[tuple[Any, torch.Tensor, int, Msg]] = deque()
+        # (work, body, dst, type, header key) of every message not known to be received
+        self._sends: deque[tuple[Any, torch.Tensor, int, Msg, str]] = deque()
         self._waiter = None  # a second store connection, the watcher's (_waiter_store)
         self._watcher: threading.Thread | bool | None = None  # started on the first receive
         self._arrived = threading.Event()  # the bell rang since the last receive
         self._closed = False
         self._shut: set[int] = set()  # peers sent a SHUTDOWN: they read nothing after it
+        self._gone: set[int] = set()  # peers that sent this rank a SHUTDOWN: they read nothing more
         self.bytes_sent = self.bytes_received = 0
 
     # ----- sending ----------------------------------------------------------------------------
     def send(self, dst: int, type: Msg, version: int, payload: Any = None) -> None:
-        """Asynchronous; blocks (with timeout) only when `max_in_flight` bodies are unreceived."""
+        """Asynchronous; blocks (with timeout) only when `max_in_flight` bodies are unreceived
+        (`_wait_window`)."""
         body = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8)
         work = dist.isend(body, dst, tag=TAG_BODY)
         ticket = self.store.add(f"{dst}/tickets", 1)
         header = {"type": int(type), "version": version, "src": self.rank, "nbytes": body.numel()}
         self.store.set(f"{dst}/{ticket}", json.dumps(header))
         self.store.set(f"{dst}/bell", "1")
-        self._sends.append((work, body, dst, type))
+        self._sends.append((work, body, dst, type, f"{dst}/{ticket}"))
         if type == Msg.SHUTDOWN:
             self._shut.add(dst)
         self.bytes_sent += body.numel()
         while len(self._sends) > self.max_in_flight:
+            self._wait_window()
+
+    def _wait_window(self) -> None:
+        """Bring the messages in flight back to half the window. One store look per receiver
+        tells whether its messages among those were taken (their headers: the bodies are then on
+        their way, and the gloo waits end at once): a receiver takes its headers in ticket order,
+        so the newest taken means all are. A window of one peer's messages costs one look per
+        max_in_flight / 2 sends (freed one slot at a time, every send beyond it would cost one)."""
+        n = len(self._sends) - self.max_in_flight // 2
+        newest = {dst: key for _, _, dst, _, key in itertools.islice(self._sends, n)}
+        if any(self._unread(dst, key) for dst, key in newest.items()):
+            self._wait_oldest()
+            return
+        for _ in range(n):
+            self._pop_sent()
+
+    def _unread(self, dst: int, key: str) -> bool:
+        """The message with header `key` is not taken, and `dst` still reads."""
+        return dst not in self._shut | self._gone and self.store.check([key])
+
+    def _wait_oldest(self) -> None:
+        """Wait until the oldest message in flight is taken, or its receiver shut down: that one
+        reads nothing more, and a blocking wait for it kept this rank from reading its SHUTDOWN.
+        (A generator that shipped more than max_in_flight groups during the trainer's last step
+        waited so for the trainer, which waited for it to take the final SHUTDOWN, until both
+        timed out: the finished run failed.) The store is looked at every RECEIPT_POLL_S; a gloo
+        wait cannot be sliced, since one that times out breaks the process group (`_wait`)."""
+        _, _, dst, type, key = self._sends[0]
+        deadline = time.monotonic() + self.timeout_s
+        while self._unread(dst, key):
+            if self._shutdown_waiting(dst):
+                self._gone.add(dst)
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} timed out after {self.timeout_s:.0f}s "
+                                   f"waiting for rank {dst} to receive a {type.name} message "
+                                   f"(it sends at most {self.max_in_flight} messages ahead)")
+            else:
+                time.sleep(RECEIPT_POLL_S)
+        self._pop_sent()
+
+    def _pop_sent(self) -> None:
+        """The oldest message in flight, taken or never to be (its receiver shut down)."""
+        if self._sends[0][2] in self._shut | self._gone:
+            self._sends.popleft()
+        else:
             self._wait_send()
 
+    def _shutdown_waiting(self, src: int) -> bool:
+        """A SHUTDOWN from `src` is among this rank's messages not yet received (one received is
+        in `_gone`). Read-only: the headers stay for `poll`, which receives it in its turn."""
+        published = self.store.add(f"{self.rank}/tickets", 0)
+        for n in range(self._next_ticket, published + 1):
+            key = f"{self.rank}/{n}"
+            if not self.store.check([key]):
+                return False  # ticket taken, header not written yet: the next look
+            header = json.loads(self.store.get(key))
+            if header["type"] == Msg.SHUTDOWN and header["src"] == src:
+                return True
+        return False
+
     def _wait_send(self, timeout_s: float | None = None) -> None:
-        work, _, dst, type = self._sends.popleft()
+        work, _, dst, type, _ = self._sends.popleft()
         self._wait(work, f"rank {dst} to receive a {type.name} message", timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -160,6 +225,8 @@ class Link:
             self._wait(dist.irecv(body, src, tag=TAG_BODY), f"the body of a message from rank {src}")
             self.bytes_received += body.numel()
             payload = json.loads(bytes(body.numpy()).decode())
+            if header["type"] == Msg.SHUTDOWN:
+                self._gone.add(src)
             self._queue.append(Message(Msg(header["type"]), header["version"], src, payload))
 
     def poll(self) -> list[Message]:
@@ -283,20 +350,24 @@ class Link:
         the error first, in case that wait ends in torchrun's teardown (SIGTERM) before this
         rank's traceback (not for Ctrl-C, which prints one line for the whole run).
 
-        A peer already sent a SHUTDOWN (an earlier broadcast, or the normal end's) is not sent
-        another: it stops reading at the first, so the second's body was never received, the
+        A peer that sent this rank a SHUTDOWN is not sent one (it reads nothing more), nor is one
+        already sent a SHUTDOWN (an earlier broadcast, or the normal end's) sent another: it
+        stops reading at the first, so the second's body was never received, the
         wait for it timed out, and that closed the process group under this rank (_wait): with
         two SHUTDOWNs sent back to back, 12 of 80 runs of the two-rank test failed in the
         harness's barrier under CPU load (all, when the second followed the first's flush)."""
         if error and announce:
             print(f"error (rank {self.rank}): {error}", file=sys.stderr, flush=True)
         for p in self.peers:
-            if p in self._shut:
+            if p in self._shut | self._gone:
                 continue
             try:
                 self.send(p, Msg.SHUTDOWN, -1, {"error": error} if error else None)
             except Exception:
                 pass
+        # what a peer that shut down has not taken, it never will: waiting for that first timed
+        # out (breaking the process group) before the other peers' SHUTDOWNs were waited for
+        self._sends = deque(e for e in self._sends if e[2] not in self._gone)
         try:
             self.flush(timeout_s)
         except Exception:

@@ -108,12 +108,15 @@ class TrainerWorker:
         try:
             while self.step < self.cfg.trainer.max_steps and not self.stopped:
                 self._one_step()
-        except PeerError:
-            raise
         except BaseException as e:
+            # a generator's failure (PeerError) too: the other replicas learn its cause from
+            # this, not from a timeout or a lost connection (the link skips the one that failed).
+            # Not printed after a Ctrl-C, whatever it broke (a peer it ended first: "Connection
+            # closed by peer"): train_rl prints the run's one interrupted line.
             if self.link is not None:
                 self.link.broadcast_shutdown(f"trainer rank {self.meshes.rank}: {type(e).__name__}: {e}",
-                                             announce=not isinstance(e, KeyboardInterrupt))
+                                             announce=not (isinstance(e, (KeyboardInterrupt, PeerError))
+                                                           or preemption.interrupted()))
             raise
         if not self.stopped:
             # the end of a finished run (the final SHUTDOWN, export and COMPLETE, the end barrier)
@@ -263,7 +266,7 @@ class TrainerWorker:
                     + self._evaluating_note())
             try:  # in slices, for the heartbeat and a SIGTERM; the deadline decides when to give up
                 m = self.link.wait_for({Msg.TRAJECTORIES, Msg.ACK, Msg.STOP}, f"{B} prompt groups for "
-                                       f"step {self.step}", timeout_s=min(left, beat.beat(), 1.0))
+                                       f"step {self.step + 1}", timeout_s=min(left, beat.beat(), 1.0))
             except TimeoutError:
                 continue
             self._on_message(m)
