@@ -43,13 +43,33 @@ def preflight(cfg, dims):
     if dims.mode == "colocated" and cfg.checkpoint.every_steps:
         raise ConfigError("checkpoints are implemented for split mode only; with "
                           "parallel.mode='colocated' set checkpoint.every_steps=0")
-    load_items(cfg, tok)  # raises on a missing/empty dataset or when every prompt is too long
+    items = load_items(cfg, tok)[0]  # raises on a missing/empty dataset or when every prompt is too long
     if cfg.eval.every_steps:
         load_eval_items(cfg, tok)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     check_resume(cfg)
+    check_resumed_prompts(cfg, items)
     _check_writable(Path(cfg.run.dir))
     return tok
+
+
+def check_resumed_prompts(cfg, items) -> None:
+    """A resume over another prompt set (data.source, num_prompts, filters, order): refused here,
+    as the generators' cursors would refuse it, but only once they restored them after start-up
+    (the trainer had resumed and waited for them meanwhile). Replica 0's cursor stands for all:
+    the replicas share the set, and gen_dp is checked with the other RESUME_SETTINGS."""
+    from rollout.data import PromptSource
+    from trainer.checkpointing import generator_state, read_extra, resume_path
+    path = resume_path(cfg)
+    state = generator_state(read_extra(path), 0) if path is not None else None
+    if state is None:
+        return
+    source = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=0,
+                          world=cfg.parallel.gen_dp)
+    try:
+        source.load_state_dict(state["cursor"])
+    except ValueError as e:
+        raise ConfigError(f"resuming {path}: {e}") from None
 
 
 def _check_model_folder(cfg) -> None:

@@ -210,3 +210,32 @@ def test_a_rank_other_than_0_reports_the_error_when_still_running_after_the_grac
     assert rc == 2 and err.startswith("error (rank 1): ") and len(err.strip().splitlines()) == 1
     for w in words:
         assert w in err, (w, err)
+
+
+def test_a_resume_over_another_prompt_set_is_refused_before_process_groups(
+        tmp_path, good_model, monkeypatch, capsys):
+    """The generators' cursors refused a resume over another prompt set only after start-up (the
+    trainer had resumed, the generators had built their engines); preflight now compares replica
+    0's saved cursor with the set this config loads, and the same set passes."""
+    from config import load_config
+    from launch.preflight import check_resumed_prompts
+    from model.tokenizer import load_tokenizer
+    from rollout.data import PromptSource
+    from rollout.role import load_items
+    from trainer.checkpointing import EXTRA_FILE, checkpoint_root
+    base = ["--config", "configs/tiny_cpu.toml", f"--model.path={good_model}",
+            f"--run.dir={tmp_path / 'run'}", "--data.num_prompts=100"]
+    cfg = load_config("configs/tiny_cpu.toml", base[2:]).resolve(3)
+    items = load_items(cfg, load_tokenizer(good_model))[0]
+    cursor = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=0,
+                          world=1).state_dict()
+    step = checkpoint_root(cfg) / "step_000002"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("")
+    (step / EXTRA_FILE).write_text(json.dumps(
+        {"step": 2, "version": 2, "generators": {"0": {"cursor": cursor, "inflight": [], "started": 8}}}))
+    check_resumed_prompts(cfg, items)  # the same set: resumes
+    rc, err = _in_this_process([*base, "--data.num_prompts=50"], "3", monkeypatch, capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"resuming {step}: prompt cursor was saved with num_items=100" in err
+    assert "this source has num_items=50" in err
