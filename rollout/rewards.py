@@ -89,7 +89,56 @@ def _math_verify_equal(gold: str, completion: str) -> float:
     # Timeouts off (here and in _parse_latex): math_verify's own use signal.alarm, which fails
     # outside the main thread; RewardRunner enforces the time limit instead.
     answer = parse(completion, parsing_timeout=None) if marked is None else _parse_latex(marked)
+    if any(_huge_number(x) for x in (*gold_parsed, *answer)):
+        return math_fallback(gold, completion)
     return float(verify(gold_parsed, answer, timeout_seconds=None))
+
+
+_MAX_POWER_BITS = 10**6  # 2^(10^8), 10^8 bits, took 1.2 s; 10^(10^10) never ended
+_MAX_FACTORIAL_ARG = 10**4  # (10^7)! stalled the decode loop for 8 s at a time; 10^4! takes 10 ms
+
+
+def _huge_number(expr) -> bool:
+    """`expr` (parsed by math_verify, not yet evaluated) holds a power of numbers whose exact
+    value has more than _MAX_POWER_BITS bits ("10^{10^{10}}", "(2^{10})^{10^{9}}"), or a
+    factorial of a number above _MAX_FACTORIAL_ARG. verify() evaluates them in big-integer
+    operations in C, which hold the GIL: the time limit could not stop them, and the
+    generator's decode loop froze with them. Such answers compare as strings."""
+    import math
+
+    import sympy
+
+    if not isinstance(expr, sympy.Basic):
+        return False  # the string math_verify keeps beside the expression
+    factorials = (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.gamma,
+                  sympy.subfactorial, sympy.RisingFactorial, sympy.FallingFactorial)
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, factorials) and not node.free_symbols:
+            if any(_huge_number(a) or not _size(a) <= _MAX_FACTORIAL_ARG for a in node.args):
+                return True
+        if not isinstance(node, sympy.Pow) or node.free_symbols:
+            continue
+        if _huge_number(node.base) or _huge_number(node.exp):
+            return True
+        base, size = _size(node.base), _size(node.exp)  # no huge power in them by now
+        if base in (0.0, 1.0):  # (also not a number: zoo)
+            continue
+        b = node.base
+        bits = (max(abs(b.p).bit_length(), b.q.bit_length()) if b.is_Rational
+                else abs(math.log2(base)) + 1)
+        if not size * bits <= _MAX_POWER_BITS:  # also nan, inf
+            return True
+    return False
+
+
+def _size(x) -> float:
+    """|x| of a sympy number holding no huge power, in floats (inf: too large; 0: not a number)."""
+    try:
+        return abs(complex(x.evalf(15)))
+    except (TypeError, ValueError):
+        return 0.0
+    except OverflowError:
+        return float("inf")
 
 
 def _parse_latex(answer: str) -> list:
@@ -98,8 +147,6 @@ def _parse_latex(answer: str) -> list:
 
 
 _NUMBER_RE = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # "46," -> "46"
-_HASHES_RE = re.compile(r"(?:\A|\n)####[ \t]*(\S[^\n]*?)\s*\Z")  # the last line only
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\\,)(?=\d{3}(?!\d))")
 _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
@@ -116,8 +163,8 @@ def math_fallback(gold: str, completion: str) -> float:
        digits) removed, `\\frac{a}{b}` -> a/b.
     3. If both parse as numbers (ints, decimals, a/b; via fractions.Fraction, so "46.0" == "46"
        and "0.5" == "1/2"), two integers must be equal (1000001 is not 1000000), other numbers
-       within 1e-6 of the gold, relative above 1 ("0.333333" == "1/3"); otherwise the
-       normalised strings must match, case-insensitively.
+       within 1e-6 of the gold, relative above 1 ("0.333333" == "1/3"); otherwise (also for an
+       exponent of 1000 or more, "1e1000") the normalised strings must match, case-insensitively.
     """
     gold_answer = extract_final_answer(gold, last_number=False) or gold
     answer = extract_final_answer(completion)
@@ -130,7 +177,8 @@ def math_fallback(gold: str, completion: str) -> float:
             return 1.0
         if gn.denominator == an.denominator == 1:  # integers compare exactly
             return 0.0
-        return float(abs(float(gn - an)) <= 1e-6 * max(1.0, abs(float(gn))))
+        # exactly, in fractions: through float, a number past 1e308 raised OverflowError
+        return float(abs(gn - an) <= Fraction(1, 10**6) * max(1, abs(gn)))
     return float(g.lower() == a.lower() and g != "")
 
 
@@ -139,14 +187,40 @@ def extract_final_answer(text: str, last_number: bool = True) -> str | None:
     start = text.rfind("\\boxed{")
     if start >= 0:  # unbalanced: cut off inside the box ("\\boxed{46" of "\\boxed{465}"), none
         return _boxed_at(text, start)
-    for pattern in (_HASHES_RE, _ANSWER_TAG_RE):
-        found = pattern.findall(text)
-        if found:
-            return found[-1].strip()
+    for find in (_last_line_marker, _last_answer_tag):
+        found = find(text)
+        if found is not None:
+            return found.strip()
     if last_number:
         numbers = _NUMBER_RE.findall(text)
         return numbers[-1] if numbers else None
     return None
+
+
+# The markers are found by string search, not by regular expressions: the patterns they replaced
+# (r"<answer>(.*?)</answer>", r"\n####[ \t]*(\S[^\n]*?)\s*\Z") took time quadratic in the
+# length of a degenerate completion (40k "<answer>": 51 s; "#### 1" and 40k spaces: 5 s), in C
+# that holds the GIL: the time limit cannot stop it, and the generator's decode loop stalled.
+def _last_line_marker(text: str) -> str | None:
+    """X of a last line `#### X` (whitespace after it ignored; X starts with a non-space), or None."""
+    text = text.rstrip()
+    line = text[text.rfind("\n") + 1:]
+    if not line.startswith("####"):
+        return None
+    x = line[len("####"):].lstrip(" \t")
+    return x if x and not x[0].isspace() else None
+
+
+def _last_answer_tag(text: str) -> str | None:
+    """X of the last `<answer>X</answer>`, each tag closed by the first `</answer>` after it, or
+    None."""
+    found, pos = None, 0
+    while (start := text.find("<answer>", pos)) >= 0:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end < 0:
+            break
+        found, pos = text[start + len("<answer>"):end], end + len("</answer>")
+    return found
 
 
 def _boxed_at(text: str, start: int) -> str | None:
@@ -166,7 +240,15 @@ def _normalise(answer: str) -> str:
     return s.replace(" ", "").rstrip(".,")
 
 
+_EXPONENT_RE = re.compile(r"[eE][+-]?([\d_]+)")  # Fraction allows "1e1_0"
+_MAX_EXPONENT_DIGITS = 3  # |exponent| < 1000: Fraction("1e10000000") took 16 s, holding the GIL
+
+
 def _to_fraction(s: str) -> Fraction | None:
+    """`s` as an exact number, or None (not a number, or an exponent too large to expand)."""
+    e = _EXPONENT_RE.search(s)
+    if e and len(e.group(1).replace("_", "").lstrip("0")) > _MAX_EXPONENT_DIGITS:
+        return None
     m = re.fullmatch(r"(-?)\((-?[\d.]+)\)/\((-?[\d.]+)\)", s)  # from (-)\frac{a}{b}
     try:
         if m:
@@ -176,17 +258,22 @@ def _to_fraction(s: str) -> Fraction | None:
         return None
 
 
-_FORMAT_TAG_RE = re.compile(r"<answer>\s*\S.*?</answer>\s*\Z", re.DOTALL)
-_FORMAT_HASHES_RE = re.compile(r"(?:\A|\n)####[ \t]*\S[^\n]*\s*\Z")
-
-
 def format_reward(item, completion_text: str, completion_ids=None) -> float:
     """1.0 if the completion ends with `<answer>X</answer>` or a last line `#### X`, X non-empty.
 
     Only the form is judged, not the answer; used as a small shaping term (reward.format_weight).
     """
     text = completion_text.strip()
-    return float(bool(_FORMAT_TAG_RE.search(text) or _FORMAT_HASHES_RE.search(text)))
+    return float(_ends_in_answer_tag(text) or _last_line_marker(text) is not None)
+
+
+def _ends_in_answer_tag(text: str) -> bool:
+    """`text` (stripped) ends with `</answer>`, and some `<answer>` before it opens a non-blank
+    span up to that end (by string search: see `_last_line_marker`)."""
+    start = text.find("<answer>")
+    if start < 0 or not text.endswith("</answer>"):
+        return False
+    return text[start + len("<answer>"):len(text) - len("</answer>")].strip() != ""
 
 
 def reasoning_gym_reward(item, completion_text: str, completion_ids=None) -> float:
@@ -265,8 +352,12 @@ def _resolve_spec(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
+        if e.name is not None and not (module_name + ".").startswith(e.name + "."):
+            raise ValueError(f"reward {spec!r}: importing module {module_name!r} failed: a module "
+                             f"it imports is not installed ({e})") from e
+        # train_rl.py's folder is on sys.path, the launch directory only when it is that folder
         raise ValueError(f"reward {spec!r}: module {module_name!r} not found ({e}); check the "
-                         f"spelling and that it is importable from the launch directory") from e
+                         f"spelling, and put the folder that holds it on PYTHONPATH") from e
     except Exception as e:
         raise ValueError(f"reward {spec!r}: importing module {module_name!r} failed: "
                          f"{type(e).__name__}: {e}") from e
@@ -402,9 +493,11 @@ class RewardRunner:
             return {**self._counts, "stuck": stuck}
 
     def close(self) -> None:
-        """Wait for running supervisors (each at most timeout_s), then end the idle call threads;
-        abandoned ones end when their call returns."""
-        self._pool.shutdown(wait=True)
+        """Cancel the calls not started, wait for the running supervisors (each at most
+        timeout_s), then end the idle call threads; abandoned ones end when their call returns.
+        (Running every queued call first, a stuck reward held a generator's exit for
+        timeout_s per queued completion divided by max_workers.)"""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for caller in self._callers:
                 caller.stop()

@@ -472,3 +472,43 @@ def test_the_interrupted_line_suggests_what_the_mode_allows(tmp_path):
     line = interrupted_line(colocated)
     assert "colocated mode has no checkpoints: parallel.mode=split can resume" in line
     assert "every_steps" not in line
+
+
+def test_an_explicit_resume_of_a_step_cut_off_mid_replace_takes_its_old_copy(tmp_path):
+    """checkpoint.resume=<run>/checkpoints/step_N where a save of step N again was cut off
+    between its renames: 'auto' resumed from the `step_N.old` copy that stands for the step, but
+    the path naming the step was refused as 'not a finished checkpoint folder'."""
+    from config import load_config
+    from trainer.checkpointing import check_resume, origin_of, resume_path, saved
+    root = tmp_path / "checkpoints"
+    _checkpoints(root, {4: {}, 6: {}})
+    (root / "step_000006").rename(root / "step_000006.old")
+    step6, aside = root / "step_000006", root / "step_000006.old"
+    cfg = lambda resume: load_config("configs/tiny_cpu.toml", [  # noqa: E731
+        f"--run.dir={tmp_path}", f"--checkpoint.resume={resume}"])
+    assert resume_path(cfg("auto")) == aside
+    assert resume_path(cfg(str(step6))) == aside
+    check_resume(cfg(str(step6)))
+    assert not saved(cfg("auto"), 6)  # a stop saves step 6 again, in its own folder
+    with pytest.raises(ValueError, match="step_000005' is not a finished checkpoint folder"):
+        check_resume(cfg(str(root / "step_000005")))
+    with pytest.raises(ValueError, match="resume='' is not a finished checkpoint folder"):
+        check_resume(cfg(""))  # no folder name to look for a copy of
+    # the run's own checkpoints descend from the path as given: a restart resumes from them
+    _checkpoints(root, {8: {"origin": origin_of(step6)}})
+    assert resume_path(cfg(str(step6))) == root / "step_000008"
+
+
+def test_a_log_line_cut_off_mid_write_is_dropped_on_resume(tmp_path, capsys):
+    """A metrics.jsonl (or eval.jsonl) whose last write was cut off (a full disk; a node's crash
+    on a network file system, which leaves NUL bytes) failed every resume with JSONDecodeError
+    in truncate_steps. The torn lines are dropped, with a line naming the file."""
+    from trainer.checkpointing import truncate_steps
+    f = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 0.5}) for s in (1, 2, 3)]
+    f.write_text("\n".join(rows) + '\n{"step": 4, "lo\x00\x00\n' + rows[0][:5])
+    truncate_steps(f, 2)
+    assert f.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    assert f"{f}: dropped 2 line(s) that are not whole JSON records" in capsys.readouterr().err
+    truncate_steps(f, 2)
+    assert f.read_text() == rows[0] + "\n" + rows[1] + "\n" and capsys.readouterr().err == ""

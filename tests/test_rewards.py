@@ -289,3 +289,93 @@ def test_runner_argument_errors():
     with RewardRunner(exact_match, timeout_s=1.0) as runner:
         with pytest.raises(ValueError, match="equal lengths"):
             runner.score_batch([_item("")], [], [])
+
+
+# ------------------------------------------------------------------- degenerate completions
+
+def test_markers_take_linear_time_on_degenerate_completions():
+    """A degenerate completion (a tag or spaces repeated up to max_new_tokens) is scored in
+    linear time. The regular expressions that found the markers were quadratic in it and ran in
+    C holding the GIL, so the time limit could not stop them and the generator's decode loop
+    stalled: these took 11 s, 7 s and 5 s (the bound below is 10x the new worst case on a busy
+    2-core machine, and far below the old times)."""
+    cases = [(math_fallback, "<answer>" * 20_000),                              # never closed
+             (lambda g, c: format_reward(_item(g), c, []), "<answer>x</answer> y" * 10_000),
+             (math_fallback, "#### 1" + " " * 40_000 + "x")]                    # not a last line
+    for fn, completion in cases:
+        t0 = time.perf_counter()
+        assert fn("1", completion) == 0.0
+        assert time.perf_counter() - t0 < 1.0, completion[:30]
+    assert extract_final_answer("<answer>a<answer>b</answer> c <answer>d") == "a<answer>b"
+    assert extract_final_answer("#### 5 \n\t\n") == "5"
+    assert format_reward(_item(""), "<answer></answer> x <answer></answer>", []) == 1.0
+
+
+def test_numbers_too_large_for_a_float_or_to_expand_score_as_strings():
+    """The fallback compares numbers exactly: a number past 1e308 against a decimal gold raised
+    OverflowError (counted and logged as a bug of the reward), and an exponent like 1e10000000
+    was expanded by Fraction, 16 s holding the GIL (1e100000000 did not finish)."""
+    from rollout.rewards import _to_fraction
+    assert math_fallback("0.5", "\\boxed{1e400}") == 0.0
+    assert math_fallback("0.5", "\\boxed{1" + "0" * 400 + "}") == 0.0
+    assert math_fallback("1" + "0" * 400 + ".5", "\\boxed{1" + "0" * 400 + ".5}") == 1.0
+    assert _to_fraction("1e10000000") is None and _to_fraction("1e-1_0000_000") is None
+    assert _to_fraction("2.5e-003") == _to_fraction("0.0025") == _to_fraction("1/400")
+    assert math_fallback("1e400", "\\boxed{1e400}") == 1.0          # still numbers
+    assert math_fallback("1e10000000", "\\boxed{1e10000000}") == 1.0  # as strings
+    assert math_fallback("1e10000000", "\\boxed{1e10000001}") == 0.0
+    assert math_fallback("0.5", "\\boxed{0.500001}") == 1.0  # within 1e-6, exactly
+
+
+def test_close_cancels_the_calls_not_started():
+    """close() on a stuck reward waits for the running calls only: it ran every queued call to
+    its time-out first, holding a generator's exit timeout_s per queued completion."""
+    release = threading.Event()
+
+    def stuck(item, text, ids):
+        release.wait()
+        return 1.0
+
+    try:
+        runner = RewardRunner(stuck, timeout_s=0.2, max_workers=1)
+        futures = [runner.submit(_item("", i), "", []) for i in range(10)]
+        runner.close()
+        assert runner.stats()["calls"] <= 2 and sum(f.cancelled() for f in futures) >= 8
+        assert all(f.result() == 0.0 for f in futures if not f.cancelled())
+    finally:
+        release.set()
+
+
+def test_a_reward_module_whose_import_fails_on_a_missing_dependency_says_so(tmp_path, monkeypatch):
+    """A user module that imports an uninstalled package was reported as itself not found
+    ("module 'my_rewards_mod' not found"), so the user checked the wrong name."""
+    (tmp_path / "tandem_test_rewards_mod.py").write_text(
+        "import tandem_test_no_such_dependency\n\ndef score(item, text, ids):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"importing module 'tandem_test_rewards_mod' failed: a "
+                                         r"module it imports is not installed \(No module named "
+                                         r"'tandem_test_no_such_dependency'\)"):
+        resolve_reward("tandem_test_rewards_mod:score")
+    with pytest.raises(ValueError, match=r"module 'tandem_test_absent_mod' not found .* on PYTHONPATH"):
+        resolve_reward("tandem_test_absent_mod:score")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                    reason="math_verify not installed (optional; make test installs it)")
+def test_math_verify_is_not_asked_to_evaluate_huge_numbers():
+    """verify() evaluated an answer like "10^{10^{10}}" exactly, in one big-integer power in C
+    that holds the GIL: the reward's time limit could not stop it and the generator's decode
+    loop froze for good ("(10^{7})!" stalled it 8 s at a time). Such answers compare as
+    strings; powers and factorials of a sane size are still evaluated."""
+    from rollout.rewards import _huge_number, _parse_latex
+    assert _huge_number(_parse_latex("10^{10^{10}}")[0]) and _huge_number(_parse_latex("(10^{7})!")[0])
+    cases = [("5", "\\boxed{2^{10^{9}}}", 0.0), ("5", "\\boxed{(10^{7})!}", 0.0),
+             ("5", "\\boxed{(2^{10})^{10^{9}}}", 0.0),
+             ("10^{10^{10}}", "\\boxed{10^{10^{10}}}", 1.0),  # the same string
+             ("128", "\\boxed{2^{3+4}}", 1.0), ("1/8", "\\boxed{2^{-3}}", 1.0),
+             ("120", "\\boxed{5!}", 1.0), ("x^{10^{10}}", "\\boxed{x^{10^{10}}}", 1.0)]
+    with RewardRunner(math_reward, timeout_s=10.0, max_workers=1) as runner:
+        scores = runner.score_batch([_item(g) for g, _, _ in cases], [c for _, c, _ in cases],
+                                    [[]] * len(cases))
+        assert runner.stats()["timeouts"] == 0 and runner.stats()["errors"] == 0
+    assert scores == [want for _, _, want in cases]

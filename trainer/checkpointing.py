@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -46,10 +47,21 @@ def resume_path(cfg) -> Path | None:
     path = Path(mode)
     if latest is not None and read_extra(latest).get("origin") == origin_of(path):
         return latest  # also once pruning (checkpoint.keep_last) removed the path itself
+    path = stand_in(path)
     if not (path / ".metadata").is_file():
         raise ValueError(f"checkpoint.resume={mode!r} is not a finished checkpoint folder (no .metadata); "
                          f"latest under {checkpoint_root(cfg)}: {latest}")
     return path
+
+
+def stand_in(path: Path) -> Path:
+    """`path`, or where it is not a finished checkpoint, its finished `.old` copy: a save of that
+    step again was cut off between its renames (parallel/checkpoint.py), and the copy stands for
+    the step, as for an 'auto' resume (a path naming the step was refused)."""
+    if (path / ".metadata").is_file() or not path.name:  # ("", "/": no folder name to extend)
+        return path
+    aside = path.with_name(path.name + ".old")
+    return aside if (aside / ".metadata").is_file() else path
 
 
 def origin_of(path: Path) -> str:
@@ -280,7 +292,9 @@ def interrupted_line(cfg) -> str:
 
 
 def saved(cfg, step: int) -> bool:
-    """A finished checkpoint of `step` is on disk (the periodic one, or the one resumed from)."""
+    """A finished checkpoint of `step` is on disk in its own folder (the periodic one, or the one
+    resumed from). A `.old` copy that stands for the step (`stand_in`) does not count: a stop
+    saves the step again, which puts it back in its own folder."""
     return (checkpoint_dir(checkpoint_root(cfg), step) / ".metadata").is_file()
 
 
@@ -294,11 +308,31 @@ def stopped_line(cfg, reason: str, step: int, path: Path) -> str:
 
 def truncate_steps(f: Path, last_step: int) -> None:
     """Drop the lines of a jsonl log (metrics.jsonl, eval.jsonl) whose "step" is after the
-    checkpoint's `last_step`: they are redone, so the file's steps stay contiguous."""
+    checkpoint's `last_step`: they are redone, so the file's steps stay contiguous. Lines that
+    are not whole records go too, with a line saying so: a write cut off (a full disk, a node's
+    crash on a network file system) left one, and every resume failed on it (JSONDecodeError)."""
     if not f.is_file():
         return
-    keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    keep, torn = [], 0
+    for line in f.read_text(errors="replace").splitlines():
+        step = _step_of(line)
+        torn += step is None and line.strip() != ""
+        if step is not None and step <= last_step:
+            keep.append(line)
+    if torn:
+        print(f"{f}: dropped {torn} line(s) that are not whole JSON records with a \"step\" (a "
+              "write that was cut off)", file=sys.stderr, flush=True)
     write_atomic(f, "".join(line + "\n" for line in keep))
+
+
+def _step_of(line: str) -> int | None:
+    """The "step" of one jsonl record, or None for a line that is not one."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def maybe_export_hf(cfg, model, step: int, tokenizer, group) -> None:
