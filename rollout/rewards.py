@@ -147,6 +147,7 @@ def _parse_latex(answer: str) -> list:
 
 
 _NUMBER_RE = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # "46," -> "46"
+MINUS_SIGN = "\u2212"
 _THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\\,)(?=\d{3}(?!\d))")
 _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 
@@ -154,7 +155,8 @@ _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 def math_fallback(gold: str, completion: str) -> float:
     """Math equivalence without math_verify (the documented fallback).
 
-    1. The completion's final answer is, in order of preference: the content of the last
+    1. U+2212, the typeset minus sign, is read as "-" in both. The completion's
+       final answer is, in order of preference: the content of the last
        `\\boxed{...}` (none if that box is never closed: the completion was cut off inside
        it, as math_verify reads it too), a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
        in the text is not one), the last `<answer>X</answer>`, else its last number. The gold
@@ -166,6 +168,7 @@ def math_fallback(gold: str, completion: str) -> float:
        within 1e-6 of the gold, relative above 1 ("0.333333" == "1/3"); otherwise (also for an
        exponent of 1000 or more, "1e1000") the normalised strings must match, case-insensitively.
     """
+    gold, completion = gold.replace(MINUS_SIGN, "-"), completion.replace(MINUS_SIGN, "-")
     gold_answer = extract_final_answer(gold, last_number=False) or gold
     answer = extract_final_answer(completion)
     if answer is None:

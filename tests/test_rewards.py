@@ -51,6 +51,10 @@ def test_exact_match():
     ("-0.5", "\\boxed{-\\frac{1}{2}}", 1.0),
     ("7", "#### Step 2\nShe pays 2 + 5 = 7 dollars. The answer is 7.", 1.0),  # a Markdown
     ("3", "The result is 3.\n#### ", 1.0),  # heading, an empty marker: not GSM8K's "#### X" line
+    ("-5", "\\boxed{\u22125}", 1.0),       # U+2212, the typeset minus sign
+    ("-5", "so it is \u22125", 1.0),
+    ("\u22125", "#### -5", 1.0),
+    ("5", "\\boxed{\u22125}", 0.0),
 ])
 def test_math_fallback(gold, completion, expected):
     assert math_fallback(gold, completion) == expected
@@ -379,3 +383,11 @@ def test_math_verify_is_not_asked_to_evaluate_huge_numbers():
                                     [[]] * len(cases))
         assert runner.stats()["timeouts"] == 0 and runner.stats()["errors"] == 0
     assert scores == [want for _, _, want in cases]
+
+
+def test_math_reward_reads_the_typeset_minus_sign_with_or_without_math_verify():
+    """"\u22125" (U+2212, as typeset math writes it) scored 0 against "-5" in the fallback
+    (math_verify reads it as a minus sign)."""
+    assert math_reward(_item("-5"), "so \\boxed{\u22125}", []) == 1.0
+    assert math_reward(_item("\u22125"), "The answer is \\boxed{-5}", []) == 1.0
+    assert math_reward(_item("5"), "so \\boxed{\u22125}", []) == 0.0
