@@ -48,20 +48,51 @@ def preflight(cfg, dims):
         load_eval_items(cfg, tok)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     check_resume(cfg)
-    check_resumed_prompts(cfg, items)
+    check_resumed(cfg, args, items)
     _check_writable(Path(cfg.run.dir))
     return tok
 
 
-def check_resumed_prompts(cfg, items) -> None:
-    """A resume over another prompt set (data.source, num_prompts, filters, order): refused here,
-    as the generators' cursors would refuse it, but only once they restored them after start-up
-    (the trainer had resumed and waited for them meanwhile). Replica 0's cursor stands for all:
-    the replicas share the set, and gen_dp is checked with the other RESUME_SETTINGS."""
-    from rollout.data import PromptSource
-    from trainer.checkpointing import generator_state, read_extra, resume_path
+def check_resumed(cfg, args, items) -> None:
+    """The checkpoint this run resumes from (if any) holds this model's parameters, shape for
+    shape, and was cut over the prompt set this config loads: both failed only after start-up,
+    DCP's "Size mismatch" on every trainer rank (a model.path of another size) and the
+    generators' cursors (another data.source, num_prompts or filter), after the trainer had
+    resumed."""
+    from trainer.checkpointing import resume_path
     path = resume_path(cfg)
-    state = generator_state(read_extra(path), 0) if path is not None else None
+    if path is not None:
+        _check_resumed_shapes(cfg, path, args)
+        _check_resumed_prompts(cfg, path, items)
+
+
+def _check_resumed_shapes(cfg, path: Path, args) -> None:
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from model import Transformer
+    with torch.device("meta"):
+        want = {f"model.{n}": tuple(p.shape)
+                for n, p in Transformer(args).named_parameters(remove_duplicate=False)}
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    have = {k: tuple(m.size) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size")}
+    wrong = [f"{k[6:]} {list(have[k])} there, {list(v)} here" for k, v in want.items()
+             if k in have and have[k] != v]
+    wrong += [f"{k[6:]} missing there" for k in want if k not in have]
+    wrong += [f"{k[6:]} only there" for k in have if k not in want]
+    if wrong:
+        raise ConfigError(f"resuming {path}: its parameters are not those of the model in "
+                          f"{cfg.model.path} ({len(wrong)} differ: {'; '.join(wrong[:3])}"
+                          f"{'; ...' if len(wrong) > 3 else ''}); resume with the model.path of "
+                          "the run that saved it, or start a new --run.dir")
+
+
+def _check_resumed_prompts(cfg, path: Path, items) -> None:
+    """Replica 0's saved cursor stands for all: the replicas share the set, and gen_dp is
+    checked with the other RESUME_SETTINGS."""
+    from rollout.data import PromptSource
+    from trainer.checkpointing import generator_state, read_extra
+    state = generator_state(read_extra(path), 0)
     if state is None:
         return
     source = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=0,

@@ -212,17 +212,21 @@ def test_a_rank_other_than_0_reports_the_error_when_still_running_after_the_grac
         assert w in err, (w, err)
 
 
-def test_a_resume_over_another_prompt_set_is_refused_before_process_groups(
+def test_a_resume_over_another_prompt_set_or_model_is_refused_before_process_groups(
         tmp_path, good_model, monkeypatch, capsys):
-    """The generators' cursors refused a resume over another prompt set only after start-up (the
-    trainer had resumed, the generators had built their engines); preflight now compares replica
-    0's saved cursor with the set this config loads, and the same set passes."""
+    """The generators' cursors refused a resume over another prompt set, and DCP one into a
+    model of another size ("Size mismatch" on every trainer rank), only after start-up;
+    preflight now compares the checkpoint with what this config loads, and the same passes."""
     from config import load_config
-    from launch.preflight import check_resumed_prompts
+    from launch.preflight import check_resumed
+    from model import load_pretrained
+    from model.hf_io import load_model_args
     from model.tokenizer import load_tokenizer
+    from parallel.checkpoint import save_sharded
     from rollout.data import PromptSource
     from rollout.role import load_items
-    from trainer.checkpointing import EXTRA_FILE, checkpoint_root
+    from tools.make_tiny_model import make_random_model
+    from trainer.checkpointing import checkpoint_root
     base = ["--config", "configs/tiny_cpu.toml", f"--model.path={good_model}",
             f"--run.dir={tmp_path / 'run'}", "--data.num_prompts=100"]
     cfg = load_config("configs/tiny_cpu.toml", base[2:]).resolve(3)
@@ -230,12 +234,15 @@ def test_a_resume_over_another_prompt_set_is_refused_before_process_groups(
     cursor = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=0,
                           world=1).state_dict()
     step = checkpoint_root(cfg) / "step_000002"
-    step.mkdir(parents=True)
-    (step / ".metadata").write_text("")
-    (step / EXTRA_FILE).write_text(json.dumps(
-        {"step": 2, "version": 2, "generators": {"0": {"cursor": cursor, "inflight": [], "started": 8}}}))
-    check_resumed_prompts(cfg, items)  # the same set: resumes
+    save_sharded(step, load_pretrained(good_model), extra={
+        "step": 2, "version": 2, "generators": {"0": {"cursor": cursor, "inflight": [], "started": 8}}})
+    check_resumed(cfg, load_model_args(good_model), items)  # the same model and set: resumes
     rc, err = _in_this_process([*base, "--data.num_prompts=50"], "3", monkeypatch, capsys)
     assert rc == 2 and "Traceback" not in err, err
     assert f"resuming {step}: prompt cursor was saved with num_items=100" in err
     assert "this source has num_items=50" in err
+    wider = make_random_model(tmp_path / "wider", hidden=48, layers=2)
+    rc, err = _in_this_process([*base, f"--model.path={wider}"], "3", monkeypatch, capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"resuming {step}: its parameters are not those of the model in {wider}" in err
+    assert "model.embed_tokens.weight [" in err and "; ...);" in err, err
