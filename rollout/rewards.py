@@ -336,7 +336,7 @@ def resolve_reward(spec, format_weight: float = 0.0) -> RewardFn:
         return fn
 
     def with_format(item, completion_text, completion_ids):
-        return (float(fn(item, completion_text, completion_ids))
+        return (_as_reward(fn(item, completion_text, completion_ids))  # named, as without it
                 + format_weight * format_reward(item, completion_text, completion_ids))
 
     with_format.__name__ = f"{getattr(fn, '__name__', 'reward')}+{format_weight}*format"

@@ -170,6 +170,9 @@ def test_resolve_builtins_and_paths(user_module):
     combined = resolve_reward("exact_match", format_weight=0.5)
     assert combined(_item("1"), "1", []) == 1.0
     assert combined(_item("1"), "<answer>2</answer>", []) == 0.5
+    # a user reward's None is named with a format weight too ("float() argument must be ...")
+    with pytest.raises(TypeError, match=r"a reward must return a float, got None \(NoneType\)"):
+        resolve_reward(lambda item, text, ids: None, format_weight=0.5)(_item("1"), "1", [])
 
 
 @pytest.mark.parametrize("spec, pattern", [
