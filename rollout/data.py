@@ -333,8 +333,9 @@ def _encoded(item: PromptItem, encode_fn: Callable[[PromptItem], list[int]]) -> 
 
 
 def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], list[int]],
-                     max_prompt_len: int) -> tuple[list[PromptItem], int]:
-    """Drop prompts longer than `max_prompt_len` tokens; returns (kept, number skipped).
+                     max_prompt_len: int, what: str = "prompts") -> tuple[list[PromptItem], int]:
+    """Drop prompts longer than `max_prompt_len` tokens; returns (kept, number skipped). `what`
+    names the set in the messages (the training and the held-out prompts are filtered alike).
 
     Skips are logged as one warning with the count. If nothing fits, that is a configuration
     error, and the message says how long the shortest prompt is. A prompt that cannot be rendered
@@ -342,7 +343,7 @@ def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], 
     all (an empty prompt without BOS; the engine needs one) is an error naming its record.
     """
     if not items:
-        raise ValueError("filter_by_length got no prompts; check data.source and data.num_prompts")
+        raise ValueError(f"filter_by_length got no {what}; check data.source and data.num_prompts")
     kept, shortest = [], None
     for item in items:
         n = len(_encoded(item, encode_fn))
@@ -352,12 +353,12 @@ def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], 
     n_skipped = len(items) - len(kept)
     if not kept:
         raise ValueError(
-            f"all {len(items)} prompts are longer than data.max_prompt_len={max_prompt_len} "
+            f"all {len(items)} {what} are longer than data.max_prompt_len={max_prompt_len} "
             f"tokens (the shortest has {shortest}); raise data.max_prompt_len to at least "
             f"{shortest} or use shorter prompts")
     if n_skipped:
-        logger.warning("skipped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                       n_skipped, len(items), max_prompt_len)
+        logger.warning("skipped %d of %d %s longer than data.max_prompt_len=%d tokens",
+                       n_skipped, len(items), what, max_prompt_len)
     return kept, n_skipped
 
 

@@ -22,17 +22,17 @@ def load_items(cfg, tokenizer):
     items = load_prompts(d.source, prompt_field=d.prompt_field, messages_field=d.messages_field,
                          answer_field=d.answer_field, num_prompts=d.num_prompts, seed=d.seed,
                          **task_options(d))
-    return _fitting(items, cfg, tokenizer)
+    return _fitting(items, cfg, tokenizer, f"training prompts ({d.source})")
 
 
 def load_eval_items(cfg, tokenizer):
     """The held-out prompts of `eval` (rollout.data.load_held_out) that fit, and their encoder."""
-    return _fitting(load_held_out(cfg.data, cfg.eval), cfg, tokenizer)
+    return _fitting(load_held_out(cfg.data, cfg.eval), cfg, tokenizer, "held-out prompts (eval)")
 
 
-def _fitting(items, cfg, tokenizer):
+def _fitting(items, cfg, tokenizer, what: str):
     encode = lambda it: render_prompt(it, tokenizer, cfg.data.chat_template)  # noqa: E731
-    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len)
+    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len, what)
     return kept, skipped, encode
 
 

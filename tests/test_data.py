@@ -262,6 +262,28 @@ def test_filter_by_length_counts_and_warns(caplog):
         filter_by_length(items, encode, max_prompt_len=0)
 
 
+def test_the_training_and_held_out_sets_say_which_one_lost_prompts(tmp_path, caplog):
+    """Both sets are filtered by data.max_prompt_len; their warnings and errors read alike."""
+    from config import load_config
+    from model.tokenizer import load_tokenizer
+    from rollout.role import load_eval_items, load_items
+    from tools.make_tiny_model import make_random_model
+    folder = make_random_model(tmp_path / "m", hidden=16, layers=1)
+    cfg = load_config("configs/tiny_cpu.toml", [f"--model.path={folder}", "--data.num_prompts=200",
+                                                "--data.synthetic_digits=2", "--data.max_prompt_len=6"])
+    tok = load_tokenizer(folder)
+    with caplog.at_level(logging.WARNING, logger="tandem.data"):
+        load_items(cfg, tok)
+        load_eval_items(cfg, tok)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "training prompts (synthetic:addition) longer than data.max_prompt_len=6" in lines[0]
+    assert "held-out prompts (eval) longer than data.max_prompt_len=6" in lines[1]
+    with pytest.raises(ValueError, match=r"all 200 training prompts \(synthetic:addition\) are longer"):
+        load_items(load_config("configs/tiny_cpu.toml", [f"--model.path={folder}", "--data.num_prompts=200",
+                                                         "--data.max_prompt_len=1"]), tok)
+
+
 def test_filter_by_length_names_a_record_that_renders_to_nothing_or_fails(tmp_path):
     """An empty prompt of a tokenizer without BOS became 0 tokens, passed the length filter and
     crashed the generator when drawn; a template error was a traceback naming no record."""
