@@ -176,6 +176,35 @@ def test_a_sender_with_a_full_window_still_reads_the_final_shutdown():
     assert run_ranks(_full_window, 2, timeout=60)[1] == {"got": 7}
 
 
+def _final_shutdowns(rank, world):
+    """Rank 0, the trainer with a window of 2, sends each leader its final weights, then each a
+    SHUTDOWN; leader 1 reads its SHUTDOWN 2 s later (replica 0's final evaluation)."""
+    leaders = list(range(1, world))
+    link = Link(rank, leaders if rank == 0 else [0], timeout_s=8, max_in_flight=2)
+    if rank == 0:
+        for leader in leaders:
+            link.send(leader, Msg.WEIGHTS_READY, 5)
+        time.sleep(0.5)  # every leader took its weights
+        t0 = time.monotonic()
+        for leader in leaders:
+            link.send(leader, Msg.SHUTDOWN, 5)
+        link.flush()
+        return {"shutdown_s": time.monotonic() - t0}
+    link.wait_for(Msg.WEIGHTS_READY, "the final weights")
+    if rank == 1:
+        time.sleep(2.0)
+    return {"got": link.wait_for(Msg.SHUTDOWN, "the final SHUTDOWN").type.name}
+
+
+def test_the_final_shutdowns_each_arrive_though_the_window_fills_between_them():
+    """A peer sent a SHUTDOWN still reads up to it: the window dropped such a peer's unread
+    SHUTDOWN as if the peer had shut down (a gloo send never waited for never arrives), so
+    replica 0 timed out after its final evaluation, and the trainer's flush did not wait for it."""
+    trainer, *leaders = run_ranks(_final_shutdowns, 4, timeout=60)
+    assert leaders == [{"got": "SHUTDOWN"}] * 3
+    assert trainer["shutdown_s"] > 1.0  # it waited for leader 1's evaluation
+
+
 def _window_times_out(rank, world):
     import torch.distributed as dist
     link = Link(rank, [1 - rank], timeout_s=1, max_in_flight=1)

@@ -121,7 +121,9 @@ class Link:
         self._watcher: threading.Thread | bool | None = None  # started on the first receive
         self._arrived = threading.Event()  # the bell rang since the last receive
         self._closed = False
-        self._shut: set[int] = set()  # peers sent a SHUTDOWN: they read nothing after it
+        # peers sent a SHUTDOWN: they read everything up to it (its body must be waited for, a
+        # dropped gloo send never arrives), nothing after it
+        self._shut: set[int] = set()
         self._gone: set[int] = set()  # peers that sent this rank a SHUTDOWN: they read nothing more
         self.bytes_sent = self.bytes_received = 0
 
@@ -158,7 +160,7 @@ class Link:
 
     def _unread(self, dst: int, key: str) -> bool:
         """The message with header `key` is not taken, and `dst` still reads."""
-        return dst not in self._shut | self._gone and self.store.check([key])
+        return dst not in self._gone and self.store.check([key])
 
     def _wait_oldest(self) -> None:
         """Wait until the oldest message in flight is taken, or its receiver shut down: that one
@@ -182,7 +184,7 @@ class Link:
 
     def _pop_sent(self) -> None:
         """The oldest message in flight, taken or never to be (its receiver shut down)."""
-        if self._sends[0][2] in self._shut | self._gone:
+        if self._sends[0][2] in self._gone:
             self._sends.popleft()
         else:
             self._wait_send()

@@ -128,10 +128,10 @@ def _wait(work, deadline: float, timeout_s: float, what: str) -> None:
 
 def is_timeout(e: RuntimeError, deadline: float = math.inf) -> bool:
     """Whether a collective's error is its timeout: gloo says "Timed out", NCCL "... before
-    timing out" or "timeout"; an error raised at the `deadline` (time.monotonic()) is one
-    whatever it says."""
+    timing out" (a bare "timeout" is no sign: NCCL's "either an error or timeout" is said of
+    both); an error raised at the `deadline` (time.monotonic()) is one whatever it says."""
     text = str(e).lower()
-    return any(w in text for w in ("timed out", "timing out", "timeout")) or time.monotonic() >= deadline
+    return "timed out" in text or "timing out" in text or time.monotonic() >= deadline
 
 
 class VersionThread:
