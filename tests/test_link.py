@@ -205,6 +205,40 @@ def test_the_final_shutdowns_each_arrive_though_the_window_fills_between_them():
     assert trainer["shutdown_s"] > 1.0  # it waited for leader 1's evaluation
 
 
+def test_a_full_window_looks_at_the_store_ever_less_often():
+    """A sender blocked on a full window polls the job's store for its receipt: every 10 ms, 100
+    looks a second for each of hundreds of generator replicas blocked through a trainer step. It
+    backs off to RECEIPT_POLL_MAX_S, and still sees the receipt within one pause."""
+    from collections import deque
+
+    import trainer.link as L
+
+    class Store:  # the oldest message is taken 1.5 s from now; no SHUTDOWN is ever waiting
+        def __init__(self):
+            self.calls, self.taken_at = 0, time.monotonic() + 1.5
+
+        def check(self, keys):
+            self.calls += 1
+            return time.monotonic() < self.taken_at
+
+        def add(self, key, n):
+            self.calls += 1
+            return 0
+
+    link = L.Link.__new__(L.Link)
+    link.rank, link.timeout_s, link._next_ticket = 0, 30.0, 1
+    link._gone, link._shut = set(), set()
+    link.store = Store()
+    popped = []
+    link._pop_sent = lambda: popped.append(link._sends.popleft())
+    link._sends = deque([(None, None, 1, Msg.TRAJECTORIES, "1/1")])
+    t0 = time.monotonic()
+    link._wait_oldest()
+    waited = time.monotonic() - t0
+    assert len(popped) == 1 and 1.5 <= waited < 1.5 + L.RECEIPT_POLL_MAX_S + 0.5
+    assert link.store.calls < 30, link.store.calls  # 10 ms polls: ~300 calls
+
+
 def _window_times_out(rank, world):
     import torch.distributed as dist
     link = Link(rank, [1 - rank], timeout_s=1, max_in_flight=1)

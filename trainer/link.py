@@ -49,9 +49,12 @@ TAG_BODY = 12
 # The watcher's store wait. Long: every timed-out wait logs a c10d warning; `close()` rings the
 # bell to end it.
 WATCH_S = 24 * 3600.0
-# How often a sender with a full window looks whether its oldest message was taken: a receipt
-# rings no bell (Link._wait_oldest)
+# How often a sender with a full window looks whether its oldest message was taken (a receipt
+# rings no bell; Link._wait_oldest): first after RECEIPT_POLL_S, then twice as long each time up
+# to RECEIPT_POLL_MAX_S, so that senders blocked through a long trainer step (hundreds of
+# generator replicas) cost the job's store a few calls a second each, not 100-300.
 RECEIPT_POLL_S = 0.01
+RECEIPT_POLL_MAX_S = 0.5
 _WATCHED: "weakref.WeakSet[Link]" = weakref.WeakSet()  # links whose watcher runs
 
 
@@ -167,10 +170,11 @@ class Link:
         reads nothing more, and a blocking wait for it kept this rank from reading its SHUTDOWN.
         (A generator that shipped more than max_in_flight groups during the trainer's last step
         waited so for the trainer, which waited for it to take the final SHUTDOWN, until both
-        timed out: the finished run failed.) The store is looked at every RECEIPT_POLL_S; a gloo
-        wait cannot be sliced, since one that times out breaks the process group (`_wait`)."""
+        timed out: the finished run failed.) The store is looked at ever less often
+        (RECEIPT_POLL_S doubling up to RECEIPT_POLL_MAX_S); a gloo wait cannot be sliced, since
+        one that times out breaks the process group (`_wait`)."""
         _, _, dst, type, key = self._sends[0]
-        deadline = time.monotonic() + self.timeout_s
+        deadline, pause = time.monotonic() + self.timeout_s, RECEIPT_POLL_S
         while self._unread(dst, key):
             if self._shutdown_waiting(dst):
                 self._gone.add(dst)
@@ -179,7 +183,8 @@ class Link:
                                    f"waiting for rank {dst} to receive a {type.name} message "
                                    f"(it sends at most {self.max_in_flight} messages ahead)")
             else:
-                time.sleep(RECEIPT_POLL_S)
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2 * pause, RECEIPT_POLL_MAX_S)
         self._pop_sent()
 
     def _pop_sent(self) -> None:
