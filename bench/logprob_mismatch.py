@@ -126,6 +126,8 @@ def main(argv=None) -> dict:
     bad = [g for g in a.gen_dtypes.split(",") if g not in ("float32", "bfloat16", "float16")]
     if bad:
         ap.error(f"--gen-dtypes: {bad} not among float32, bfloat16, float16")
+    if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: this machine has no CUDA device; use --device cpu")
     torch.set_num_threads(a.threads)
     model32, path = load(a)
     model32.requires_grad_(False)

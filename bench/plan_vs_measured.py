@@ -13,10 +13,12 @@
    median of 16 steps: with 4 (the default until 2026-11-30) two layouts 5-10% apart swapped
    places between runs, as wide a spread as the 10% goal itself.
    Each generator replica gets the KV slots the planner writes into its TOML: its sequences per
-   step (64 for one replica, 32 for two, 16-24 for the colocated ones). The engine decodes every
-   slot each step, live or not. Until session 11 every layout ran with 64 slots, so a replica
-   with 32 sequences decoded 64 rows a step while the model priced 32 (G=2 2x1/2x1 measured 5-11%
-   slower with 64 slots than with 32 in one A/B).
+   step (64 for one replica, 32 for two, 16-24 for the colocated ones). The engine then decoded
+   every slot each step, live or not (eager decode on CPU now computes the owned slots only,
+   `Engine(compact=...)`; these fixed-length runs keep every slot live until the batch ends).
+   Until session 11 every layout ran with 64 slots, so a replica with 32 sequences decoded 64
+   rows a step while the model priced 32 (G=2 2x1/2x1 measured 5-11% slower with 64 slots than
+   with 32 in one A/B).
    Every layout runs twice (`--passes 2`, the default since 2026-11-30; 1 before), in two
    passes over the list, and its faster pass counts: one run in ten of session 9 measured the
    world-4 split layouts 20-45% slower than any other run, a slowdown of the host that hit some
@@ -39,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import print_json, read_metrics, rl_args, run_train_rl  # (the repo on sys.path)
+from common import REPO, print_json, read_metrics, rl_args, run_train_rl  # (the repo on sys.path)
 
 from config import int_at_least
 from launch import cost_model as cm
@@ -68,7 +70,8 @@ def prompt_len(model: str) -> int:
     from config import load_config
     from model.tokenizer import load_tokenizer
     from rollout.role import load_items
-    cfg = load_config("configs/tiny_cpu.toml", [f"--model.path={model}"])
+    # the repository's preset, wherever the bench runs from (train_rl.py runs in REPO: rl_args)
+    cfg = load_config(str(REPO / "configs/tiny_cpu.toml"), [f"--model.path={model}"])
     items, _, encode = load_items(cfg, load_tokenizer(model))
     lens = [len(encode(it)) for it in items[:500]]
     return round(sum(lens) / len(lens))
@@ -148,6 +151,8 @@ def main(argv=None) -> int:
                          "compare the model with each layout's fastest pass (a host slowdown "
                          "during one run only makes it slower)")
     a = ap.parse_args(argv)
+    if not 0 <= a.warmup < a.steps:  # else every layout's run is measured, then none is timed
+        ap.error(f"--warmup {a.warmup} must be >= 0 and leave timed steps of --steps {a.steps}")
     t_start = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,6 +35,7 @@ from common import LLAMA_1B, hf_names, pin_malloc, print_json  # also puts the r
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from config import int_at_least  # noqa: E402
 from model import load_pretrained  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
@@ -397,10 +398,11 @@ def gpu_section(repeats: int, device: str = "cuda", shape: dict = GPU_SHAPE, B: 
     return res
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="also run the 1.1B GPU section")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int_at_least(1), default=3,
+                    help="timed runs of each variant after its warm-up (the median is reported)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     ap.add_argument("--no-hf-static", action="store_true",
                     help="GPU: leave out HF's static-cache generate (it compiles, ~1 min)")
@@ -417,7 +419,7 @@ def main() -> None:
                          "decode step; ~30-40 s of compilation in the warm-up)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave glibc's malloc policy as it is (see the module docstring)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     for flag, modes in (("--modes", a.modes), ("--cpu-modes", a.cpu_modes)):
         bad = [m for m in modes.split(",") if m and not valid_mode(m)]
         if bad:

@@ -12,8 +12,9 @@ has no meaningful datasheet figure; on GPU the 790 TFLOP/s measured before (REFE
 HF reached 52.8%) is reported alongside. Both sides compute the loss the same way: logits upcast to
 fp32, summed cross entropy divided by the global token count (what the trainer does).
 Ours takes plain [B, T] input by default; --packed feeds it the trainer's packed form
-(`model(ids_N, seq_lens=...)`, trainer/batch.py), which without flash-attn attends through a dense
-N x N mask and costs more; HF always takes [B, T].
+(`model(ids_N, seq_lens=...)`, trainer/batch.py), which without flash-attn attends sequence by
+sequence (`model.attention.packed_groups`: one SDPA call per sequence length, gathered in and
+out); HF always takes [B, T].
 The last line is one JSON object.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from bench.common import (LLAMA_1B, matmul_peak_flops, median, mfu, print_json, run_ranks,
                           time_steps, train_flops)
+from config import int_at_least
 from model import ModelArgs
 
 CPU_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
@@ -268,11 +270,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     ap.add_argument("--compile", action="store_true", help="GPU: torch.compile each decoder layer of ours")
     ap.add_argument("--packed", action="store_true", help="ours takes packed ids_N + seq_lens")
-    ap.add_argument("--iters", type=int, default=10, help="timed steps (median reported)")
+    ap.add_argument("--iters", type=int_at_least(1), default=10,
+                    help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed CPU steps first")
     ap.add_argument("--gpu-warmup", type=int, default=3, help="untimed GPU steps first")
     ap.add_argument("--cpu-threads", type=int, default=2, help="threads of the 1-process runs")
-    ap.add_argument("--cpu-batch", type=int, default=8)
+    ap.add_argument("--cpu-batch", type=int_at_least(2), default=8,
+                    help="rows of the CPU batch, an even number: fsdp=2 gives each rank half")
     ap.add_argument("--cpu-seq", type=int, default=256)
     ap.add_argument("--gpu-device", default="cuda", help="'cpu' runs the GPU section's code path "
                     "on the CPU (a smoke test, with --gpu-shape tiny)")
@@ -280,6 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-batch", type=int, default=8)
     ap.add_argument("--gpu-seq", type=int, default=1024)
     a = ap.parse_args(argv)
+    if a.cpu_batch % 2:  # else rank 1 of the fsdp=2 run has no rows of its own (or fewer)
+        ap.error(f"--cpu-batch {a.cpu_batch}: the fsdp=2 run splits the rows between its 2 "
+                 "ranks; give an even number")
     record = {"bench": "train_step", "torch": torch.__version__}
     if not a.no_cpu:
         record["cpu"] = cpu_section(a)

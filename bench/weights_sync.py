@@ -62,6 +62,7 @@ import torch
 
 from bench.common import (LLAMA_1B, print_json, read_metrics, rl_args, root_cause, run_ranks,
                           run_train_rl)
+from config import int_at_least
 from launch.plan import PRESETS
 
 SHAPES = {
@@ -418,8 +419,20 @@ def _copy_time(model, dev, dtype, sync) -> float:
     return statistics.median(ts[1:])
 
 
+def ipc_device(name: str | None) -> str:
+    """The ipc mode's device, with an index: both ranks call `torch.cuda.set_device` on it, which
+    refuses a bare "cuda" (on a GPU as well). None: cuda:0 where CUDA is available, else cpu."""
+    if name is None:
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device; use --device cpu "
+                         "(CPU shared memory, the same code) or leave --device out")
+    return f"cuda:{dev.index or 0}" if dev.type == "cuda" else dev.type
+
+
 def run_ipc(a) -> int:
-    device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = a.device
     variants = [(False, 1, True), (True, 1, True), (False, 2, True), (False, 0, True),
                 (True, 0, True), (True, 1, False), (True, 0, False)]
     t0 = time.perf_counter()
@@ -522,7 +535,8 @@ def main(argv=None) -> int:
                     help="gloo mode: generator dtypes, e.g. float32,bfloat16")
     ap.add_argument("--trainer-dtype", default="bfloat16", help="ipc mode")
     ap.add_argument("--gen-dtype", default="bfloat16", help="ipc mode")
-    ap.add_argument("--versions", type=int, default=None, help="timed versions (default 7 gloo, 10 ipc)")
+    ap.add_argument("--versions", type=int_at_least(1), default=None,
+                    help="timed versions (default 7 gloo, 10 ipc)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--rl", action="store_true", help="train_rl.py async vs sync, 2 ranks")
@@ -549,6 +563,10 @@ def main(argv=None) -> int:
         return run_rl(a)
     if a.ipc:
         a.shape, a.versions = a.shape or "1b", a.versions or 10
+        try:
+            a.device = ipc_device(a.device)
+        except ValueError as e:
+            ap.error(str(e))
         return run_ipc(a)
     a.shape, a.versions = a.shape or "100m", a.versions or 7
     return run_gloo(a)

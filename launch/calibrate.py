@@ -5,9 +5,10 @@
     python launch/plan.py --model ... --profile profile.json ...   # measured numbers win
 
 What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
-  * one decoder layer's forward and backward time at a few packed micro-batch sizes T, as the
-    difference of a 2-layer and a 1-layer copy of the model (the rest is the "head": embedding,
-    final norm, lm_head and log-softmax), fitted as a + b*T + c*T^2 by the cost model;
+  * one decoder layer's forward and backward time at a few packed micro-batch sizes T, timed in
+    place by module hooks around every decoder layer of a real forward/backward and averaged
+    over the layers (the rest is the "head": embedding, final norm, lm_head and log-softmax),
+    fitted as a + b*T + c*T^2 by the cost model;
   * one engine decode step at a few batch sizes, as (t(R2) - t(R1)) / (R2 - R1) of two
     `Engine.generate` calls, and the fixed part (prefill + admission) t(R1) - R1 * step;
   * the trainer's per-step overhead beyond forward/backward: a real `train_step` (optimizer,
@@ -27,7 +28,9 @@ What is measured (ReaL profiles per-layer costs the same way, arXiv 2406.14088):
     once; and the slowdown of k/2 generator TP pairs decoding at once, which wait on each other
     more than they compute (launch/core_share.py).
 Timings are minima over repetitions (undisturbed costs); the load of a shared machine enters
-through the slowdown curve.
+through the slowdown curve. The exceptions, where waiting for the peer is part of the cost, are
+medians: the optimizer-step probe, the paired sharded-against-plain steps, the generator's
+hand-off and the colocated group exchange.
 Ranks are single-threaded (torchrun's OMP_NUM_THREADS=1), so the profile is too (--threads).
 """
 from __future__ import annotations
@@ -589,6 +592,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def out_ready(path: str) -> None:
+    """Make `--out`'s folder (as a run directory is made) and refuse a folder as the file."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError("is a folder; give the profile's file name, e.g. profile.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -598,6 +609,11 @@ def main(argv=None) -> int:
         args = model_args_from(a.model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:  # before the minutes of measuring: a missing folder lost them at the end
+        out_ready(a.out)
+    except (OSError, ValueError) as e:
+        print(f"error: --out {a.out}: {e}", file=sys.stderr)
         return 2
     wl = Workload(a.prompts, a.group, a.prompt_len, a.response_len)
     t0 = time.perf_counter()

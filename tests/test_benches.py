@@ -240,3 +240,99 @@ def test_rollout_gpu_section_keeps_its_results_when_a_side_fails(monkeypatch):
                                         hf_static=False)
     assert "failed" in out["hf_dynamic_cache"] and out["ours_eager"]["new_tokens"] == 2 * 4
     assert "speedup_vs_best_hf" not in out
+
+
+def test_plan_vs_measured_reads_its_preset_from_any_directory(monkeypatch, tmp_path):
+    """The prompt length the model is priced at comes from configs/tiny_cpu.toml, which was
+    read relative to the working directory: run from elsewhere, the bench died there."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    from plan_vs_measured import prompt_len
+    from tools.make_tiny_model import make_random_model
+    model = make_random_model(tmp_path / "m", hidden=32, layers=1)
+    monkeypatch.chdir(tmp_path)
+    assert prompt_len(str(model)) == 5  # BOS + "a+b=" of the preset's one-digit sums
+
+
+def test_plan_vs_measured_refuses_a_warmup_that_leaves_no_timed_step(monkeypatch, capsys):
+    """Refused before the profile and the runs: the first layout's empty rows crashed the bench
+    (IndexError) after minutes of work."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import plan_vs_measured
+
+    def started(*a, **k):
+        raise AssertionError("the bench started its work")
+    monkeypatch.setattr(plan_vs_measured, "make_random_model", started)
+    with pytest.raises(SystemExit) as e:
+        plan_vs_measured.main(["--steps", "4", "--warmup", "4"])
+    assert e.value.code == 2 and "--warmup 4" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is missing")
+def test_logprob_mismatch_names_a_missing_cuda_device(capsys):
+    from bench.logprob_mismatch import main
+    with pytest.raises(SystemExit) as e:  # was torch's "Torch not compiled with CUDA enabled"
+        main(["--random", "--device", "cuda", "--prompts", "1", "--n", "1", "--new-tokens", "2"])
+    assert e.value.code == 2 and "--device cuda: this machine has no CUDA device" in \
+        capsys.readouterr().err
+
+
+def test_weights_sync_ipc_device_has_an_index(monkeypatch, capsys):
+    """Both ipc ranks call torch.cuda.set_device on the device, which refuses a bare "cuda"
+    with a ValueError on a GPU as well (its index parse, checked here without one)."""
+    from torch.cuda._utils import _get_device_index
+
+    import bench.weights_sync as ws
+    with pytest.raises(ValueError, match="specified index"):
+        _get_device_index(torch.device("cuda"))  # what `--ipc --device cuda` handed to the ranks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [ws.ipc_device(d) for d in ("cuda", "cuda:1", "cpu", None)] == \
+        ["cuda:0", "cuda:1", "cpu", "cuda:0"]
+    assert _get_device_index(torch.device(ws.ipc_device("cuda"))) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ws.ipc_device(None) == "cpu"
+    with pytest.raises(SystemExit) as e:
+        ws.main(["--ipc", "--device", "cuda", "--shape", "tiny", "--versions", "1"])
+    assert e.value.code == 2 and "this machine has no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench,argv", [
+    ("rollout_vs_hf", ["--no-cpu", "--repeats", "0"]),  # crashed after the warm-ups: median([])
+    ("train_step", ["--no-cpu", "--gpu", "--iters", "0"]),  # likewise, after the warm-up steps
+    ("weights_sync", ["--ipc", "--device", "cpu", "--shape", "tiny", "--versions", "0"]),  # ran 10
+])
+def test_benches_refuse_zero_timed_runs(monkeypatch, capsys, bench, argv):
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import importlib
+    main = importlib.import_module(f"bench.{bench}").main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "0 is below 1" in capsys.readouterr().err
+
+
+def test_calibrate_makes_the_profiles_folder_before_measuring(monkeypatch, tmp_path, capsys):
+    """--out in a folder that does not exist yet: the profile was measured, then lost to a
+    FileNotFoundError at the end; a folder given as --out is refused before measuring."""
+    from types import SimpleNamespace
+
+    import launch.calibrate as cal
+    measured = []
+
+    def measure(*a, **k):  # the minutes of measuring, skipped; Profile.save opens the file too
+        measured.append(1)
+        return SimpleNamespace(save=lambda path: Path(path).write_text("{}"))
+    monkeypatch.setattr(cal, "measure", measure)
+    out = tmp_path / "runs" / "gpu" / "profile.json"
+    assert cal.main(["--model", "preset:tiny", "--out", str(out)]) == 0
+    assert out.read_text() == "{}" and measured == [1]
+    assert cal.main(["--model", "preset:tiny", "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err and measured == [1]
+
+
+@pytest.mark.parametrize("rows,words", [("1", "1 is below 2"), ("3", "give an even number")])
+def test_train_step_refuses_a_batch_fsdp_cannot_halve(capsys, rows, words):
+    """The fsdp=2 run gives each rank half the rows (ids.chunk(2)): one row left rank 1 none
+    (IndexError in its process), three gave 2 and 1 and reported rows_per_rank 1."""
+    from bench.train_step import main
+    with pytest.raises(SystemExit) as e:
+        main(["--cpu-batch", rows, "--cpu-seq", "8", "--iters", "1", "--warmup", "0"])
+    assert e.value.code == 2 and words in capsys.readouterr().err
