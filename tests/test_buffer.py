@@ -287,6 +287,14 @@ def test_state_dict_round_trip():
     small = OffPolicyBuffer(capacity_samples=2, max_staleness=2, batch_groups=1, group_size=2)
     with pytest.raises(ValueError, match="holds 4 samples but capacity_samples is 2"):
         small.load_state_dict(state)
+    # groups of one version come back in arrival order, though a take has left the heap's own
+    # list in another (2, 4, 3 here)
+    same = OffPolicyBuffer(capacity_samples=12, max_staleness=2, batch_groups=2, group_size=2)
+    for pid in range(1, 5):
+        same.put(make_group(pid, 3), timeout=1.0)
+    same.take(1, trainer_version=3, timeout=1.0)
+    fresh.load_state_dict(same.state_dict())
+    assert [g.prompt_id for g in fresh.take(2, trainer_version=3, timeout=1.0)] == [2, 3]
 
 
 def test_config_validation():

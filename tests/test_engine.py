@@ -69,6 +69,7 @@ def test_greedy_matches_transformers(folders, family):
     ps = prompts()
     engine = Engine(load(folders, family), num_slots=4, max_len=32)  # fewer slots than prompts
     done = engine.generate(requests(ps, SamplingParams(max_new_tokens=10, greedy=True)))
+    assert [c.prompt_ids for c in done] == ps  # every prompt, in order (zip would stop short)
     for p, c in zip(ps, done):
         with torch.no_grad():  # one prompt at a time: no padding; eos handled by both alike
             ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -113,7 +114,9 @@ def test_bf16_logp_equals_trainer_forward_on_cpu(folders, family):
     for pack in packs:  # plain MKL and oneDNN-packed bf16 linears alike
         engine = Engine(model, num_slots=4, max_len=40, pack_weights=pack)
         assert engine.cache.k.dtype == torch.float32
-        for c in engine.generate(requests(prompts([4, 11, 7]), sp)):
+        done = engine.generate(requests(prompts([4, 11, 7]), sp))
+        assert [len(c.completion_ids) for c in done] == [12] * 9  # or the loop checks nothing
+        for c in done:
             full = torch.tensor(c.prompt_ids + c.completion_ids)[None]
             with torch.no_grad():
                 logits = model(full)[0, c.num_prompt_tokens - 1 : -1]
@@ -126,7 +129,9 @@ def test_greedy_logp_is_untruncated_tempered(folders):
     model = load(folders)
     engine = Engine(model, num_slots=3, max_len=32)
     sp = SamplingParams(max_new_tokens=6, greedy=True, temperature=0.5, top_k=3, ignore_eos=True)
-    for c in engine.generate(requests(prompts([5, 8]), sp)):
+    done = engine.generate(requests(prompts([5, 8]), sp))
+    assert [len(c.completion_ids) for c in done] == [6, 6]  # or the loop checks nothing
+    for c in done:
         assert torch.allclose(torch.tensor(c.logp), trainer_logp(model, c, 0.5), atol=1e-5)
 
 
@@ -135,7 +140,9 @@ def test_truncated_logp_is_renormalised(folders):
     model = load(folders)
     engine = Engine(model, num_slots=4, max_len=32)
     sp = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=5, ignore_eos=True, n=2)
-    for c in engine.generate(requests(prompts([6, 3]), sp)):
+    done = engine.generate(requests(prompts([6, 3]), sp))
+    assert [len(c.completion_ids) for c in done] == [8] * 4  # or the loop checks nothing
+    for c in done:
         full = torch.tensor(c.prompt_ids + c.completion_ids)[None]
         with torch.no_grad():
             logp_TV = torch.log_softmax(model(full)[0, c.num_prompt_tokens - 1 : -1] / 0.9, -1)
@@ -486,6 +493,7 @@ def test_group_without_running_sibling_is_prefilled_again(folders):
     sp = SamplingParams(max_new_tokens=5, temperature=0.7, n=3, ignore_eos=True)
     done, engine = run(model, 2, sp, prompts([6]))
     assert engine.stats.prefill_prompts == 2 and engine.stats.kv_copies == 1
+    assert [len(c.completion_ids) for c in done] == [5] * 3  # or the loop checks nothing
     for c in done:
         assert torch.allclose(torch.tensor(c.logp), trainer_logp(model, c, 0.7), atol=1e-5)
 

@@ -214,14 +214,16 @@ def test_handles_are_exported_and_mapped_once():
 
 def test_staging_is_reused_only_after_the_ack():
     trainer, gen, sender, recv = _pair(buffers=1, timeout_s=1.0)
+    want = {n: p.detach().to(torch.bfloat16) for n, p in trainer.named_parameters()}
     sender.push(1)
+    sender.wait_sent()
+    _bump(trainer, 2)  # v2 differs from v1, so a v2 written into the buffer would show
     sender.push(2)  # staging v2 needs the only buffer, which still holds unacked v1
     with pytest.raises(TimeoutError, match=r"generator rank 9 has not acked weights version 1"):
         sender.wait_sent()
     # the refused version never touched the buffer: the receiver still gets v1 intact
-    want = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     recv.receive(1)()
-    assert all(torch.equal(gen.get_parameter(n), want[n].to(torch.bfloat16)) for n in want)
+    assert all(torch.equal(gen.get_parameter(n), t) for n, t in want.items())
 
 
 def test_double_buffering_keeps_an_unacked_version_intact():
@@ -251,6 +253,7 @@ def test_direct_mode_holds_the_slot_until_applied():
     want = {n: p.detach().to(torch.bfloat16) for n, p in trainer.named_parameters()}
     sender.push(1)
     apply = recv.receive(1)  # announced, not copied: the trainer's slot is still in use
+    _bump(trainer, 2)  # v2 differs from v1, so a v2 written into the slot would show
     sender.push(2)
     with pytest.raises(TimeoutError, match="not acked weights version 1"):
         sender.wait_sent()

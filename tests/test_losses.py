@@ -97,6 +97,8 @@ def test_ppo_with_token_is_weights():
     out = ppo_clip_loss(logp_N, logp_N.detach(), torch.ones(2), mask_N, 0.2, is_weight_N=w_N)
     out.loss_sum.backward()
     assert logp_N.grad.tolist() == pytest.approx([-2.0, -1.25])
+    # the IS stats report the weights given (u is 1 on both tokens here)
+    assert out.is_ratio_sum.item() == pytest.approx(3.25) and out.is_ratio_max.item() == 2.0
     with pytest.raises(ValueError, match="unknown token IS mode"):
         token_is(logp_N, logp_mu_N, "sequence", 2.0)
 
@@ -261,7 +263,7 @@ def test_normalize_and_accumulate_outputs():
     s = (a + b).metrics()
     assert s["tokens"] == 3 and s["is_ratio_max"] == pytest.approx(3.0)
     assert s["is_ratio_mean"] == pytest.approx(5 / 3)
-    assert s["truncated_frac"] == pytest.approx(1 / 3)
+    assert s["truncated_frac"] == pytest.approx(1 / 3) and s["clipped_frac"] == 0.0  # AIPO: no clip
 
 
 # -- packing ---------------------------------------------------------------------------------------
