@@ -142,14 +142,17 @@ def test_the_readmes_plan_signature_is_weights_sync_plans():
 
 
 def test_resume_settings_the_readme_says_are_refused_before_process_groups():
-    """The README said a resume with another prompt set is refused before any process group:
-    only RESUME_SETTINGS are (launch/preflight via check_resume); a changed prompt set fails
-    when the generators restore their cursors, after start-up."""
+    """The keys the README names are RESUME_SETTINGS (launch/preflight via check_resume); the
+    prompt set and the model's shapes are refused there too (preflight.check_resumed, whose
+    behaviour tests/test_bad_input.py checks)."""
+    from launch.preflight import check_resumed
     from trainer.checkpointing import RESUME_SETTINGS
     readme = _readme()
     sentence = re.search(r"but not (.*?): the checkpoint's gates", readme).group(1)
     assert set(re.findall(r"`(\w+\.\w+)`", sentence)) == set(RESUME_SETTINGS), sentence
-    assert "one over another prompt set, when the generators restore their cursors" in readme
+    assert ("the prompt set, or the model's parameter shapes (another `model.path`) is refused "
+            "before any process group") in readme
+    assert "prompt set" in check_resumed.__doc__ and "shape" in check_resumed.__doc__
 
 
 def test_the_readmes_ppo_with_token_is_clips_around_the_policy_before_the_update():
