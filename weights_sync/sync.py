@@ -298,7 +298,7 @@ def staged_apply(receiver, version: int):
         if receiver.staged_version != version:
             later = receiver.staged_version
             what = (f"receive() of version {later} refilled the staging" if later is not None else
-                    "a later receive() began refilling the staging and did not complete")
+                    "a later receive() began refilling the staging (not completed)")
             raise RuntimeError(f"generator rank {receiver.rank}: apply() of weights version "
                                f"{version} after {what}; apply before receiving again")
         receiver._apply()
