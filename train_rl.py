@@ -127,24 +127,20 @@ def main(argv=None) -> int:
         if _STARTED:  # mid-run, its peers will time out waiting for it: leave the reason
             print(f"error (rank {rank}): stdout was closed (BrokenPipeError)", file=sys.stderr)
         return 128 + signal.SIGPIPE
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback from each
-        return _interrupted(rank, cfg)
     except BaseException as e:
-        # a Ctrl-C that ended this rank through another error: a DCP save under way wraps it in
-        # a CheckpointException (a BaseException), a collective fails on the peer it ended first
-        if preemption.interrupted() and not isinstance(e, SystemExit):
-            return _interrupted(rank, cfg)
+        # Ctrl-C reaches every rank: one line, not a traceback from each; also where it ended a
+        # rank through another error (a DCP save under way wraps it in a CheckpointException, a
+        # collective fails on the peer it ended first)
+        if isinstance(e, KeyboardInterrupt) or (preemption.interrupted()
+                                                and not isinstance(e, SystemExit)):
+            if rank == 0:
+                from trainer.checkpointing import interrupted_line
+                print(interrupted_line(cfg), file=sys.stderr, flush=True)
+            return 130
         if not isinstance(e, Exception):
             raise
         print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
-
-
-def _interrupted(rank: int, cfg) -> int:
-    if rank == 0:
-        from trainer.checkpointing import interrupted_line
-        print(interrupted_line(cfg), file=sys.stderr, flush=True)
-    return 130
 
 
 def _drop_stdout() -> None:

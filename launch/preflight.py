@@ -47,20 +47,17 @@ def preflight(cfg, dims):
     if cfg.eval.every_steps:
         load_eval_items(cfg, tok)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
-    check_resume(cfg)
-    check_resumed(cfg, args, items)
+    check_resumed(cfg, check_resume(cfg), args, items)
     _check_writable(Path(cfg.run.dir))
     return tok
 
 
-def check_resumed(cfg, args, items) -> None:
-    """The checkpoint this run resumes from (if any) holds this model's parameters, shape for
-    shape, and was cut over the prompt set this config loads: both failed only after start-up,
-    DCP's "Size mismatch" on every trainer rank (a model.path of another size) and the
+def check_resumed(cfg, path, args, items) -> None:
+    """The checkpoint this run resumes from (`path`; None: none) holds this model's parameters,
+    shape for shape, and was cut over the prompt set this config loads: both failed only after
+    start-up, DCP's "Size mismatch" on every trainer rank (a model.path of another size) and the
     generators' cursors (another data.source, num_prompts or filter), after the trainer had
     resumed."""
-    from trainer.checkpointing import resume_path
-    path = resume_path(cfg)
     if path is not None:
         _check_resumed_shapes(cfg, path, args)
         _check_resumed_prompts(cfg, path, items)

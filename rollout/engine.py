@@ -515,24 +515,8 @@ class Engine:
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate
         or holds an id outside the model's vocabulary, and then queues none of them."""
-        vocab = self.model.args.vocab_size
         for r in requests:
-            n_prompt = len(r.prompt_ids)
-            if n_prompt == 0:
-                raise ValueError(f"request {r.request_id!r}: the prompt is empty; give at least "
-                                 "one token (a chat template's or the tokenizer's BOS)")
-            if n_prompt > self.max_len - 1:
-                raise ValueError(
-                    f"request {r.request_id!r}: prompt has {n_prompt} tokens; the engine's "
-                    f"max_len={self.max_len} allows 1..{self.max_len - 1} (room for >= 1 new token); "
-                    "filter long prompts in the data layer or raise max_len")
-            # checked here: in the prefill it is an IndexError on CPU (that left the request's
-            # slots taken: every later generate() spun forever) and a device assert on CUDA
-            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
-                bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
-                raise ValueError(
-                    f"request {r.request_id!r}: prompt ids {bad[:5]} are outside the model's "
-                    f"vocabulary [0, {vocab}); encode prompts with the model's own tokenizer")
+            _check_prompt(r, self.max_len, self.model.args.vocab_size)
         now = time.perf_counter()
         for r in requests:
             seed = r.params.seed
@@ -563,12 +547,7 @@ class Engine:
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Run until every request is done; completions in request order, then sample order.
         Completions of other requests finished meanwhile stay for `poll_finished`."""
-        rank = {r.request_id: i for i, r in enumerate(requests)}
-        if len(rank) < len(requests):  # their completions would be sorted under one rank
-            counts = Counter(r.request_id for r in requests)
-            dup = [repr(i) for i, n in counts.items() if n > 1]
-            raise ValueError(f"generate() got request ids {', '.join(dup)} more than once; give "
-                             "each request its own id (n samples of a prompt: SamplingParams.n)")
+        rank = _request_ranks(requests)
         self.add_requests(requests)
         mine, others = [], []
         while self.has_work():
@@ -950,6 +929,39 @@ def _stacked_weights(model: torch.nn.Module, device: torch.device, choice, compi
         return None
     gate_up = gate_up_ok and stacked.stacks_gate_up(choice, stacked.gate_up_bytes(model))
     return stacked.StackedWeights(model, gate_up=gate_up)
+
+
+def _check_prompt(r: Request, max_len: int, vocab: int) -> None:
+    """A prompt the engine can run: 1..max_len-1 tokens (room for one new token), every id in the
+    vocabulary. Checked before queueing: in the prefill a bad id is an IndexError on CPU (that
+    left the request's slots taken: every later generate() spun forever) and a device assert on
+    CUDA."""
+    n_prompt = len(r.prompt_ids)
+    if n_prompt == 0:
+        raise ValueError(f"request {r.request_id!r}: the prompt is empty; give at least "
+                         "one token (a chat template's or the tokenizer's BOS)")
+    if n_prompt > max_len - 1:
+        raise ValueError(
+            f"request {r.request_id!r}: prompt has {n_prompt} tokens; the engine's "
+            f"max_len={max_len} allows 1..{max_len - 1} (room for >= 1 new token); "
+            "filter long prompts in the data layer or raise max_len")
+    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+        bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
+        raise ValueError(
+            f"request {r.request_id!r}: prompt ids {bad[:5]} are outside the model's "
+            f"vocabulary [0, {vocab}); encode prompts with the model's own tokenizer")
+
+
+def _request_ranks(requests: Sequence[Request]) -> dict:
+    """{request id: its position}; ids must be unique (their completions would be sorted under
+    one position)."""
+    rank = {r.request_id: i for i, r in enumerate(requests)}
+    if len(rank) < len(requests):
+        counts = Counter(r.request_id for r in requests)
+        dup = [repr(i) for i, n in counts.items() if n > 1]
+        raise ValueError(f"generate() got request ids {', '.join(dup)} more than once; give "
+                         "each request its own id (n samples of a prompt: SamplingParams.n)")
+    return rank
 
 
 def _compaction_moves(slot_info: list) -> tuple[list[int], list[int]]:

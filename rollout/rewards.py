@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import queue
 import re
 import threading
@@ -104,8 +105,6 @@ def _huge_number(expr) -> bool:
     factorial of a number above _MAX_FACTORIAL_ARG. verify() evaluates them in big-integer
     operations in C, which hold the GIL: the time limit could not stop them, and the
     generator's decode loop froze with them. Such answers compare as strings."""
-    import math
-
     import sympy
 
     if not isinstance(expr, sympy.Basic):

@@ -236,7 +236,7 @@ def test_a_resume_over_another_prompt_set_or_model_is_refused_before_process_gro
     step = checkpoint_root(cfg) / "step_000002"
     save_sharded(step, load_pretrained(good_model), extra={
         "step": 2, "version": 2, "generators": {"0": {"cursor": cursor, "inflight": [], "started": 8}}})
-    check_resumed(cfg, load_model_args(good_model), items)  # the same model and set: resumes
+    check_resumed(cfg, step, load_model_args(good_model), items)  # the same model and set: resumes
     rc, err = _in_this_process([*base, "--data.num_prompts=50"], "3", monkeypatch, capsys)
     assert rc == 2 and "Traceback" not in err, err
     assert f"resuming {step}: prompt cursor was saved with num_items=100" in err

@@ -79,9 +79,10 @@ def settings_of(cfg) -> dict:
     return {key: value_of(cfg, key) for key in RESUME_SETTINGS}
 
 
-def check_resume(cfg) -> None:
+def check_resume(cfg) -> Path | None:
     """Before any process group (launch/preflight.py): checkpoint.resume names a usable choice,
-    and the run folder holds no checkpoint later than where this run starts. An earlier run's
+    and the run folder holds no checkpoint later than where this run starts; returns the
+    checkpoint resumed from (`resume_path`), or None. An earlier run's
     later checkpoints would outrank this run's: pruning keeps the highest steps (it deleted the
     one just saved) and an 'auto' resume would take them, mixing two runs in one folder."""
     start = resume_path(cfg)  # raises for a path that is not a finished checkpoint
@@ -102,6 +103,7 @@ def check_resume(cfg) -> None:
             f"{checkpoint_root(cfg)} holds later checkpoints of an earlier run ({later[-1].name}"
             f"{f' and {len(later) - 1} more' if len(later) > 1 else ''}), which would outrank "
             "this run's; pass a new --run.dir, or move those checkpoints away")
+    return start
 
 
 def check_settings(cfg, path: Path, extra: dict) -> None:
