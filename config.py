@@ -107,7 +107,7 @@ class TrainerConfig:
     micro_batch_tokens: int = _f(4096, "Packed tokens per micro-batch per trainer rank (gradient accumulation unit).", ge=1)
     share_prompts: bool = _f(True, "Run each prompt's forward once for all its samples in a micro-batch (they attend to it), not once per sample; the same loss, fewer tokens.")
     lr: float = _f(1e-5, "Peak AdamW learning rate.", gt=0)
-    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", ge=0)
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay, on the weight matrices (embeddings and the head included); norm gains and biases are not decayed, as in HF Trainer/TRL.", ge=0)
     beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1)
     beta2: float = _f(0.95, "AdamW beta2.", ge=0, lt=1)
     eps: float = _f(1e-8, "AdamW epsilon.", gt=0)

@@ -35,8 +35,10 @@ def test_plain_parameters_get_the_fused_adamw_and_its_update_is_adamw():
     tcfg = types.SimpleNamespace(**{**vars(TCFG), "weight_decay": 0.1})
     opt = build_optimizer(model, tcfg)
     assert opt.defaults["fused"] is True and opt.defaults["lr"] == 1e-3
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.1, foreach=False)  # one tensor at a time
+    # the weight matrix decays, the bias does not (torch's own AdamW with two groups)
+    ref_opt = torch.optim.AdamW([{"params": [ref.weight]}, {"params": [ref.bias], "weight_decay": 0.0}],
+                                lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                foreach=False)  # one tensor at a time
     for step in range(3):
         for m in (model, ref):
             m.weight.grad = torch.full((2, 3), 0.5 - step)
@@ -45,6 +47,25 @@ def test_plain_parameters_get_the_fused_adamw_and_its_update_is_adamw():
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_weight_decay_leaves_norm_gains_and_biases_and_parameters_without_gradients():
+    """With zero gradients AdamW's update is zero, so only the decay moves a parameter: a matrix
+    by the factor (1 - lr wd) a step, hand computed; a 1-D norm gain or bias not at all; a matrix
+    without a gradient (not updated this step) not either. One parameter group: the checkpoint
+    layout of a run without weight decay."""
+    emb, w, gain, frozen = (torch.nn.Parameter(torch.full(s, 2.0)) for s in ((4, 3), (3, 3), (3,), (2, 2)))
+    model = torch.nn.ParameterList([emb, w, gain, frozen])
+    opt = build_optimizer(model, types.SimpleNamespace(**{**vars(TCFG), "weight_decay": 0.5}))
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.0
+    for _ in range(2):
+        for p in (emb, w, gain):
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    decayed = 2.0 * (1 - 1e-3 * 0.5) ** 2
+    assert emb.flatten().tolist() == pytest.approx([decayed] * 12, rel=1e-6)
+    assert w.flatten().tolist() == pytest.approx([decayed] * 9, rel=1e-6)
+    assert gain.tolist() == [2.0] * 3 and frozen.tolist() == [[2.0] * 2] * 2
 
 
 def test_global_norm_and_clipping_hand_computed():

@@ -20,9 +20,25 @@ def build_optimizer(model: torch.nn.Module, tcfg) -> torch.optim.AdamW:
     meshes = {id(p.device_mesh) for p in params if isinstance(p, DTensor)}
     plain = any(not isinstance(p, DTensor) for p in params)
     multi = len(meshes) == 0 or (len(meshes) == 1 and not plain)
-    return torch.optim.AdamW(params, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
-                             weight_decay=tcfg.weight_decay,
-                             **({"fused": True} if multi else {"foreach": False}))
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
+                            weight_decay=0.0, **({"fused": True} if multi else {"foreach": False}))
+    matrices, wd = [p for p in params if p.ndim >= 2], tcfg.weight_decay
+    if wd and matrices:
+        opt.register_step_pre_hook(lambda o, args, kwargs: decay_weights(o, matrices, wd))
+    return opt
+
+
+def decay_weights(opt: torch.optim.Optimizer, matrices: list, weight_decay: float) -> None:
+    """AdamW's decoupled weight decay, p <- p (1 - lr wd), on the weight matrices only (embeddings
+    and the head included), as HF Trainer and TRL do: norm gains and biases are not decayed (a
+    decayed RMSNorm gain pulls its layer's output towards zero). Applied before the step, as
+    AdamW applies it, to the parameters the step updates (those with a gradient); one parameter
+    group, so checkpoints keep their layout."""
+    lr = opt.param_groups[0]["lr"]
+    with torch.no_grad():
+        for p in matrices:
+            if p.grad is not None:
+                p.mul_(1 - lr * weight_decay)
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float,
