@@ -24,6 +24,7 @@ def preflight(cfg, dims):
     from trainer.checkpointing import check_resume
 
     _check_model_folder(cfg)
+    _check_ref_folder(cfg)
     args = load_model_args(cfg.model.path)
     with torch.device("meta"):
         check_tensors(CheckpointReader(cfg.model.path), expected_tensors(Transformer(args)))
@@ -47,9 +48,24 @@ def preflight(cfg, dims):
     if cfg.eval.every_steps:
         load_eval_items(cfg, tok)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
-    check_resumed(cfg, check_resume(cfg), args, items)
+    start = check_resume(cfg)
+    check_resumed(cfg, start, args, items)
     _check_writable(Path(cfg.run.dir))
+    _print_resume_changes(cfg, start)
     return tok
+
+
+def _print_resume_changes(cfg, path) -> None:
+    """Rank 0 prints the settings changed since the checkpoint resumed from (`path`), and what the
+    resume does with each, in one line: a changed lr, say, was applied without a word, and the log
+    did not tell whether the new value or the checkpoint's took effect. Not for a run that is
+    already complete (it does nothing)."""
+    from trainer.checkpointing import already_complete_line, read_extra, resume_changes_line
+    if path is None or int(os.environ.get("RANK", "0")) != 0 or already_complete_line(cfg):
+        return
+    line = resume_changes_line(cfg, path, read_extra(path))
+    if line is not None:
+        print(line, flush=True)
 
 
 def check_resumed(cfg, path, args, items) -> None:
@@ -111,6 +127,17 @@ def _check_model_folder(cfg) -> None:
         raise ConfigError(f"model folder {path!r} (model.path) does not exist; point --model.path at "
                           "a Hugging Face model folder (config.json + safetensors)"
                           + missing_model_hint(cfg))
+
+
+def _check_ref_folder(cfg) -> None:
+    """The KL reference (algo.kl_coef > 0) is another folder than model.path: it was first read
+    after start-up, and a missing one failed on every trainer rank."""
+    ref = cfg.model.ref_path
+    if cfg.algo.kl_coef > 0 and ref and ref != cfg.model.path and not Path(ref).exists():
+        raise ConfigError(f"model folder {ref!r} (model.ref_path, the KL penalty's reference with "
+                          f"algo.kl_coef={cfg.algo.kl_coef}) does not exist; point --model.ref_path "
+                          "at a Hugging Face model folder, or set it to '' for the starting "
+                          "policy, model.path")
 
 
 def missing_model_hint(cfg, empty: bool = False) -> str:

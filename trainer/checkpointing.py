@@ -75,13 +75,20 @@ RESUME_SETTINGS = ("trainer.prompts_per_step", "generator.n_samples", "parallel.
 
 
 def settings_of(cfg) -> dict:
-    from config import value_of
-    return {key: value_of(cfg, key) for key in RESUME_SETTINGS}
+    """Every setting of `cfg` by key ("trainer.lr": 1e-05), as a checkpoint records its run's: a
+    resume refuses changed `RESUME_SETTINGS` (`check_settings`) and lists the others that changed
+    (`resume_changes_line`). model.ref_path is the KL reference the run uses or would use ('' =
+    the starting policy, model.path), so that a changed model.path shows as a moved reference."""
+    settings = {f"{section}.{key}": value
+                for section, table in cfg.to_dict().items() for key, value in table.items()}
+    settings["model.ref_path"] = cfg.model.ref_path or cfg.model.path
+    return settings
 
 
 def check_resume(cfg) -> Path | None:
     """Before any process group (launch/preflight.py): checkpoint.resume names a usable choice,
-    and the run folder holds no checkpoint later than where this run starts; returns the
+    its checkpoint was saved with settings this run can go on with (`check_settings`), and the
+    run folder holds no checkpoint later than where this run starts; returns the
     checkpoint resumed from (`resume_path`), or None. An earlier run's
     later checkpoints would outrank this run's: pruning keeps the highest steps (it deleted the
     one just saved) and an 'auto' resume would take them, mixing two runs in one folder."""
@@ -106,13 +113,21 @@ def check_resume(cfg) -> Path | None:
     return start
 
 
+def saved_settings(extra: dict) -> dict:
+    """The settings a checkpoint's run had (`settings_of`). Checkpoints from before every key was
+    saved hold RESUME_SETTINGS only, older ones none: their generator replicas are counted."""
+    return extra.get("settings") or {"parallel.gen_dp": len(extra.get("generators") or {}) or None}
+
+
 def check_settings(cfg, path: Path, extra: dict) -> None:
-    """A resume keeps the settings its checkpoint's state was counted in (`RESUME_SETTINGS`;
-    checkpoints from before they were saved: the generator replicas, counted from their states),
-    and a buffer that still fits its groups."""
-    saved = extra.get("settings") or {"parallel.gen_dp": len(extra.get("generators") or {}) or None}
-    now = settings_of(cfg)
-    changed = {k: v for k, v in saved.items() if v is not None and now.get(k) != v}
+    """A resume keeps the settings its checkpoint's state was counted in (`RESUME_SETTINGS`),
+    and its KL reference model (`_check_reference`), and has a buffer that still fits its groups.
+    A changed sampling setting is applied to the groups generated from then on: the buffered
+    groups' log-probs are those of the distribution they were sampled from, and their importance
+    weights against the trainer's policy correct for the change as for any lag."""
+    saved, now = saved_settings(extra), settings_of(cfg)
+    changed = {k: saved[k] for k in RESUME_SETTINGS
+               if saved.get(k) is not None and now[k] != saved[k]}
     if changed:
         was = ", ".join(f"{k}={now[k]} (the checkpoint's run: {v})" for k, v in changed.items())
         keep = " ".join(f"--{k}={v}" for k, v in changed.items())
@@ -121,6 +136,7 @@ def check_settings(cfg, path: Path, extra: dict) -> None:
             f"cursors and the buffer were counted in the old values, and a resume with others "
             f"waits forever or overfills the buffer. Resume with {keep}, or start a new --run.dir "
             "(its --model.path an HF export of this run to keep the weights)")
+    _check_reference(cfg, path, saved.get("model.ref_path"))
     samples = sum(len(g["trajectories"]) for g in (extra.get("buffer") or {}).get("groups", []))
     if samples > cfg.algo.buffer_capacity:
         raise ValueError(
@@ -128,6 +144,88 @@ def check_settings(cfg, path: Path, extra: dict) -> None:
             f"{cfg.algo.buffer_capacity} (derived from prompts_per_step, n_samples and "
             f"max_staleness={cfg.algo.max_staleness} unless set); set --algo.buffer_capacity="
             f"{samples} or more")
+
+
+def buffered_groups(extra: dict) -> int:
+    """Groups the checkpoint's buffer holds: generated, not yet trained."""
+    return len((extra.get("buffer") or {}).get("groups", []))
+
+
+def ref_path_given(cfg) -> bool:
+    """model.ref_path was set (not '' and not filled in from model.path by `Config.resolve`)."""
+    return bool(cfg.model.ref_path) and "model.ref_path" not in getattr(cfg, "_derived", {})
+
+
+def _check_reference(cfg, path: Path, was: str | None) -> None:
+    """With KL, model.ref_path '' means the starting policy, model.path: a resume with another
+    model.path (the policy's weights come from the checkpoint all the same) moved the reference,
+    and the objective changed mid-run without a word. A reference set explicitly is applied."""
+    ref = cfg.model.ref_path or cfg.model.path
+    if cfg.algo.kl_coef == 0 or was is None or ref == was or ref_path_given(cfg):
+        return
+    raise ValueError(
+        f"resuming {path} with model.path={cfg.model.path!r} and algo.kl_coef={cfg.algo.kl_coef} "
+        f"would move the KL penalty's reference model from {was!r} (the checkpoint's run's) to "
+        f"{ref!r}: model.ref_path='' means model.path, while the policy's weights come from the "
+        f"checkpoint. Set --model.ref_path={was} to keep the run's reference, or "
+        f"--model.ref_path={ref} if the reference should change (e.g. the same model, moved)")
+
+
+# What a resume does with a setting that differs from its checkpoint's run's (`resume_changes`):
+# how to resume is no setting of the run, and a key missing here is applied from the next step.
+_NOT_COMPARED = ("checkpoint.resume", "run.dry_run")
+_KEPT = {"trainer.seed": "its RNG state is restored"}
+_SCHEDULE = "the lr schedule keeps its position"
+_WHY = {"model.path": "tokenizer and model config; the policy's weights are the checkpoint's",
+        "model.dtype": "the checkpoint's weights and optimizer state are cast to it",
+        **{f"trainer.{k}": _SCHEDULE for k in ("lr", "max_steps", "warmup_steps", "schedule",
+                                                "min_lr_ratio")}}
+# made into a group by the generator (sampling) or stored with it (rewards): the groups the
+# checkpoint's buffer holds keep what they were made with
+_PER_GROUP = tuple(f"generator.{k}" for k in ("max_new_tokens", "temperature", "top_p", "top_k",
+                                              "greedy", "stop_token_ids", "seed", "ignore_eos")) + (
+    "reward.fn", "reward.timeout_s", "reward.format_weight")
+
+
+def resume_changes(cfg, extra: dict) -> list[tuple[str, object, object, str, str]]:
+    """(key, the checkpoint's run's value, this config's, what happens, why) of every setting that
+    differs, in the config's order; what happens: 'applied', 'applied to new groups' or 'kept
+    from the checkpoint'. Keys the checkpoint did not record are not compared."""
+    saved, now = saved_settings(extra), settings_of(cfg)
+    rows = []
+    for key, value in now.items():
+        if key in _NOT_COMPARED or key not in saved or saved[key] == value:
+            continue
+        how, why = "applied", _WHY.get(key, "")
+        if key in _KEPT:
+            how, why = "kept from the checkpoint", _KEPT[key]
+        elif key in _PER_GROUP and buffered_groups(extra):
+            how = "applied to new groups"
+        elif key == "model.ref_path":
+            why = (f"the KL reference; unused while algo.kl_coef=0, set --model.ref_path="
+                   f"{saved[key]} to keep the run's" if cfg.algo.kl_coef == 0 and
+                   not ref_path_given(cfg) else "the KL penalty's reference")
+        rows.append((key, saved[key], value, how, why))
+    return rows
+
+
+def resume_changes_line(cfg, path: Path, extra: dict) -> str | None:
+    """One line naming every setting changed since the checkpoint's run, and what the resume does
+    with each (`resume_changes`); None where none did."""
+    rows = resume_changes(cfg, extra)
+    if not rows:
+        return None
+    parts = []
+    for how in ("applied", "applied to new groups", "kept from the checkpoint"):
+        items = [f"{k} {was!r} -> {now!r}" + (f" ({why})" if why else "")
+                 for k, was, now, h, why in rows if h == how]
+        if items:
+            label = (f"applied to groups generated from now on (the checkpoint's "
+                     f"{buffered_groups(extra)} buffered groups keep the old)"
+                     if how == "applied to new groups" else how)
+            parts.append(f"{label}: {', '.join(items)}")
+    return (f"resuming {path} (step {extra['step']}) with settings changed from its run's: "
+            + "; ".join(parts))
 
 
 COMPLETE_FILE = "COMPLETE"

@@ -1,0 +1,167 @@
+"""A resume with a config that differs from the checkpoint's run's: rank 0 says in one line what
+changed and what the resume does with each setting, and refuses the changes that would silently
+change the run's objective (the KL reference, the temperature of buffered groups' log-probs)."""
+from pathlib import Path
+
+import pytest
+
+from config import load_config
+from tests.test_bad_input import good_model  # noqa: F401 (a fixture)
+from tests.test_checkpoint_dcp import _checkpoints
+from trainer.checkpointing import check_resume, read_extra, settings_of
+
+GROUP = {"prompt_id": 0, "trajectories": [{}] * 4}
+
+
+def _cfg(run, *overrides):
+    return load_config("configs/tiny_cpu.toml", [f"--run.dir={run}", *overrides]).resolve(3)
+
+
+def _saved_by(old, groups: int = 0):
+    """A checkpoint of step 4 in old's run folder, as `save` writes its extra.json."""
+    root = Path(old.run.dir) / "checkpoints"
+    _checkpoints(root, {4: {"settings": settings_of(old), "generators": {"0": {}},
+                            "buffer": {"groups": [GROUP] * groups}}})
+    return root / "step_000004"
+
+
+def _line(cfg, path):
+    from trainer.checkpointing import resume_changes_line
+    return resume_changes_line(cfg, path, read_extra(path))
+
+
+def test_a_resume_says_which_settings_changed_and_what_happens_to_each(tmp_path):
+    """A changed trainer.lr was applied (keep_config_hyperparameters) without a word: the log did
+    not tell whether the new value or the checkpoint's took effect. One line now lists every
+    changed setting under what the resume does with it."""
+    old = _cfg(tmp_path)
+    path = _saved_by(old, groups=2)
+    assert _line(_cfg(tmp_path), path) is None  # the same config: nothing to say
+    new = _cfg(tmp_path, "--trainer.lr=2e-5", "--trainer.seed=7", "--generator.top_p=0.9",
+               "--logging.console_every=5", f"--checkpoint.resume={path}")
+    line = _line(new, path)
+    assert "\n" not in line and line.startswith(f"resuming {path} (step 4) with settings changed")
+    applied, groups, kept = line.split("; ")[-3:]
+    assert applied.endswith(f"applied: trainer.lr {old.trainer.lr!r} -> 2e-05 (the lr schedule "
+                            "keeps its position), logging.console_every 1 -> 5")
+    assert groups == ("applied to groups generated from now on (the checkpoint's 2 buffered groups "
+                      "keep the old): generator.top_p 1.0 -> 0.9")
+    assert kept == (f"kept from the checkpoint: trainer.seed {old.trainer.seed!r} -> 7 (its RNG "
+                    "state is restored)")
+    assert "checkpoint.resume" not in line  # how to resume, not a setting of the run
+
+
+def test_only_the_counted_settings_are_refused_and_older_checkpoints_still_resume(tmp_path):
+    """With every setting saved, the ones the gates, cursors and buffer were counted in are still
+    the only ones refused; a checkpoint that saved only those (or none) resumes as before, with
+    nothing to compare the rest with."""
+    old = _cfg(tmp_path)
+    _saved_by(old)
+    check_resume(_cfg(tmp_path, "--trainer.lr=3e-5", "--algo.loss=ppo", "--parallel.timeout_s=9"))
+    with pytest.raises(ValueError, match=r"trainer.prompts_per_step=\d+ \(the checkpoint's run: "):
+        check_resume(_cfg(tmp_path, f"--trainer.prompts_per_step={old.trainer.prompts_per_step + 1}"))
+    older = tmp_path / "older"
+    counted = {k: v for k, v in settings_of(old).items()
+               if k in ("trainer.prompts_per_step", "generator.n_samples", "parallel.gen_dp")}
+    _checkpoints(older / "checkpoints", {4: {"settings": counted}})
+    new = _cfg(older, "--trainer.lr=3e-5", "--model.path=elsewhere", "--algo.kl_coef=0.1")
+    check_resume(new)
+    assert _line(new, older / "checkpoints" / "step_000004") is None
+
+
+def test_a_resume_that_moves_the_kl_reference_is_refused(tmp_path):
+    """model.ref_path '' means the starting policy, model.path. A resume with another model.path
+    keeps the checkpoint's policy weights but moved the KL reference to the new folder: the
+    objective changed mid-run without a word. Refused naming both folders and the fix; a
+    reference set explicitly (the old one, or the new one) is applied and listed."""
+    first, moved = str(tmp_path / "first"), str(tmp_path / "moved")
+    old = _cfg(tmp_path, f"--model.path={first}", "--algo.kl_coef=0.1")
+    path = _saved_by(old)
+    with pytest.raises(ValueError, match=(
+            rf"with model.path='{moved}' and algo.kl_coef=0.1 would move the KL penalty's "
+            rf"reference model from '{first}' \(the checkpoint's run's\) to '{moved}'.*"
+            rf"Set --model.ref_path={first} to keep the run's reference, or "
+            rf"--model.ref_path={moved} if the reference should change")):
+        check_resume(_cfg(tmp_path, f"--model.path={moved}", "--algo.kl_coef=0.1"))
+    keep = _cfg(tmp_path, f"--model.path={moved}", "--algo.kl_coef=0.1", f"--model.ref_path={first}")
+    check_resume(keep)
+    line = _line(keep, path)
+    assert (f"applied: model.path '{first}' -> '{moved}' (tokenizer and model config; the "
+            "policy's weights are the checkpoint's)") in line and "model.ref_path" not in line
+    change = _cfg(tmp_path, f"--model.path={moved}", "--algo.kl_coef=0.1", f"--model.ref_path={moved}")
+    check_resume(change)
+    assert f"model.ref_path '{first}' -> '{moved}' (the KL penalty's reference)" in _line(change, path)
+    # without KL now the reference is unused: applied, and the line says how to keep it
+    no_kl = _cfg(tmp_path, f"--model.path={moved}", "--algo.kl_coef=0")
+    check_resume(no_kl)
+    assert (f"model.ref_path '{first}' -> '{moved}' (the KL reference; unused while "
+            f"algo.kl_coef=0, set --model.ref_path={first} to keep the run's)") in _line(no_kl, path)
+    # KL turned on at a resume that also moves model.path: the reference is not the start either
+    plain = tmp_path / "plain"
+    _saved_by(_cfg(plain, f"--model.path={first}"))
+    with pytest.raises(ValueError, match=rf"reference model from '{first}'.* to '{moved}'"):
+        check_resume(_cfg(plain, f"--model.path={moved}", "--algo.kl_coef=0.1"))
+    check_resume(_cfg(plain, f"--model.path={first}", "--algo.kl_coef=0.1"))
+
+
+def test_a_resume_at_another_temperature_applies_it_to_new_groups_only(tmp_path):
+    """The buffered groups' log-probs (mu) are those of the distribution they were sampled from,
+    so their importance weights against the trainer's policy at the new temperature correct for
+    the change as for any lag: the resume goes on, and says the buffered groups keep theirs."""
+    path = _saved_by(_cfg(tmp_path, "--generator.temperature=1.0"), groups=3)
+    hotter = _cfg(tmp_path, "--generator.temperature=0.7")
+    check_resume(hotter)
+    assert ("applied to groups generated from now on (the checkpoint's 3 buffered groups keep "
+            "the old): generator.temperature 1.0 -> 0.7") in _line(hotter, path)
+    empty = tmp_path / "empty"
+    path = _saved_by(_cfg(empty, "--generator.temperature=1.0"))
+    hotter = _cfg(empty, "--generator.temperature=0.7")
+    check_resume(hotter)
+    assert "applied: generator.temperature 1.0 -> 0.7" in _line(hotter, path)
+
+
+def test_preflight_prints_the_changes_on_rank_0_only(tmp_path, good_model, monkeypatch,  # noqa: F811
+                                                     capsys):
+    """The line comes before any process group, once (rank 0), for a real checkpoint."""
+    from launch.preflight import preflight
+    from model import load_pretrained
+    from model.tokenizer import load_tokenizer
+    from parallel.checkpoint import save_sharded
+    from parallel.dims import ParallelDims
+    from rollout.data import PromptSource
+    from rollout.role import load_items
+    base = [f"--model.path={good_model}", "--data.num_prompts=100"]
+    old = _cfg(tmp_path, *base)
+    items = load_items(old, load_tokenizer(good_model))[0]
+    cursor = PromptSource(items, seed=old.data.seed, shuffle=old.data.shuffle).state_dict()
+    step = tmp_path / "checkpoints" / "step_000002"
+    save_sharded(step, load_pretrained(good_model), extra={
+        "step": 2, "version": 2, "settings": settings_of(old),
+        "generators": {"0": {"cursor": cursor, "inflight": [], "started": 8}}})
+    new = _cfg(tmp_path, *base, "--trainer.lr=3e-5")
+    for rank, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        capsys.readouterr()
+        preflight(new, ParallelDims.from_config(new.parallel, 3))
+        out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resuming")]
+        assert len(out) == lines, out
+    assert f"trainer.lr {old.trainer.lr!r} -> 3e-05" in out[0]
+
+
+def test_a_missing_kl_reference_folder_is_refused_before_process_groups(tmp_path, good_model,  # noqa: F811
+                                                                        monkeypatch):
+    """model.ref_path was first read by the trainer after start-up; the fix a moved reference's
+    refusal names may be a folder that is gone."""
+    from config import ConfigError
+    from launch.preflight import preflight
+    from parallel.dims import ParallelDims
+    monkeypatch.setenv("RANK", "0")
+    gone = tmp_path / "gone"
+    cfg = _cfg(tmp_path / "run", f"--model.path={good_model}", "--algo.kl_coef=0.1",
+               f"--model.ref_path={gone}")
+    with pytest.raises(ConfigError, match=rf"'{gone}' \(model.ref_path, the KL penalty's reference "
+                                          r"with algo.kl_coef=0.1\) does not exist"):
+        preflight(cfg, ParallelDims.from_config(cfg.parallel, 3))
+    cfg = _cfg(tmp_path / "run", f"--model.path={good_model}", "--algo.kl_coef=0.1",
+               f"--model.ref_path={good_model}")
+    preflight(cfg, ParallelDims.from_config(cfg.parallel, 3))
