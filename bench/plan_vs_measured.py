@@ -90,8 +90,9 @@ def run_layout(model: str, run_dir: Path, lay, a, slots: int) -> dict:
         return {"error": proc.stderr[-2000:]}
     rows = read_metrics(run_dir)[a.warmup:]
 
-    def med(k):  # robust to load spikes; colocated runs log no wait/train split
-        return statistics.median(r[k] for r in rows) if k in rows[0] else None
+    def med(k):  # robust to load spikes; colocated runs log no wait/train split; a generator
+        vals = [r[k] for r in rows if r.get(k) is not None]  # ack may come after its row
+        return statistics.median(vals) if vals else None
     return {"step_s": med("time_step_s"), "wait_s": med("time_wait_batch_s"),
             "train_s": med("time_train_s"), "sync_s": med("time_weights_sync_s"),
             "gen_sync_s": med("generator_sync_s"),  # a replica's weight swap: receive + apply

@@ -85,7 +85,7 @@ class PeriodicEval:
             if cfg.logging.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(Path(cfg.run.dir) / "tb" / "eval"),
-                                         purge_step=start_version or None)
+                                         purge_step=start_version)
 
     def due(self, version: int) -> bool:
         return version % self.every == 0 or version == self.final

@@ -3,6 +3,8 @@ wait (logging.progress), against hand-computed values with a fake clock."""
 import io
 import json
 
+import pytest
+
 from trainer.metrics import CONTRACT_KEYS, Heartbeat, MetricsLogger, duration, progress
 
 
@@ -116,3 +118,250 @@ def test_mismatch_kl_is_null_in_a_step_without_tokens_of_the_weights_trained(tmp
     logger.log(step_metrics(6, 6, groups, stats, res, 1.0, 0.0, 0))
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["mismatch_kl"] is None
+
+
+# -- the values of a row, against hand computation ---------------------------------------------
+def _traj(pid, idx, n_completion, reward, version=0, finish="stop"):
+    from trainer.batch import Trajectory
+    return Trajectory(pid, idx, [1, 2], list(range(3, 3 + n_completion)), [-0.5] * n_completion,
+                      [version] * n_completion, reward, finish)
+
+
+def _stats(**kw):
+    base = {"tokens": 8.0, "loss_sum": 2.0, "is_ratio_sum": 10.0, "is_ratio_max": 3.0,
+            "truncated": 2.0, "clipped": 1.0, "entropy_sum": 4.0, "kl_sum": 0.8,
+            "mismatch_kl_sum": 0.0, "onpolicy_tokens": 0.0}
+    return base | kw
+
+
+def test_a_rows_numbers_are_the_documented_means_by_hand():
+    """Two groups of two (a step at version 5 -> 6): per-sample reward mean and population std,
+    staleness against the version trained (5), per-token means of the token sums, completion
+    lengths and the share cut at max_new_tokens ("length"), and the share of groups whose equal
+    rewards give every advantage 0 (no learning signal)."""
+    from types import SimpleNamespace
+    from trainer.batch import Group
+    from trainer.metrics import step_metrics
+    groups = [Group(0, [_traj(0, 0, 1, 1.0, version=5), _traj(0, 1, 3, 0.0, version=4, finish="length")]),
+              Group(1, [_traj(1, 0, 2, 0.5, version=3), _traj(1, 1, 2, 0.5, version=5)])]
+    m = step_metrics(6, 6, groups, _stats(), SimpleNamespace(grad_norm=2.5, lr=1e-4), 2.0, 0.1, 0)
+    # rewards [1, 0, .5, .5]: mean .5, population variance (.25 + .25 + 0 + 0) / 4
+    assert m["reward_mean"] == 0.5 and m["reward_std"] == (0.5 / 4) ** 0.5
+    assert m["samples"] == 4 and (m["staleness_mean"], m["staleness_max"]) == ((0 + 1 + 2 + 0) / 4, 2)
+    assert (m["loss"], m["is_ratio_mean"], m["entropy"], m["kl"]) == (2 / 8, 10 / 8, 4 / 8, 0.8 / 8)
+    assert (m["truncated_frac"], m["clipped_frac"], m["is_ratio_max"]) == (2 / 8, 1 / 8, 3.0)
+    assert m["completion_tokens"] == 8 and m["tokens_per_s"] == 8 / 2.0
+    assert (m["completion_len_mean"], m["completion_len_max"]) == (8 / 4, 3)
+    assert m["finish_length_frac"] == 1 / 4 and m["reward_zero_std_frac"] == 1 / 2
+    assert (m["grad_norm"], m["lr"], m["policy_version"]) == (2.5, 1e-4, 6)
+
+
+def _embedding_policy():
+    """A 'model' whose logits are rows of one matrix, picked by the input ids."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(40, 41, dtype=torch.float64))
+    model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
+    return model
+
+
+def _train(groups, shard, **algo):
+    """One train_step of `shard = (rank, ranks)`'s share of `groups`: its stats and result."""
+    import torch
+    from tests.test_losses import step_cfg
+    from trainer.step import train_step
+    model = _embedding_policy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ref = _embedding_policy() if algo.get("kl_coef") else None
+    if ref is not None:
+        with torch.no_grad():
+            ref.w.mul_(0.5)
+    return train_step(model, opt, sched, groups, step_cfg(**algo), None, "cpu", 0, ref_model=ref,
+                      shard=shard)
+
+
+def _unequal_groups():
+    """Group 0 with 1-token completions, group 1 with 12-token ones: 2 against 24 loss tokens."""
+    from trainer.batch import Group, Trajectory
+    return [Group(g, [Trajectory(g, i, [1, 2 + g], [3 + (i + k) % 30 for k in range(1 + 11 * g)],
+                                 [-3.0 - 0.1 * k for k in range(1 + 11 * g)], [0] * (1 + 11 * g),
+                                 float(i), "stop") for i in range(2)])
+            for g in range(2)]
+
+
+def test_per_token_metrics_over_two_data_parallel_ranks_equal_one_ranks(monkeypatch):
+    """The step's groups on 2 data-parallel ranks with 2 and 24 loss tokens: the token sums summed
+    over the ranks, then divided (reduce_stats, step_metrics), give one rank's numbers; a mean of
+    the ranks' means would weight rank 0's 2 tokens as much as rank 1's 24."""
+    import torch
+    from types import SimpleNamespace
+    import trainer.metrics as M
+    groups = _unequal_groups()
+    kw = dict(loss="aipo", rho=1.5, kl_coef=0.1)
+    whole = _train(groups, (0, 1), **kw)
+    parts = [_train(groups, (r, 2), **kw) for r in range(2)]
+    assert [p.stats["tokens"] for p in parts] == [2.0, 24.0]
+    keys = sorted(parts[0].stats)
+    rows = torch.tensor([[p.stats[k] for k in keys] for p in parts], dtype=torch.float64)
+    monkeypatch.setattr(M, "gather_rows", lambda row, group: rows)  # the all-gather's result
+    reduced = M.reduce_stats(parts[0].stats, "dp group")
+    res = SimpleNamespace(grad_norm=1.0, lr=0.1)
+    got = M.step_metrics(1, 1, groups, reduced, res, 1.0, 0.0, 0)
+    want = M.step_metrics(1, 1, groups, M.reduce_stats(whole.stats, None), res, 1.0, 0.0, 0)
+    for key in ("loss", "entropy", "kl", "is_ratio_mean", "is_ratio_max", "truncated_frac"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12), key
+        means = [M.step_metrics(1, 1, groups, p.stats, res, 1.0, 0.0, 0)[key] for p in parts]
+        if key != "is_ratio_max" and abs(means[0] - means[1]) > 1e-6:
+            assert sum(means) / 2 != pytest.approx(want[key], rel=1e-3), key  # the example tells
+
+
+# -- values from outside this module -------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_truncated_frac_counts_the_tokens_whose_token_is_weight_was_capped(mode):
+    """loss='ppo' with token IS: pi/mu = 4 and 1.25 at cap 2. The first token's weight is capped
+    (truncate: 2) or dropped (mask: 0), so truncated_frac is 1/2; it read 0 on every PPO+TIS step,
+    as if no weight were ever capped."""
+    import math
+    import torch
+    from types import SimpleNamespace
+    from tests.test_losses import step_cfg
+    from trainer.step import _loss
+    acfg = step_cfg(loss="ppo", token_is=mode, token_is_cap=2.0).algo
+    batch = SimpleNamespace(loss_mask_N=torch.tensor([True, True]),
+                            logp_mu_N=torch.tensor([math.log(0.125), math.log(0.4)]),
+                            adv_N=torch.tensor([1.0, -1.0]))
+    out = _loss(acfg, torch.tensor([math.log(0.5), math.log(0.5)], requires_grad=True), batch)
+    assert int(out.truncated_count) == 1 and int(out.tokens) == 2
+
+
+def test_kl_is_null_in_a_run_without_a_kl_term():
+    """With algo.kl_coef = 0 no KL to a reference is computed (there is no reference model); the
+    row said kl 0.0, a policy equal to its reference. As mismatch_kl: null there."""
+    from types import SimpleNamespace
+    from trainer.metrics import reduce_stats, step_metrics
+    groups = _unequal_groups()
+    res = _train(groups, (0, 1), loss="aipo", kl_coef=0.0)
+    m = step_metrics(1, 1, groups, reduce_stats(res.stats, None), SimpleNamespace(grad_norm=1.0, lr=0.1),
+                     1.0, 0.0, 0)
+    assert m["kl"] is None
+
+
+def test_kl_is_the_mean_over_the_tokens_that_had_a_kl_term():
+    """Where the step's stats say how many tokens had a KL term (kl_tokens): kl is per such token,
+    null without any; stats without the count keep kl per loss token."""
+    from types import SimpleNamespace
+    from trainer.batch import Group
+    from trainer.metrics import step_metrics
+    groups = [Group(0, [_traj(0, i, 2, float(i)) for i in range(2)])]
+    res = SimpleNamespace(grad_norm=1.0, lr=0.1)
+    m = [step_metrics(1, 1, groups, _stats(**kw), res, 1.0, 0.0, 0)["kl"]
+         for kw in ({}, {"kl_tokens": 4.0}, {"kl_sum": 0.0, "kl_tokens": 0.0})]
+    assert m == [0.8 / 8, 0.8 / 4, None]
+
+
+def test_generator_sync_s_is_null_before_the_generators_ack():
+    """generator_sync_s of step v is the generators' swap time of version v - 1. Asynchronously
+    its ack often comes after the row is written; the row said 0.0 s, an instant swap."""
+    from types import SimpleNamespace
+    from trainer.batch import Group
+    from trainer.worker import TrainerWorker
+    groups = [Group(0, [_traj(0, i, 2, float(i)) for i in range(2)])]
+    buffer = type("Buffer", (), {"__len__": lambda b: 0, "stats": lambda b: {"dropped_stale": 0}})()
+    fake = SimpleNamespace(step=3, version=3, nonfinite_total=0, acks={1: 0.25}, buffer=buffer)
+    m = TrainerWorker._metrics(fake, groups, _stats(), SimpleNamespace(grad_norm=1.0, lr=0.1), 1.0, 0.0)
+    assert m["generator_sync_s"] is None  # the ack of v2 is not in (v1's is)
+
+
+def test_a_fresh_start_drops_an_earlier_attempts_evaluations_from_tensorboard(tmp_path):
+    """A fresh start in a folder with an earlier attempt's evaluations: eval.jsonl is emptied,
+    but TensorBoard kept the old v0 and v10 next to the new v0: two points at step 0."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from config import load_config
+    from rollout.evaluate import PeriodicEval
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--eval.every_steps=10"])
+    for values in ({0: 0.25, 10: 0.5}, {0: 0.75}):
+        ev = PeriodicEval(cfg, None, [], lambda it: [1], None, None, writer=True, start_version=0)
+        for v, r in values.items():
+            ev._record({"step": v, "reward_mean": r, "prompts": 1, "completion_tokens_mean": 1.0,
+                        "time_s": 0.0})
+        ev.close()
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0]
+    acc = EventAccumulator(str(tmp_path / "tb" / "eval"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/reward_mean")] == [(0, 0.75)]
+
+
+# -- the logger: console, non-finite values, resumes ---------------------------------------------
+def _row(step, **kw):
+    return dict.fromkeys(CONTRACT_KEYS, 0.5) | {"step": step, "policy_version": step,
+                                               "staleness_max": 0, "time_step_s": 1.0} | kw
+
+
+def test_console_every_n_still_shows_the_first_and_the_last_step(tmp_path):
+    """logging.console_every = 3 over steps 4-8 of a run of 8 (a resumed one): the first step of
+    the process says the run is under way (with its ETA), and the last step's line is the run's
+    final numbers; both were left out unless a multiple of 3 (here only step 6 printed)."""
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, tensorboard=False, console_every=3, stream=out,
+                           total_steps=8, last_step=8)
+    for s in range(4, 9):
+        logger.log(_row(s))
+    logger.close()
+    assert [ln.split(" | ")[0] for ln in out.getvalue().splitlines()] == \
+        ["step    4", "step    6", "step    8"]
+    assert out.getvalue().splitlines()[-1].endswith("| 8/8 eta 0s")
+
+
+def test_a_non_finite_value_is_null_in_the_jsonl_and_left_out_of_tensorboard(tmp_path):
+    """A step with a NaN loss and an infinite IS max: metrics.jsonl stays strict JSON (null there,
+    no NaN token that other JSON readers reject), TensorBoard leaves just those two out of that
+    step (a NaN point there flattens every chart's smoothing), and the other steps are as logged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def strict(text):
+        raise ValueError(f"not JSON: {text}")
+    logger = MetricsLogger(tmp_path, tensorboard=True, stream=io.StringIO(), total_steps=3)
+    for s in (1, 2, 3):
+        bad = {"loss": float("nan"), "is_ratio_max": float("inf")} if s == 2 else {}
+        logger.log(_row(s, **({"loss": 0.25 * s, "is_ratio_max": 1.5} | bad)))
+    logger.close()
+    rows = [json.loads(ln, parse_constant=strict) for ln in (tmp_path / "metrics.jsonl").open()]
+    assert [(r["loss"], r["is_ratio_max"]) for r in rows] == [(0.25, 1.5), (None, None), (0.75, 1.5)]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 0.25), (3, 0.75)]
+    assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2, 3]
+
+
+def test_a_resume_redoes_its_steps_once_in_the_jsonl_and_in_tensorboard(tmp_path):
+    """An attempt logged steps 1-3 and its checkpoint is of step 2: the resumed run's steps 3-4
+    replace the old 3 in both sinks, none doubled, none missing."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from config import load_config
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--logging.progress=false"])
+    for start, steps in ((0, (1, 2, 3)), (2, (3, 4))):
+        logger = MetricsLogger.from_config(cfg, start)
+        logger.stream = io.StringIO()
+        for s in steps:
+            logger.log(_row(s, loss=float(s + 10 * start)))
+        logger.close()
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").open()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 23.0), (4, 24.0)]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 23.0), (4, 24.0)]
+
+
+def test_generator_sync_s_is_the_slowest_replicas_swap():
+    """Each generator replica acks a version with its own swap time; the row reported the last
+    ack to arrive, so a slow replica hid behind a fast one that acked after it."""
+    from types import SimpleNamespace
+    from trainer.link import Msg
+    from trainer.worker import TrainerWorker
+    fake = SimpleNamespace(acks={})
+    for seconds in (0.5, 0.125):
+        TrainerWorker._on_message(fake, SimpleNamespace(type=Msg.ACK, version=2,
+                                                        payload={"seconds": seconds}))
+    assert fake.acks == {2: 0.5}

@@ -289,7 +289,6 @@ def test_a_generator_leader_passes_a_sigterm_during_an_evaluation_on_at_once():
     import types
     from config import Config
     from rollout.worker import GeneratorWorker
-    from trainer.link import Msg
     ns = types.SimpleNamespace
     sent = []
     link = ns(send=lambda dst, kind, version, payload=None:

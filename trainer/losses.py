@@ -163,7 +163,7 @@ def aipo_loss(logp_N: Tensor, logp_mu_N: Tensor, adv_N: Tensor, mask_N: Tensor,
 
 def ppo_clip_loss(logp_N: Tensor, logp_old_N: Tensor, adv_N: Tensor, mask_N: Tensor,
                   eps: float, is_weight_N: Tensor | None = None,
-                  dual_clip_c: float = 0.0) -> LossOutput:
+                  dual_clip_c: float = 0.0, truncated_N: Tensor | None = None) -> LossOutput:
     """PPO-clip: `loss_t = -w_t * min(u*A, clip(u, 1-eps, 1+eps)*A)`, `u = pi/pi_old`.
 
     `is_weight_N` (default 1) is an optional detached per-token weight, e.g. from `token_is`
@@ -171,7 +171,8 @@ def ppo_clip_loss(logp_N: Tensor, logp_old_N: Tensor, adv_N: Tensor, mask_N: Ten
     of A < 0 tokens below by c*A (`_clipped_surrogate`). `clipped_count` counts tokens where a
     clip is active (zero gradient): u > 1+eps with A > 0, or u < 1-eps with A < 0, or u > c with
     A < 0. u is `_ratio`'s: capped at e^20 (no gradient above). The `is_ratio_*` stats report u,
-    or `is_weight_N` when it is given.
+    or `is_weight_N` when it is given; `truncated_N` (default none) marks the tokens whose
+    `is_weight_N` was capped or dropped (`token_is`), counted in `truncated_count`.
 
     Worked example, eps = 0.2: u = 1.5, A = 1 -> min(1.5, 1.2) = 1.2, loss -1.2, grad 0;
     u = 0.5, A = 1 -> min(0.5, 0.8) = 0.5, loss -0.5, d loss / d logp = -u = -0.5.
@@ -192,7 +193,8 @@ def ppo_clip_loss(logp_N: Tensor, logp_old_N: Tensor, adv_N: Tensor, mask_N: Ten
     surrogate_N, clipped_N = _clipped_surrogate(u_N, adv_N, eps, dual_clip_c)
     loss_N = -weight_N * surrogate_N
     ratio_N = u_N if is_weight_N is None else weight_N
-    return _output(loss_N, mask_N, ratio_N, torch.zeros_like(mask_N), clipped_N)
+    truncated_N = torch.zeros_like(mask_N) if truncated_N is None else truncated_N.bool()
+    return _output(loss_N, mask_N, ratio_N, truncated_N, clipped_N)
 
 
 def decoupled_ppo_loss(logp_N: Tensor, logp_prox_N: Tensor, logp_mu_N: Tensor, adv_N: Tensor,

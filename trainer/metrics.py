@@ -19,10 +19,13 @@ CONTRACT_KEYS = ("step", "policy_version", "reward_mean", "samples", "staleness_
 class MetricsLogger:
     """`total_steps` (logging.progress): each console line also shows the step out of the run's
     steps and the time left at the pace of the last 20 steps (`progress`), the first step (which
-    waits for the generators' start-up) left out once there is another."""
+    waits for the generators' start-up) left out once there is another. A line every
+    `console_every` steps, and always for this process's first step (the run is under way) and
+    the run's `last_step` (its final numbers)."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console_every: int = 1,
-                 stream=None, purge_step: int | None = None, total_steps: int | None = None):
+                 stream=None, purge_step: int | None = None, total_steps: int | None = None,
+                 last_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -33,6 +36,7 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge_step)
         self.console_every, self.stream = console_every, stream or sys.stdout
         self.total_steps, self._step_times = total_steps, deque(maxlen=20)
+        self.last_step = last_step
         self._first_s: float | None = None  # the first step's time: it waits for the start-up
 
     @classmethod
@@ -45,7 +49,8 @@ class MetricsLogger:
         lg = cfg.logging
         truncate_steps(Path(cfg.run.dir) / "metrics.jsonl", start_step)
         return cls(cfg.run.dir, lg.tensorboard, lg.console_every, purge_step=start_step + 1,
-                   total_steps=cfg.trainer.max_steps if lg.progress else None)
+                   total_steps=cfg.trainer.max_steps if lg.progress else None,
+                   last_step=cfg.trainer.max_steps)
 
     def log(self, metrics: dict) -> None:
         missing = [k for k in CONTRACT_KEYS if k not in metrics]
@@ -56,11 +61,13 @@ class MetricsLogger:
         step = int(metrics["step"])
         if self._tb is not None:
             self._tb_write(clean, step)
-        if self._first_s is None:
+        first = self._first_s is None
+        if first:
             self._first_s = float(metrics["time_step_s"])
         else:
             self._step_times.append(float(metrics["time_step_s"]))
-        if self.console_every and step % self.console_every == 0:
+        every = self.console_every  # 0: no console lines
+        if every and (step % every == 0 or first or step == self.last_step):
             line = console_line(metrics)
             if self.total_steps:
                 line += " | " + progress(step, self.total_steps, self._step_times or [self._first_s])
@@ -112,27 +119,53 @@ def reduce_stats(stats: dict, dp_group) -> dict:
 def step_metrics(step, version, groups, s, res, dt, t_sync, nonfinite_total) -> dict:
     """One metrics.jsonl row from the step's groups and the dp-reduced stats `s`. `version` is
     the policy version after the step; staleness counts against the version trained (v - 1).
+    The token stats are sums over every data-parallel rank's loss tokens, divided once here: a
+    mean of the ranks' means weighted a rank of few tokens as much as one of many.
     "lr" is the one the step's update used (`res.lr`), not the scheduler's next one.
     "mismatch_kl" is per token sampled by the weights trained (trainer.step._accumulate), None
     (null) in a step without one, as in an asynchronous run's steps on stale data only: 0 there
-    read as a generator and trainer in perfect agreement."""
-    trajs = [t for g in groups for t in g.trajectories]
-    stale = [version - 1 - t.version for t in trajs]
+    read as a generator and trainer in perfect agreement. "kl" likewise, per token with a KL
+    term, where the stats count them (`kl_tokens`): null in a run without a reference.
+    "loss" is the policy loss per token, without the KL and entropy terms (logged apart).
+    "tokens_per_s": the step's completion tokens over its wall time `dt` (from the previous
+    row's stamp, the wait for the batch included): the run's throughput, prompts not counted."""
     tok = max(s["tokens"], 1.0)
-    comp_tokens = sum(len(t.completion_ids) for t in trajs)
+    kl_tokens = s.get("kl_tokens", tok)
+    comp_tokens = sum(len(t.completion_ids) for g in groups for t in g.trajectories)
     return {
-        "step": step, "policy_version": version,
-        "reward_mean": sum(t.reward for t in trajs) / len(trajs), "samples": len(trajs),
-        "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+        "step": step, "policy_version": version, **sample_metrics(groups, version),
         "is_ratio_mean": s["is_ratio_sum"] / tok, "is_ratio_max": s["is_ratio_max"],
         "truncated_frac": s["truncated"] / tok, "clipped_frac": s["clipped"] / tok,
         "loss": s["loss_sum"] / tok, "entropy": s["entropy_sum"] / tok,
         "mismatch_kl": (s["mismatch_kl_sum"] / s["onpolicy_tokens"]
                         if s["onpolicy_tokens"] else None),
-        "kl": s["kl_sum"] / tok, "grad_norm": res.grad_norm, "lr": res.lr,
+        "kl": s["kl_sum"] / kl_tokens if kl_tokens else None,
+        "grad_norm": res.grad_norm, "lr": res.lr,
         "skipped_nonfinite": nonfinite_total, "completion_tokens": comp_tokens,
         "time_step_s": dt, "time_weights_sync_s": t_sync, "tokens_per_s": comp_tokens / dt,
         "prompt_ids": [g.prompt_id for g in groups],
+    }
+
+
+def sample_metrics(groups, version: int) -> dict:
+    """The step's numbers per sample (each completion counts once, whatever its length): reward
+    mean and population std, staleness (by a sample's oldest token) against the version trained
+    (`version` - 1), completion lengths, the share cut at max_new_tokens (finish "length"), and
+    the share of groups whose rewards are all equal: their advantages are 0, no learning signal
+    (trainer.advantages)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    rewards = [t.reward for t in trajs]
+    mean = sum(rewards) / len(rewards)
+    stale = [version - 1 - t.version for t in trajs]
+    lens = [len(t.completion_ids) for t in trajs]
+    flat = [g for g in groups if len({t.reward for t in g.trajectories}) == 1]
+    var = sum((r - mean) ** 2 for r in rewards) / len(rewards)
+    return {
+        "reward_mean": mean, "reward_std": var ** 0.5, "samples": len(trajs),
+        "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+        "completion_len_mean": sum(lens) / len(lens), "completion_len_max": max(lens),
+        "finish_length_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+        "reward_zero_std_frac": len(flat) / len(groups),
     }
 
 

@@ -120,8 +120,9 @@ def _loss(acfg, logp, batch: PackedBatch, logp_prox=None) -> losses.LossOutput:
     # policy before the step's updates, and the clip works on pi/pi_old. Clipping around mu as
     # well counted pi/mu twice: (pi/mu)^2 in the gradient.
     weight = losses.token_is(prox, mu, acfg.token_is, acfg.token_is_cap)
+    capped = (prox.detach() - mu).exp() > acfg.token_is_cap  # truncated or masked
     return losses.ppo_clip_loss(logp, prox, adv, m, eps=acfg.clip_eps, is_weight_N=weight,
-                                dual_clip_c=dual)
+                                dual_clip_c=dual, truncated_N=capped)
 
 
 def needs_prox(acfg) -> bool:
@@ -228,6 +229,7 @@ def _backward(model, up: _Update, acfg, temp, ref_model, stats: dict, version: i
             kl = losses.kl_penalty(logp, ref_logp, batch.loss_mask_N, acfg.kl_estimator)
             loss_sum = loss_sum + acfg.kl_coef * kl
             stats["kl_sum"] += float(kl.detach()) if real else 0.0
+            stats["kl_tokens"] += float(batch.loss_mask_N.sum()) if real else 0.0
         scale = 1.0 if real else 0.0  # padding micro-batch: keeps FSDP collectives aligned
         (losses.normalize(loss_sum, max(up.global_tokens, 1)) * scale).backward()
         if real:
@@ -262,7 +264,7 @@ def _prox_logps(model, up: _Update, temp):
 
 def _zero_stats() -> dict:
     keys = ("loss_sum", "tokens", "is_ratio_sum", "is_ratio_max", "truncated", "clipped",
-            "entropy_sum", "mismatch_kl_sum", "onpolicy_tokens", "kl_sum")
+            "entropy_sum", "mismatch_kl_sum", "onpolicy_tokens", "kl_sum", "kl_tokens")
     return dict.fromkeys(keys, 0.0)
 
 

@@ -292,7 +292,8 @@ class TrainerWorker:
                 if not self.buffer.try_put(group):
                     self.buffer.put(group, timeout=self.cfg.parallel.timeout_s)
         elif m.type == Msg.ACK:
-            self.acks[m.version] = (m.payload or {}).get("seconds", 0.0)
+            seconds = (m.payload or {}).get("seconds", 0.0)  # the slowest replica's swap
+            self.acks[m.version] = max(self.acks.get(m.version, 0.0), seconds)
         elif m.type == Msg.EVALUATING:  # starts (no payload) or ends
             self.evaluating = None if m.payload else (m.src, m.version, time.monotonic())
         elif m.type == Msg.STOP:  # a generator leader's SIGTERM
@@ -316,7 +317,7 @@ class TrainerWorker:
 
     def _metrics(self, groups, s, res, dt, t_sync) -> dict:
         m = step_metrics(self.step, self.version, groups, s, res, dt, t_sync, self.nonfinite_total)
-        m.update({"generator_sync_s": self.acks.get(self.version - 1, 0.0),
+        m.update({"generator_sync_s": self.acks.get(self.version - 1),  # None: not acked yet
                   "generator_version": max(self.acks, default=0),
                   "buffer_groups": len(self.buffer),
                   "dropped_stale": self.buffer.stats()["dropped_stale"]})
