@@ -1,6 +1,9 @@
 """Build and run the generator role on this rank: TP model, engine, prompts, rewards, receiver."""
 from __future__ import annotations
 
+import contextlib
+
+from launch.faults import maybe_kill
 from model.hf_io import load_model_args, to_dtype
 from parallel.sharding import build_model, parallelize_generator
 from rollout.data import (PromptSource, filter_by_length, load_held_out, load_prompts,
@@ -77,6 +80,36 @@ def build_engine(model, cfg, replica: int, device, print_choice: bool) -> Engine
 
 
 def run_generator(cfg, meshes, tokenizer) -> None:
+    """Start-up (`start_generator`), then the loop. The leader's link comes first, so that a
+    failure anywhere after it, start-up included, reaches the trainer with its cause. (Built after
+    the engine, a failure in the engine's, a resume's or the evaluator's set-up told nobody:
+    torchrun ends a failed rank's job at once on that rank's node only, and trainer rank 0 on
+    another node waited for the first groups until warmup_budget_s, then failed with a time-out.)"""
+    dims, rank = meshes.dims, meshes.rank
+    leader = dims.generator_coord(rank)[1] == 0  # a replica's tp-rank 0 talks to the trainer
+    link = Link(rank, [dims.trainer_rank_list[0]], cfg.parallel.timeout_s) if leader else None
+    with contextlib.ExitStack() as stack:  # closed last to first: evaluator, rewards, link
+        if link is not None:
+            stack.callback(link.close)
+        try:
+            worker, resumed = start_generator(cfg, meshes, tokenizer, link, stack)
+            maybe_kill(rank, 0)  # launch/faults.py: a failure at the end of start-up
+            if worker.evaluator is not None and not resumed:
+                worker.evaluate(0)  # the starting policy (a resumed run: at its swap)
+            worker.run()
+        except PeerError:  # the trainer's own shutdown: it is gone, nobody to tell
+            raise
+        except BaseException as e:
+            if link is not None:
+                link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}",
+                                        announce=not isinstance(e, KeyboardInterrupt))
+            raise
+
+
+def start_generator(cfg, meshes, tokenizer, link: Link | None,
+                    stack: contextlib.ExitStack) -> tuple[GeneratorWorker, bool]:
+    """This rank's model, weight receiver, prompts, engine, rewards and evaluator (their closing
+    on `stack`), a resumed run's cut restored; the worker, and whether the run resumed."""
     dims, rank = meshes.dims, meshes.rank
     replica, tp_rank = dims.generator_coord(rank)
     model = build_generator_model(cfg, meshes)
@@ -89,18 +122,17 @@ def run_generator(cfg, meshes, tokenizer) -> None:
                              ipc_direct=cfg.parallel.ipc_buffers == 0)
     if rank == dims.generator_rank_list[0]:
         print(f"generator: {describe_receiver(receiver)}", flush=True)
+    if link is not None:  # the CUDA-IPC waits end on the trainer's failure, naming it
+        watch_link(receiver, link)
     items, skipped, encode = load_items(cfg, tokenizer)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)
     engine = build_engine(model, cfg, replica, meshes.device, print_choice=rank == dims.generator_rank_list[0])
-    trainer0 = dims.trainer_rank_list[0]
-    link = Link(rank, [trainer0], cfg.parallel.timeout_s) if tp_rank == 0 else None
-    if link is not None:  # the CUDA-IPC waits end on the trainer's failure, naming it
-        watch_link(receiver, link)
     tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None
     rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
-    worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver, trainer0,
-                             replica, tp_group, encode)
+    stack.callback(rewards.close)
+    worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver,
+                             dims.trainer_rank_list[0], replica, tp_group, encode)
     worker.on_first_swap = lambda: meshes.set_timeouts(cfg.parallel.timeout_s)
     path = resume_path(cfg)  # the same checkpoint the trainer resumes from
     start = 0
@@ -111,20 +143,6 @@ def run_generator(cfg, meshes, tokenizer) -> None:
     if replica == 0:
         worker.evaluator = build_eval(cfg, engine, tokenizer, rewards, writer=tp_rank == 0,
                                       start_version=start)
-    try:
-        if worker.evaluator is not None and path is None:
-            worker.evaluate(0)  # the starting policy (a resumed run: at its swap)
-        worker.run()
-    except PeerError:  # the trainer's own shutdown: it is gone, nobody to tell
-        raise
-    except BaseException as e:
-        if link is not None:
-            link.broadcast_shutdown(f"generator rank {rank}: {type(e).__name__}: {e}",
-                                    announce=not isinstance(e, KeyboardInterrupt))
-        raise
-    finally:
         if worker.evaluator is not None:
-            worker.evaluator.close()
-        rewards.close()
-        if link is not None:
-            link.close()
+            stack.callback(worker.evaluator.close)
+    return worker, path is not None

@@ -1,9 +1,12 @@
 """Faults: SIGKILL a trainer rank, then a generator rank, mid-run. torchrun restarts the job, it
 resumes from the last checkpoint, metrics stay contiguous, every prompt is trained exactly once,
 and in synchronous mode the final parameters equal an uninterrupted run, bitwise. Ctrl-C ends
-every rank with one line; SIGTERM stops the run at a step boundary with a checkpoint."""
+every rank with one line; SIGTERM stops the run at a step boundary with a checkpoint; a rank's
+failure in start-up ends the ranks of another node at once, naming it."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +90,40 @@ def test_ctrl_c_ends_every_rank_with_one_line_naming_the_checkpoint(tmp_path):
             "checkpoint, step_000002") in err
     assert "[rank" not in err and "KeyboardInterrupt" not in err, err[-5000:]
     assert (run_dir / "checkpoints" / "step_000002" / ".metadata").is_file()
+
+
+def test_a_start_up_failure_on_another_node_ends_the_run_naming_it(tmp_path):
+    """Two torchrun agents, one rank each (trainer rank 0 on node 0, generator rank 1 on node 1):
+    the generator fails at the end of its start-up. torchrun ends a failed rank's job on that
+    node only; trainer rank 0, on the other, waited for the first groups until
+    parallel.warmup_timeout_s (120 s here) and then failed with a time-out not naming the cause:
+    the generator's link was built, and its failures told the trainer, only after start-up."""
+    from tests.dist import free_port
+    model = make_rl_model(tmp_path / "model")
+    port = free_port()
+    args = ["--config", "configs/tiny_cpu.toml", *QUICK, f"--model.path={model}",
+            f"--run.dir={tmp_path / 'run'}", "--trainer.max_steps=2", "--logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=1,step=0,signal=RAISE"}
+    agents = [subprocess.Popen(  # a static rendezvous: node 0 (trainer rank 0) holds the store
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
+         "train_rl.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for node in (0, 1)]
+    try:
+        errs = [a.communicate(timeout=100)[1] for a in agents]  # well before the 120 s
+    finally:  # a hung run: its ranks (each in a session of its own, torchrun's), then agents
+        if any(a.poll() is None for a in agents):
+            for pid in (tmp_path / "run" / "pids").glob("rank*.pid"):
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid.read_text()), signal.SIGKILL)
+            for a in agents:
+                a.kill()
+    cause = "generator rank 1: RuntimeError: fault injection: a failure on rank 1 at the end of start-up"
+    assert all(a.returncode not in (0, None) for a in agents), errs
+    assert f"error (rank 1): {cause}" in errs[1], errs[1][-3000:]
+    # trainer rank 0 waits for the first groups (or is still starting, then reads it first)
+    assert "trainer.link.PeerError: " in errs[0] and cause in errs[0], errs[0][-3000:]
+    assert "TimeoutError" not in errs[0], errs[0][-3000:]
 
 
 def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resumes(reference, tmp_path):
@@ -205,3 +242,17 @@ def test_a_fault_spec_sends_its_signal_at_its_rank_and_step_only(spec, sent, mon
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
     faults.maybe_kill(1, 3)
     assert calls == [sent]
+
+
+def test_a_raise_fault_fails_its_rank_at_its_step_only(monkeypatch):
+    """signal=RAISE: a RuntimeError, as a rank's own failure; step 0 is the end of start-up."""
+    from launch import faults
+    monkeypatch.setenv("TANDEM_FAULT_KILL", "rank=1,step=0,signal=RAISE")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: pytest.fail(f"sent {sig!r}"))
+    for rank, step in ((0, 0), (1, 1), (2, 0)):
+        faults.maybe_kill(rank, step)
+    with pytest.raises(RuntimeError, match=r"^fault injection: a failure on rank 1 at the end of start-up$"):
+        faults.maybe_kill(1, 0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
+    faults.maybe_kill(1, 0)

@@ -1,14 +1,16 @@
 """Build and run the trainer role on this rank: sharded model, optimizer, weight sender, link."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
-
+from launch import preemption
+from launch.faults import maybe_kill
 from model.hf_io import load_model_args, to_dtype
 from parallel.sharding import build_model, parallelize_trainer
 from trainer.checkpointing import clear_complete, mark_complete, read_extra, resume_path
-from trainer.link import Link
+from trainer.link import Link, PeerError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.worker import TrainerWorker
@@ -36,8 +38,40 @@ def build_ref_model(cfg, meshes):
 
 
 def run_trainer(cfg, meshes, tokenizer=None) -> None:
+    """Start-up (`start_trainer`), the steps, the end. The owner's link comes first, so that a
+    failure of its start-up reaches the generators with its cause, as one in the steps does
+    (`TrainerWorker.run`); another trainer rank's failure fails the owner's next collective with
+    it. (Built after the model, a failure in the set-up of the optimizer or of a resume reached no
+    generator: torchrun ends a failed rank's job at once on that rank's node only, and one on
+    another node learnt of it from what broke next (the job's store, where node 0's agent held
+    it), without the cause, or waited for weights until warmup_budget_s.)"""
     dims, rank = meshes.dims, meshes.rank
     owner = rank == dims.trainer_rank_list[0]
+    leaders = [row[0] for row in dims.generator_mesh_ranks()]
+    link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
+    with contextlib.ExitStack() as stack:  # closed last to first: the metrics log, the link
+        if link is not None:
+            stack.callback(link.close)
+        try:
+            worker = start_trainer(cfg, meshes, tokenizer, link, stack)
+            maybe_kill(rank, 0)  # launch/faults.py: a failure at the end of start-up
+        except BaseException as e:
+            if link is not None:  # unannounced after a Ctrl-C: train_rl prints the run's one line
+                link.broadcast_shutdown(f"trainer rank {rank}: {type(e).__name__}: {e}",
+                                        announce=not (isinstance(e, (KeyboardInterrupt, PeerError))
+                                                      or preemption.interrupted()))
+            raise
+        worker.run()  # tells the generators of its own failures
+    if not worker.stopped:  # stopped early (SIGTERM): no final export, not complete
+        finish_run(cfg, meshes, worker.model, tokenizer, worker.version, owner)
+
+
+def start_trainer(cfg, meshes, tokenizer, link: Link | None,
+                  stack: contextlib.ExitStack) -> TrainerWorker:
+    """This rank's model (and KL reference), weight sender, optimizer and schedule, the owner's
+    metrics log (its closing on `stack`), a resumed run's state restored and its weights sent."""
+    dims, rank = meshes.dims, meshes.rank
+    owner = link is not None
     model = build_trainer_model(cfg, meshes, cfg.model.path)
     ref = build_ref_model(cfg, meshes)
     plan = plan_between_meshes(model, meshes.trainer_group, is_src_leader=owner, is_dst_leader=False)
@@ -46,8 +80,6 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
                          to_dtype(cfg.model.gen_dtype), meshes.weights_group, cfg.parallel.timeout_s,
                          meshes.gpu_of, ipc_buffers=cfg.parallel.ipc_buffers,
                          cpu_shm=cfg.parallel.cpu_shm)
-    leaders = [row[0] for row in dims.generator_mesh_ranks()]
-    link = Link(rank, leaders, cfg.parallel.timeout_s) if owner else None
     if link is not None:  # the CUDA-IPC waits end on a generator's failure, naming it
         watch_link(sender, link)
     path = resume_path(cfg)  # the same on every rank: they all read the run directory
@@ -55,20 +87,13 @@ def run_trainer(cfg, meshes, tokenizer=None) -> None:
     if owner:
         clear_complete(cfg)
         logger = MetricsLogger.from_config(cfg, read_extra(path)["step"] if path is not None else 0)
+        stack.callback(logger.close)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,
                            logger, ref, tokenizer=tokenizer)
     if path is not None:
         worker.resume(path)
-    try:
-        worker.run()
-    finally:
-        if logger is not None:
-            logger.close()
-        if link is not None:
-            link.close()
-    if not worker.stopped:  # stopped early (SIGTERM): no final export, not complete
-        finish_run(cfg, meshes, model, tokenizer, worker.version, owner)
+    return worker
 
 
 def finish_run(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None:
