@@ -126,6 +126,9 @@ class _TrainerLink:
     def flush(self, timeout_s=None):
         pass
 
+    def broadcast_shutdown(self, error, announce=True):
+        self.sent.append(("SHUTDOWN", error))
+
 
 def _resumed_trainer(rank, world, folder, run_dir):
     """A trainer resumed at step 3 (its schedule there): the first batch wait, then two steps."""
@@ -264,6 +267,53 @@ def _trainer_with_slow_logging(rank, world, folder, run_dir):
     wall = time.perf_counter() - t0
     logger.close()
     return wall
+
+
+def _trainer_whose_push_fails(rank, world, folder, run_dir):
+    """A fresh trainer (3 steps, fake generators) whose weight push fails at version 2."""
+    import torch
+    from config import load_config
+    from model import load_pretrained
+    from parallel.dims import ParallelDims
+    from parallel.mesh import build_meshes
+    from trainer import worker as W
+    from trainer.metrics import MetricsLogger
+    from trainer.optim import build_optimizer, build_scheduler
+    cfg = load_config(None, ["--parallel.mode=colocated", "--trainer.prompts_per_step=2",
+                             "--generator.n_samples=2", "--algo.max_staleness=0",
+                             "--trainer.max_steps=3", "--logging.progress=false",
+                             "--logging.tensorboard=false", f"--run.dir={run_dir}"]).resolve(1)
+    meshes = build_meshes(ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
+    model = load_pretrained(folder, dtype="float32")
+    opt = build_optimizer(model, cfg.trainer)
+
+    def push(v):
+        if v == 2:
+            raise ConnectionError("generator rank 1 is gone")
+    sender = ns(push=push, wait_sent=lambda: None, close=lambda: None)
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    w = W.TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, None,
+                        logger=logger)
+    w.link = _TrainerLink(w, [0.0])
+    try:
+        w.run()
+    except ConnectionError as e:
+        return str(e)
+    finally:
+        logger.close()
+
+
+def test_a_step_whose_weight_push_fails_still_logs_its_row(tmp_path):
+    """The push comes after the step's checkpoint, and the row after the push: a push that failed
+    (a generator gone) lost the row of a step a resume then goes on after, for good."""
+    import json
+    from tests.dist import run_ranks
+    from tests.rl_model import make_rl_model
+    folder = make_rl_model(tmp_path / "m")
+    err = run_ranks(_trainer_whose_push_fails, 1, folder, str(tmp_path / "run"), timeout=300)[0]
+    assert err == "generator rank 1 is gone"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 def test_step_times_add_up_to_the_wall_time(tmp_path):

@@ -150,18 +150,20 @@ class TrainerWorker:
         # generator (waiting for v+1) is never left hanging; the weights are simply unchanged.
         self.version += 1
         self.step += 1
+        stats = reduce_stats(res.stats, self.dp_group)
         # Checkpoint before announcing version v: in synchronous mode the generators then hold no
         # prompt in flight at the cut, so a resumed run regenerates nothing and stays bitwise equal.
         self._maybe_save()
         t1 = time.perf_counter()
-        self._push_weights()
-        t_sync = time.perf_counter() - t1
-        stats = reduce_stats(res.stats, self.dp_group)
-        stamp, start = time.perf_counter(), t0 if self.last_stamp is None else self.last_stamp
-        self.last_stamp = stamp
-        if self.is_owner and self.logger is not None:
-            m = self._metrics(groups, stats, res, stamp - start, t_sync)
-            self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
+        try:
+            self._push_weights()
+        finally:  # the step's row even when the push fails: a resume goes on after the saved step
+            t_sync = time.perf_counter() - t1
+            stamp, start = time.perf_counter(), t0 if self.last_stamp is None else self.last_stamp
+            self.last_stamp = stamp
+            if self.is_owner and self.logger is not None:
+                m = self._metrics(groups, stats, res, stamp - start, t_sync)
+                self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
 
     def _push_weights(self) -> None:
         self.sender.push(self.version)
