@@ -3,7 +3,7 @@
     engine = Engine(model, num_slots=64, max_len=2048)
     done = engine.generate([Request(i, ids, SamplingParams(n=4, max_new_tokens=256)) for ...])
     # or incrementally (the generator loop): add_requests(...); while has_work(): step();
-    # poll_finished(); and between two steps: load_weights(apply_fn, version)
+    # poll_finished(); and between two steps: load_weights(apply_fn, version), cancel(ids)
 
 **Slots.** The KV cache (model/kv_cache.py) has `num_slots` rows of `max_len` positions; one slot
 holds one sample. Per-slot state (tokens, mu, versions, length, live flag, sampling parameters,
@@ -51,15 +51,22 @@ carry the new version. What happens to the keys/values already cached is the `kv
   new weights (batched, no logits), so tokens sampled after the swap are exactly what a fresh run
   of the new weights would give for that prefix. Costs one prefill of all in-flight tokens;
   queued samples get their prompt prefilled again.
+**Bad input and failures.** `add_requests` checks every request (prompt ids, SamplingParams,
+stop ids against the vocabulary) and queues copies of all of them or, naming the first bad one,
+none. An admission that raises (an out-of-memory prefill, say) is undone before the error goes
+on: its samples are queued again, every slot is free or running as before, and the error's note
+names the requests; `cancel(ids)` drops requests (queued, running or unpolled). `generate` that
+raises cancels its own requests, so a retry starts clean and draws the same samples.
 Sampling and mu conventions: rollout/sampling.py.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import Counter, deque
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -123,23 +130,45 @@ class SamplingParams:
     seed: int | None = None  # None: derived from the engine seed and the request's arrival order
 
     def __post_init__(self) -> None:
-        bad = []
-        if self.max_new_tokens < 1:
-            bad.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
-        if self.temperature < 0:
-            bad.append(f"temperature={self.temperature} (must be >= 0)")
-        if not 0 < self.top_p <= 1:
-            bad.append(f"top_p={self.top_p} (must be in (0, 1])")
-        if self.top_k < 0:
-            bad.append(f"top_k={self.top_k} (must be >= 0; 0 = off)")
-        if self.n < 1:
-            bad.append(f"n={self.n} (must be >= 1)")
+        bad = _params_problems(self)
         if bad:
             raise ValueError("invalid SamplingParams: " + ", ".join(bad))
 
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
+
+
+def _params_problems(p: SamplingParams) -> list[str]:
+    """What makes `p` unusable, one "field=value (rule)" each. Checked at construction and again
+    at submission: a field set afterwards is not checked by the dataclass, and a float n, seed or
+    stop id, or a max_new_tokens or n set to 0, failed only at admission (the request's slots
+    taken for good); a float top_k was truncated and a NaN temperature sampled at 1."""
+    bad = []
+
+    def need(ok: bool, name: str, rule: str) -> None:
+        if not ok:
+            bad.append(f"{name}={getattr(p, name)!r} ({rule})")
+
+    def is_int(v) -> bool:
+        return isinstance(v, numbers.Integral)
+
+    def is_num(v) -> bool:
+        return isinstance(v, numbers.Real)
+
+    need(is_int(p.max_new_tokens) and p.max_new_tokens >= 1, "max_new_tokens",
+         "must be an int >= 1")
+    need(is_num(p.temperature) and p.temperature >= 0, "temperature",  # NaN >= 0 is False
+         "must be a number >= 0; 0 = greedy")
+    need(is_num(p.top_p) and 0 < p.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(is_int(p.top_k) and p.top_k >= 0, "top_k", "must be an int >= 0; 0 = off")
+    need(is_int(p.n) and p.n >= 1, "n", "must be an int >= 1")
+    need(p.seed is None or is_int(p.seed), "seed", "must be an int or None")
+    stops = p.stop_token_ids
+    need(isinstance(stops, (list, tuple, set, frozenset, range))
+         and all(is_int(t) and t >= 0 for t in stops), "stop_token_ids",
+         "must be a list of token ids >= 0")
+    return bad
 
 
 @dataclass
@@ -279,6 +308,40 @@ class _SlotState:
         self.stopped |= done & stop
         self.live &= ~done
 
+    def start(self, table: Sequence[Tensor], logits_RV: Tensor, flags: tuple, L: int) -> None:
+        """Start R admitted samples: write their prompts and parameters (`_sample_table`'s host
+        tensors), hash the uniforms of every draw they may make, draw their first tokens from
+        `logits_RV` (`_sample_rows` with `flags`) and end those that stop at once."""
+        M = int(table[1][:, 2].max())  # the most tokens any of these samples may draw (host)
+        dev = self.tokens.device
+        prompts, ints, floats, stops = (t.to(dev, non_blocking=True) for t in table)
+        R = ints.shape[0]
+        slot, P, max_new, key, top_k, greedy, ver = ints.unbind(1)
+        greedy = greedy.bool()
+        self.tokens[slot, : prompts.shape[1]] = prompts
+        self.max_new[slot], self.top_k[slot], self.greedy[slot] = max_new, top_k, greedy
+        u_RM = hashed_uniform(key[:, None].expand(R, M), torch.arange(M, device=dev).expand(R, M))
+        self.u[slot, :M] = u_RM
+        self.temp[slot], self.top_p[slot], self.stop_ids[slot] = floats[:, 0], floats[:, 1], stops
+        truncate, tempered, mode = flags
+        tok, mu = _sample_rows(logits_RV, floats[:, 0], top_k, floats[:, 1], greedy,
+                               None if mode == "greedy" else u_RM[:, 0], truncate, tempered, mode)
+        self.tokens[slot, P], self.logp[slot, P], self.version[slot, P] = tok, mu, ver
+        self.seq_len[slot], self.gen[slot] = P + 1, 1
+        stop = (tok[:, None] == stops).any(-1)
+        self.stopped[slot] = stop
+        self.live[slot] = ~(stop | (max_new <= 1) | (P + 1 >= L))
+        self.owned[slot] = True
+
+    def read(self, rows: list[int]) -> tuple[list, ...]:
+        """(seq_len, tokens, logp, version, stopped) of these rows as host lists, each cut to the
+        longest row."""
+        idx = torch.tensor(rows, device=self.seq_len.device)
+        seq_len = self.seq_len[idx].tolist()
+        width = max(seq_len)
+        out = [t[idx, :width].tolist() for t in (self.tokens, self.logp, self.version)]
+        return (seq_len, *out, self.stopped[idx].tolist())
+
     def grow_stop_ids(self, k: int) -> None:
         old = self.stop_ids
         self.stop_ids = torch.full((old.shape[0], k), -1, dtype=old.dtype, device=old.device)
@@ -310,11 +373,11 @@ def _completion(info: dict, tokens: list, logp: list, versions: list, n: int, st
                       tokens[P:n], logp[P:n], versions[P:n], "stop" if stopped else "length", t, P)
 
 
-def _sample_table(plan, stop_sets: list[list[int]], L: int, P_max: int, K: int):
+def _sample_table(plan, stop_sets: list[list[int]], L: int, K: int):
     """Host tensors of the admitted samples `plan` [(slot, group, sample index)], one row each:
     prompts [R, P_max], ints [R, 7] (slot, P, max_new, key, top_k, greedy, version), floats
     [R, 2] (temperature, top_p) and stop ids [R, K] (-1 padded)."""
-    R = len(plan)
+    R, P_max = len(plan), max(len(g.request.prompt_ids) for _, g, _ in plan)
     prompts = torch.zeros(R, P_max, dtype=torch.int64)
     ints = torch.zeros(R, 7, dtype=torch.int64)
     floats = torch.zeros(R, 2, dtype=torch.float32)
@@ -329,6 +392,27 @@ def _sample_table(plan, stop_sets: list[list[int]], L: int, P_max: int, K: int):
         floats[r, 1] = 1.0 if greedy else p.top_p
         stops[r, : len(stop)] = torch.tensor(stop, dtype=torch.int64)
     return prompts, ints, floats, stops
+
+
+def _first_logits(plan, device: torch.device) -> Tensor:
+    """[R, V]: the logits each admitted sample draws its first token from, its group's (every
+    sample of a group draws from the group's one set of last-prompt-position logits)."""
+    groups = list({id(g): g for _, g, _ in plan}.values())
+    row = {id(g): r for r, g in enumerate(groups)}
+    rows = torch.tensor([row[id(g)] for _, g, _ in plan], device=device)
+    return torch.stack([g.logits_V for g in groups])[rows]
+
+
+def _prefix_copies(plan, prefilled_slots: set[int]) -> list[tuple[int, list[int], int]]:
+    """The prompt-KV copies of an admission `plan` [(slot, group, sample index)]: for each group
+    with samples not in `prefilled_slots`, (a slot holding its prompt, those samples' slots,
+    the prompt's length)."""
+    copies: dict[int, tuple[int, list[int], int]] = {}
+    for s, g, _ in plan:
+        if s not in prefilled_slots:
+            src = next(iter(g.live_slots))
+            copies.setdefault(id(g), (src, [], len(g.request.prompt_ids)))[1].append(s)
+    return list(copies.values())
 
 
 def _sample_rows(logits_RV, temp_R, top_k_R, top_p_R, greedy_R, u_R, truncate: bool,
@@ -447,14 +531,15 @@ class Engine:
                  max_prefill_tokens: int = 4096, kv_bucket: int | None = None,
                  pack_weights: bool | PackedLinears | None = None, compact: bool | None = None,
                  decode_attention: str = "auto", stack_weights=None):
-        device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode)
+        device = _checked_device(model, device, num_slots, max_len, kv_policy, compile_decode,
+                                 seed)
         self.decode_attention = attention_choice(decode_attention, device, compile_decode)
         self.compact = _compact_choice(compact, device, compile_decode)
         self.model, self.device, self.num_slots, self.max_len = model, device, num_slots, max_len
         # decode reads the cache up to a length bucket; on CUDA each bucket is one graph
         use_compile = compile_decode in (True, "compile")
         self.kv_bucket = kv_bucket or (32 if device.type == "cuda" else 1)
-        self.seed, self.kv_policy = seed, kv_policy
+        self.seed, self.kv_policy = int(seed), kv_policy
         self.max_prefill_tokens = max_prefill_tokens
         self.sync_every = sync_every or (8 if device.type == "cuda" else 1)
         self.cache = KVCache.for_model(model, num_slots, max_len, dtype=dtype, device=device)
@@ -468,15 +553,7 @@ class Engine:
         self._n_requests = self._steps = self._since_sync = 0
         self._bound_base = 0  # max over owned slots of (length at admission - admission step)
         self._needs = _Needs()  # over the owned slots
-        self._body = self._decode_body
-        if use_compile:
-            # the cache length read is the one size that changes from step to step: the second
-            # length seen recompiles with it symbolic (dynamo's automatic dynamic shapes), and
-            # that one graph serves every later length (dynamic=True, every size symbolic from
-            # the start, compiled longer and ran slower on CPU: BENCHMARKS.md "Generation")
-            self._body = torch.compile(self._decode_body, dynamic=None,
-                                       options=compile_options(device, model.args.num_layers,
-                                                               _has_dtensor(model)))
+        self._body = _compiled(self._decode_body, model, device, use_compile)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
         self._graphs = _DecodeGraphs(device, self._decode_fn, self.st)
         self._param_ptrs = _param_pointers(self.model)
@@ -508,15 +585,15 @@ class Engine:
         """Set after new weights are in place (`load_weights` does it): it also renews the
         engine's weight copies, since a swap may write through `.data` or a flat buffer, which
         leaves the parameters' version counters unchanged."""
-        self._version = int(v)
-        self.st.version_now.fill_(int(v))
+        self._version = _checked_version(v)
+        self.st.version_now.fill_(self._version)
         self._copies.invalidate()
 
     def add_requests(self, requests: Sequence[Request]) -> None:
-        """Queue requests (FIFO). Raises ValueError for a prompt that leaves no room to generate
-        or holds an id outside the model's vocabulary, and then queues none of them."""
-        for r in requests:
-            _check_prompt(r, self.max_len, self.model.args.vocab_size)
+        """Queue copies of the requests (FIFO; `_checked_request`). Raises ValueError naming the
+        first one the engine cannot run (a prompt that leaves no room to generate or holds an id
+        outside the vocabulary, bad SamplingParams), and then queues none of them."""
+        requests = [_checked_request(r, self.max_len, self.model.args.vocab_size) for r in requests]
         now = time.perf_counter()
         for r in requests:
             seed = r.params.seed
@@ -546,16 +623,44 @@ class Engine:
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Run until every request is done; completions in request order, then sample order.
-        Completions of other requests finished meanwhile stay for `poll_finished`."""
-        rank = _request_ranks(requests)
+        Completions of other requests finished meanwhile stay for `poll_finished`. If a step
+        raises, these requests are cancelled (no retry finds them running) and the arrival count
+        restored (a retry draws what this call would have drawn); others' requests stay."""
+        rank = _request_ranks(requests, _held_ids(self._queue, self._slot, self._finished))
+        arrivals = self._n_requests
         self.add_requests(requests)
         mine, others = [], []
-        while self.has_work():
-            self.step()
+        try:
+            while self.has_work():
+                self.step()
+        except BaseException as e:
+            self.cancel(rank)
+            self._n_requests = arrivals
+            e.add_note(f"Engine: generate() cancelled its requests {_names(rank)}: none is left "
+                       "queued, running or unpolled, and the engine serves later calls with all "
+                       "its slots (other callers' requests were kept)")
+            raise
         for c in self.poll_finished():
             (mine if c.request_id in rank else others).append(c)
         self._finished = others + self._finished
         return sorted(mine, key=lambda c: (rank[c.request_id], c.sample_idx))
+
+    def cancel(self, request_ids: Iterable) -> list:
+        """Drop requests between two steps: their queued samples, their running ones (the slots
+        are free at once) and their finished ones not yet polled. Returns the ids found."""
+        ids = list(dict.fromkeys(request_ids))
+        drop = set(ids)
+        slots = [s for s, i in enumerate(self._slot)
+                 if i is not None and i["group"].request.request_id in drop]
+        found = {g.request.request_id for g in self._queue} & drop
+        found |= {self._slot[s]["group"].request.request_id for s in slots}
+        found |= {c.request_id for c in self._finished if c.request_id in drop}
+        self._queue = deque(g for g in self._queue if g.request.request_id not in drop)
+        self._finished = [c for c in self._finished if c.request_id not in drop]
+        if slots:
+            self._release(slots)
+            self._settle()
+        return [i for i in ids if i in found]
 
     @torch.no_grad()
     def load_weights(self, apply_fn: Callable[[], None], version: int,
@@ -564,6 +669,7 @@ class Engine:
         policy = kv_policy or self.kv_policy
         if policy not in KV_POLICIES:
             raise ValueError(f"kv_policy={policy!r}; choose one of {KV_POLICIES}")
+        _checked_version(version)  # before apply_fn: new weights under the old version otherwise
         apply_fn()
         self.version = version
         if _param_pointers(self.model) != self._param_ptrs:  # parameters replaced, not copied into
@@ -582,23 +688,17 @@ class Engine:
         done = (self.st.owned & ~self.st.live).nonzero()[:, 0].tolist()  # the one sync
         if not done:
             return
-        idx = torch.tensor(done, device=self.device)
-        seq_len = self.st.seq_len[idx].tolist()
-        width = max(seq_len)
-        tokens = self.st.tokens[idx, :width].tolist()
-        logp = self.st.logp[idx, :width].tolist()
-        versions = self.st.version[idx, :width].tolist()
-        stopped = self.st.stopped[idx].tolist()
-        self.st.owned[idx] = False
-        now = time.perf_counter()
-        for j, s in enumerate(done):
-            info, self._slot[s] = self._slot[s], None
-            info["group"].live_slots.discard(s)
-            self._free.append(s)
-            self._needs.add(info["needs"], -1)
+        seq_len, tokens, logp, versions, stopped = self.st.read(done)
+        now, infos = time.perf_counter(), [self._slot[s] for s in done]
+        self._release(done)
+        for j, info in enumerate(infos):
             self.stats.generated_tokens += seq_len[j] - info["P"]
             self._finished.append(_completion(info, tokens[j], logp[j], versions[j], seq_len[j],
                                               stopped[j], now))
+        self._settle()
+
+    def _settle(self) -> None:
+        """After slots were freed: the live bound, compaction, and the idle restart."""
         self._bound_base = max((i["bound"] for i in self._slot if i is not None), default=0)
         if self.compact:
             self._compact()
@@ -607,6 +707,21 @@ class Engine:
             # never depends on its history (a resumed job regenerates bit for bit).
             self._free = list(range(self.num_slots - 1, -1, -1))
             self._steps = self._bound_base = 0
+
+    def _release(self, slots: list[int]) -> None:
+        """Free these slots now, whatever their samples' state (cancelled, or admitted by a
+        failed admission): neither live nor owned, off the books."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, device=self.device)
+        self.st.live[idx] = False
+        self.st.owned[idx] = False
+        for s in slots:
+            info, self._slot[s] = self._slot[s], None
+            if info is not None:
+                info["group"].live_slots.discard(s)
+                self._needs.add(info["needs"], -1)
+            self._free.append(s)
 
     def _compact(self) -> None:
         """Move the samples in slots at or above n (the number of owned slots) into the free
@@ -634,19 +749,24 @@ class Engine:
 
     # ----- admission: prefill, prefix copies, first tokens --------------------------------------
     def _admit(self) -> None:
-        plan: list[tuple[int, _Group, int]] = []  # (slot, group, sample_idx)
-        to_prefill: list[tuple[_Group, int]] = []  # (group, slot it is prefilled into)
-        while self._free and self._queue:
-            g = self._queue[0]
-            if g.logits_V is not None and not g.live_slots:
-                g.logits_V = None  # no running sibling holds the prompt any more: prefill again
-            take = min(len(self._free), len(g.pending))
-            slots = [self._free.pop() for _ in range(take)]
-            plan += [(s, g, g.pending.popleft()) for s in slots]
-            if g.logits_V is None:
-                to_prefill.append((g, slots[0]))
-            if not g.pending:
-                self._queue.popleft()
+        """Admit queued samples into the free slots. If that raises (an out-of-memory prefill),
+        it is undone: the samples are queued again, their slots free, the error says which."""
+        free, bound = list(self._free), self._bound_base
+        plan, to_prefill = _take_queued(self._queue, self._free)
+        try:
+            self._start_plan(plan, to_prefill)
+        except BaseException as e:
+            self._release([s for s, _, _ in plan])
+            self._free, self._bound_base = free, bound
+            _requeue(self._queue, plan, to_prefill)
+            names = _names(g.request.request_id for _, g, _ in plan)
+            e.add_note(f"Engine: admitting requests {names} failed and was undone: their samples "
+                       "are queued again (the next step() retries them) and no slot is lost; to "
+                       f"drop them: engine.cancel([{names}])")
+            raise
+
+    def _start_plan(self, plan, to_prefill) -> None:
+        """Prefill the prompts, copy prefixes to siblings, start every sample of the plan."""
         t0 = time.perf_counter()
         prefilled = self._prefill([(g.request.prompt_ids, s) for g, s in to_prefill])
         for (g, s), logits_V in zip(to_prefill, prefilled):
@@ -660,62 +780,26 @@ class Engine:
 
     def _copy_prefixes(self, plan, prefilled_slots: set[int]) -> None:
         """Copy each group's prompt KV [0, P) from a slot holding it to its new samples' slots."""
-        dsts: dict[int, list[int]] = {}
-        src_of: dict[int, int] = {}
-        for s, g, _ in plan:
-            if s in prefilled_slots:
-                continue
-            src_of.setdefault(id(g), next(iter(g.live_slots)))
-            dsts.setdefault(id(g), []).append(s)
-        groups = {id(g): g for _, g, _ in plan}
-        for gid, dst in dsts.items():
-            P, src = len(groups[gid].request.prompt_ids), src_of[gid]
+        for src, dst, P in _prefix_copies(plan, prefilled_slots):
             d = torch.tensor(dst, device=self.device)
             self.cache.move(torch.full_like(d, src), d, P)
             self.stats.kv_copies += len(dst)
 
     def _start_samples(self, plan, t_admit: float) -> None:
         """Write prompts and per-slot parameters of the admitted samples, draw their first token."""
-        R, dev, L = len(plan), self.device, self.max_len
-        P_max = max(len(g.request.prompt_ids) for _, g, _ in plan)
         stop_sets = [self._stop_ids(g.request.params) for _, g, _ in plan]
         if max(map(len, stop_sets)) > self.st.stop_ids.shape[1]:
             self.st.grow_stop_ids(max(map(len, stop_sets)))
             self._graphs.clear()
-        K = self.st.stop_ids.shape[1]
-        prompts, ints, floats, stops = _sample_table(plan, stop_sets, L, P_max, K)
-        group_row: dict[int, int] = {}
+        table = _sample_table(plan, stop_sets, self.max_len, self.st.stop_ids.shape[1])
         for s, g, i in plan:
-            p, P = g.request.params, len(g.request.prompt_ids)
-            group_row.setdefault(id(g), len(group_row))
+            P = len(g.request.prompt_ids)
             self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit,
-                                 bound=P + 1 - self._steps, needs=_needs(p))
+                                 bound=P + 1 - self._steps, needs=_needs(g.request.params))
             self._needs.add(self._slot[s]["needs"])
             g.live_slots.add(s)
-        M = int(ints[:, 2].max())  # the most tokens any of these samples may draw
-        ints, floats, stops, prompts = (t.to(dev, non_blocking=True)
-                                        for t in (ints, floats, stops, prompts))
-        slot, P, max_new, key, top_k, greedy, ver = ints.unbind(1)
-        greedy = greedy.bool()
-        st = self.st
-        st.tokens[slot, :P_max] = prompts
-        st.max_new[slot], st.top_k[slot], st.greedy[slot] = max_new, top_k, greedy
-        u_RM = hashed_uniform(key[:, None].expand(R, M), torch.arange(M, device=dev).expand(R, M))
-        st.u[slot, :M] = u_RM
-        st.temp[slot], st.top_p[slot], st.stop_ids[slot] = floats[:, 0], floats[:, 1], stops
-        # first tokens: every sample of a group draws from the group's one set of logits
-        groups = {id(g): g for _, g, _ in plan}
-        logits_GV = torch.stack([groups[gid].logits_V for gid in group_row])
-        rows = torch.tensor([group_row[id(g)] for _, g, _ in plan], device=dev)
-        truncate, tempered, mode = _Needs(self._slot[s]["needs"] for s, _, _ in plan).flags(R)
-        tok, mu = _sample_rows(logits_GV[rows], floats[:, 0], top_k, floats[:, 1], greedy,
-                               None if mode == "greedy" else u_RM[:, 0], truncate, tempered, mode)
-        st.tokens[slot, P], st.logp[slot, P], st.version[slot, P] = tok, mu, ver
-        st.seq_len[slot], st.gen[slot] = P + 1, 1
-        stop = (tok[:, None] == stops).any(-1)
-        st.stopped[slot] = stop
-        st.live[slot] = ~(stop | (max_new <= 1) | (P + 1 >= L))
-        st.owned[slot] = True
+        flags = _Needs(self._slot[s]["needs"] for s, _, _ in plan).flags(len(plan))
+        self.st.start(table, _first_logits(plan, self.device), flags, self.max_len)
         now = time.perf_counter()
         for s, _, _ in plan:
             self._slot[s]["first_token"] = now
@@ -729,9 +813,7 @@ class Engine:
         """Prefill token lists into slots (batched, right-padded, sorted by length, chunked to
         `max_prefill_tokens`); returns each item's last-position logits [V] when `logits`."""
         out: list[Tensor | None] = [None] * len(items)
-        order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
-        for chunk in _chunks([len(items[i][0]) for i in order], self.max_prefill_tokens):
-            idx = [order[c] for c in chunk]
+        for idx in _length_chunks([len(q) for q, _ in items], self.max_prefill_tokens):
             seqs = [items[i][0] for i in idx]
             h = self._prefill_forward(_right_padded(seqs).to(self.device, non_blocking=True),
                                       torch.tensor([items[i][1] for i in idx], device=self.device))
@@ -800,13 +882,23 @@ class Engine:
         if not slots:
             return
         lengths = (self.st.seq_len[slots] - 1).tolist()  # tokens whose KV is cached
-        order = sorted(range(len(slots)), key=lambda i: lengths[i])
-        for chunk in _chunks([lengths[i] for i in order], self.max_prefill_tokens):
-            rows = torch.tensor([slots[order[c]] for c in chunk], device=self.device)
-            T = lengths[order[chunk[-1]]]
-            self._prefill_forward(self.st.tokens[rows, :T], rows)
-            self.stats.recompute_tokens += sum(lengths[order[c]] for c in chunk)
+        for idx in _length_chunks(lengths, self.max_prefill_tokens):
+            rows = torch.tensor([slots[i] for i in idx], device=self.device)
+            self._prefill_forward(self.st.tokens[rows, : lengths[idx[-1]]], rows)
+            self.stats.recompute_tokens += sum(lengths[i] for i in idx)
 
+
+def _compiled(decode_body: Callable, model: torch.nn.Module, device: torch.device,
+              use_compile: bool) -> Callable:
+    """The decode step, compiled if `use_compile`. The cache length read is the one size that
+    changes from step to step: the second length seen recompiles with it symbolic (dynamo's
+    automatic dynamic shapes), and that one graph serves every later length (dynamic=True, every
+    size symbolic from the start, compiled longer and ran slower on CPU: BENCHMARKS.md
+    "Generation")."""
+    if not use_compile:
+        return decode_body
+    return torch.compile(decode_body, dynamic=None, options=compile_options(
+        device, model.args.num_layers, _has_dtensor(model)))
 
 
 def _param_pointers(model: torch.nn.Module) -> list[int]:
@@ -840,7 +932,7 @@ def _has_dtensor(model: torch.nn.Module) -> bool:
 
 
 def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
-                    compile_decode) -> torch.device:
+                    compile_decode, seed) -> torch.device:
     """The engine's device (the model's unless given), after checking the engine's arguments."""
     param = next(model.parameters())
     device = torch.device(device) if device is not None else param.device
@@ -855,6 +947,9 @@ def _checked_device(model, device, num_slots: int, max_len: int, kv_policy: str,
         raise ValueError(f"compile_decode={compile_decode!r}; choose one of {COMPILE_MODES}")
     if compile_decode == "cudagraph" and device.type != "cuda":
         raise ValueError("compile_decode='cudagraph' needs a CUDA device")
+    if not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed={seed!r}: the engine's sampling seed must be an int (it keys the "
+                         "draws of requests without their own SamplingParams.seed)")
     return device
 
 
@@ -931,11 +1026,34 @@ def _stacked_weights(model: torch.nn.Module, device: torch.device, choice, compi
     return stacked.StackedWeights(model, gate_up=gate_up)
 
 
-def _check_prompt(r: Request, max_len: int, vocab: int) -> None:
-    """A prompt the engine can run: 1..max_len-1 tokens (room for one new token), every id in the
-    vocabulary. Checked before queueing: in the prefill a bad id is an IndexError on CPU (that
-    left the request's slots taken: every later generate() spun forever) and a device assert on
-    CUDA."""
+def _checked_request(r: Request, max_len: int, vocab: int) -> Request:
+    """The copy of `r` that the engine queues: prompt ids, seed and every number of its
+    SamplingParams as Python ints and floats (a numpy or tensor prompt gave completions of numpy
+    or tensor ids, a numpy uint64 seed overflowed at admission), the params checked again, the
+    stop ids in the vocabulary (outside it they could never stop a completion). Changing `r`
+    later changes nothing queued. ValueError naming the request otherwise."""
+    prompt = _checked_prompt(r, max_len, vocab)
+    p = r.params
+    bad = _params_problems(p)
+    if bad:
+        raise ValueError(f"request {r.request_id!r}: invalid SamplingParams: " + ", ".join(bad))
+    outside = [t for t in p.stop_token_ids if t >= vocab]
+    if outside:
+        raise ValueError(f"request {r.request_id!r}: stop_token_ids {sorted(outside)[:5]} are "
+                         f"outside the model's vocabulary [0, {vocab}): they could never stop a "
+                         "completion; give ids of the model's own tokenizer")
+    params = replace(p, max_new_tokens=int(p.max_new_tokens), temperature=float(p.temperature),
+                     top_p=float(p.top_p), top_k=int(p.top_k), n=int(p.n),
+                     stop_token_ids=[int(t) for t in p.stop_token_ids],
+                     seed=None if p.seed is None else int(p.seed))
+    return Request(r.request_id, prompt, params)
+
+
+def _checked_prompt(r: Request, max_len: int, vocab: int) -> list[int]:
+    """A prompt the engine can run, as Python ints: 1..max_len-1 tokens (room for one new token),
+    every id in the vocabulary. Checked before queueing: in the prefill a bad id is an IndexError
+    on CPU (that left the request's slots taken: every later generate() spun forever) and a
+    device assert on CUDA."""
     n_prompt = len(r.prompt_ids)
     if n_prompt == 0:
         raise ValueError(f"request {r.request_id!r}: the prompt is empty; give at least "
@@ -945,23 +1063,90 @@ def _check_prompt(r: Request, max_len: int, vocab: int) -> None:
             f"request {r.request_id!r}: prompt has {n_prompt} tokens; the engine's "
             f"max_len={max_len} allows 1..{max_len - 1} (room for >= 1 new token); "
             "filter long prompts in the data layer or raise max_len")
-    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
-        bad = [t for t in r.prompt_ids if not 0 <= t < vocab]
+    try:
+        ids = torch.as_tensor(r.prompt_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        ids = e
+    if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point \
+            or ids.dtype.is_complex or ids.dtype == torch.bool:
+        what = f"{ids.dtype}, shape {list(ids.shape)}" if isinstance(ids, Tensor) else ids
+        raise ValueError(f"request {r.request_id!r}: prompt ids must be one list of integers "
+                         f"(got {what}); encode prompts with the model's own tokenizer")
+    if ids.min() < 0 or ids.max() >= vocab:
+        bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
         raise ValueError(
-            f"request {r.request_id!r}: prompt ids {bad[:5]} are outside the model's "
+            f"request {r.request_id!r}: prompt ids {bad} are outside the model's "
             f"vocabulary [0, {vocab}); encode prompts with the model's own tokenizer")
+    return ids.tolist()
 
 
-def _request_ranks(requests: Sequence[Request]) -> dict:
-    """{request id: its position}; ids must be unique (their completions would be sorted under
-    one position)."""
+def _names(request_ids: Iterable, most: int = 20) -> str:
+    """Request ids for a message, each once: "'a', 'b'" (the first `most`, then how many more)."""
+    ids = list(dict.fromkeys(request_ids))
+    more = f" and {len(ids) - most} more" if len(ids) > most else ""
+    return ", ".join(map(repr, ids[:most])) + more
+
+
+def _take_queued(queue: deque, free: list[int]) -> tuple[list, list]:
+    """Take free slots (a stack) for queued samples, in order: (plan [(slot, group, sample
+    index)], [(group, slot its prompt is prefilled into)])."""
+    plan: list[tuple[int, _Group, int]] = []
+    to_prefill: list[tuple[_Group, int]] = []
+    while free and queue:
+        g = queue[0]
+        if g.logits_V is not None and not g.live_slots:
+            g.logits_V = None  # no running sibling holds the prompt any more: prefill again
+        slots = [free.pop() for _ in range(min(len(free), len(g.pending)))]
+        plan += [(s, g, g.pending.popleft()) for s in slots]
+        if g.logits_V is None:
+            to_prefill.append((g, slots[0]))
+        if not g.pending:
+            queue.popleft()
+    return plan, to_prefill
+
+
+def _requeue(queue: deque, plan: list, to_prefill: list) -> None:
+    """Undo `_take_queued` after a failed admission: the plan's samples back at the front
+    of their groups and the groups back at the head of the queue, in order; their prompts are
+    prefilled again (the slots that held them are free)."""
+    for s, g, _ in plan:
+        g.live_slots.discard(s)
+    for g, _ in to_prefill:
+        g.logits_V = None
+    for g in reversed(list({id(g): g for _, g, _ in plan}.values())):
+        g.pending.extendleft(reversed([i for _, h, i in plan if h is g]))
+        if not queue or queue[0] is not g:  # taken whole: it had left the queue
+            queue.appendleft(g)
+
+
+def _checked_version(version) -> int:
+    if not isinstance(version, numbers.Integral):
+        raise ValueError(f"version={version!r}: a weight version must be an int (the trainer "
+                         "step that produced the weights); nothing was applied")
+    return int(version)
+
+
+def _request_ranks(requests: Sequence[Request], held: set) -> dict:
+    """{request id: its position}; ids must be unique, and not among the ids `held` by the
+    engine (generate() collects completions by id: they would be sorted under one position, and
+    another caller's would be taken)."""
     rank = {r.request_id: i for i, r in enumerate(requests)}
     if len(rank) < len(requests):
         counts = Counter(r.request_id for r in requests)
         dup = [repr(i) for i, n in counts.items() if n > 1]
         raise ValueError(f"generate() got request ids {', '.join(dup)} more than once; give "
                          "each request its own id (n samples of a prompt: SamplingParams.n)")
+    if not held.isdisjoint(rank):
+        raise ValueError(f"generate() got request ids {_names(i for i in rank if i in held)} that "
+                         "the engine already holds (queued, running, or finished and not yet "
+                         "polled); give each request its own id, or poll_finished() first")
     return rank
+
+
+def _held_ids(queue: deque, slot_info: list, finished: list[Completion]) -> set:
+    """The request ids an engine holds: queued, running, or finished and not yet polled."""
+    return ({g.request.request_id for g in queue} | {c.request_id for c in finished}
+            | {i["group"].request.request_id for i in slot_info if i is not None})
 
 
 def _compaction_moves(slot_info: list) -> tuple[list[int], list[int]]:
@@ -1018,6 +1203,12 @@ def _right_padded(seqs: list[Sequence[int]]) -> Tensor:
     for r, q in enumerate(seqs):
         ids[r, : len(q)] = torch.as_tensor(q)
     return ids
+
+
+def _length_chunks(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` sorted by length, in `_chunks` (the last of each is its longest)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [[order[c] for c in chunk] for chunk in _chunks([lengths[i] for i in order], max_tokens)]
 
 
 def _chunks(sorted_lengths: list[int], max_tokens: int, max_waste: float = 0.1) -> list[list[int]]:

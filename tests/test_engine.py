@@ -815,3 +815,221 @@ def test_gate_up_is_stacked_automatically_only_while_its_copies_are_small():
     assert stacks_gate_up(None, shape_1b) and not stacks_gate_up(None, llama_8b)
     assert stacks_gate_up(None, GATE_UP_AUTO_BYTES) and not stacks_gate_up(None, GATE_UP_AUTO_BYTES + 1)
     assert stacks_gate_up(True, llama_8b) and not stacks_gate_up("qkv", 1)
+
+
+# ----- the public API for direct callers: bad input, failures, cancel ---------------------------
+class Fault(Exception):
+    """An error injected into the engine (what an out-of-memory prefill would raise)."""
+
+
+def fail_once(monkeypatch, owner, name: str, after: bool = False) -> None:
+    """Make `owner.name` (a method or a module function) raise Fault at its next call, before
+    it runs, or `after`."""
+    real, armed = getattr(owner, name), [True]
+
+    def failing(*args, **kwargs):
+        out = real(*args, **kwargs) if after or not armed[0] else None
+        if armed[0]:
+            armed[0] = False
+            raise Fault(f"injected into {name}")
+        return out
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+def outputs(done) -> list[tuple]:
+    return [(c.request_id, c.sample_idx, c.completion_ids, c.finish_reason) for c in done]
+
+
+def assert_same(got, want) -> None:
+    """The same samples, tokens and finish reasons; mu within the rounding of another row count."""
+    got, want = (sorted(d, key=lambda c: (str(c.request_id), c.sample_idx)) for d in (got, want))
+    assert outputs(got) == outputs(want) and outputs(got)
+    for a, b in zip(got, want):
+        assert torch.allclose(torch.tensor(a.logp), torch.tensor(b.logp), atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["prefill", "prefix copy", "first tokens", "slots started"])
+def test_failed_admission_is_rolled_back_and_changes_no_output(monkeypatch, where):
+    """An error while requests are admitted (an out-of-memory prefill, say) left their slots
+    taken and their samples neither queued nor running: the requests were lost silently and
+    every later generate() spun forever. Now the admission is undone: the error, of its own
+    type, names the requests and how to drop them; they are queued again, every slot is free,
+    and the next steps serve them exactly as if nothing had failed."""
+    import rollout.engine
+    model = tiny_model()
+    sp = SamplingParams(max_new_tokens=4, temperature=0.9, n=2, ignore_eos=True)
+    reqs = [Request("a", [1, 2, 3], sp), Request("b", [4, 5], sp), Request("c", [6], sp)]
+    want = Engine(model, num_slots=3, max_len=12).generate(reqs)
+    engine = Engine(model, num_slots=3, max_len=12)
+    owner, name, after = {"prefill": (engine, "_prefill_forward", False),
+                          "prefix copy": (engine, "_copy_prefixes", True),
+                          "first tokens": (rollout.engine, "_sample_rows", False),
+                          "slots started": (engine.st, "start", True)}[where]  # live, owned
+    fail_once(monkeypatch, owner, name, after)
+    engine.add_requests(reqs)
+    with pytest.raises(Fault) as err:
+        engine.step()  # admits a's two samples and b's first into the 3 slots
+    note = "\n".join(getattr(err.value, "__notes__", []))
+    assert "requests 'a', 'b'" in note and "engine.cancel(['a', 'b'])" in note, note
+    assert len(engine._free) == 3 and all(i is None for i in engine._slot)
+    assert not (engine.st.live.any() or engine.st.owned.any())  # or a later harvest finds them
+    assert [len(g.pending) for g in engine._queue] == [2, 2, 2]
+    while engine.has_work():
+        engine.step()
+    assert_same(engine.poll_finished(), want)
+
+
+def test_failed_generate_cancels_only_its_own_requests(monkeypatch):
+    """generate() that fails drops its own requests (a retry must not find them running, nor
+    their completions left over), keeps what other callers queued, and restores the arrival
+    count, so that retrying the call draws what the first try would have drawn."""
+    model = tiny_model()
+    sp = SamplingParams(max_new_tokens=4, temperature=0.9, n=2, ignore_eos=True)  # derived seeds
+    other, mine = Request("other", [3, 1], sp), [Request("x", [1, 2, 3], sp), Request("y", [4], sp)]
+    twin = Engine(model, num_slots=3, max_len=12)
+    twin.add_requests([other])
+    want, want_other = twin.generate(mine), twin.poll_finished()
+    engine = Engine(model, num_slots=3, max_len=12)
+    engine.add_requests([other])
+    engine.step()  # 'other' runs in 2 slots
+    fail_once(monkeypatch, engine, "_prefill_forward")
+    with pytest.raises(Fault) as err:
+        engine.generate(mine)
+    note = "\n".join(getattr(err.value, "__notes__", []))
+    assert "generate() cancelled its requests 'x', 'y'" in note, note
+    assert engine.has_work() and not engine._queue  # 'other' still runs, x and y are gone
+    assert engine.generate([]) == [] and not engine.has_work()  # (runs what is left)
+    assert_same(engine.generate(mine), want)
+    assert_same(engine.poll_finished(), want_other)
+
+
+def test_cancel_frees_slots_and_drops_queued_running_and_unpolled_samples():
+    model = tiny_model()
+    sp = lambda seed, k=4: SamplingParams(max_new_tokens=k, temperature=0.9, n=2, ignore_eos=True,
+                                          seed=seed)
+    keep = [Request("a", [1, 2, 3], sp(1)), Request("c", [6], sp(3))]
+    want = Engine(model, num_slots=3, max_len=12).generate(keep)
+    engine = Engine(model, num_slots=3, max_len=12)
+    engine.add_requests([keep[0], Request("b", [4, 5], sp(2)), keep[1],
+                         Request("d", [7], sp(4, 1))])
+    engine.step()  # a in 2 slots, b's first sample in the third, its second queued
+    assert engine.cancel(["b", "nope"]) == ["b"]
+    assert len(engine._free) == 1 and [g.request.request_id for g in engine._queue] == ["c", "d"]
+    while engine.has_work() and not any(c.request_id == "d" for c in engine._finished):
+        engine.step()
+    assert engine.cancel(["d"]) == ["d"]  # finished, not polled yet: dropped too
+    while engine.has_work():
+        engine.step()
+    assert_same(engine.poll_finished(), want)
+    assert engine.cancel(["a"]) == [] and len(engine._free) == 3
+
+
+def _mutated(**fields) -> SamplingParams:
+    p = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for k, v in fields.items():
+        setattr(p, k, v)  # a dataclass field set after construction is not checked
+    return p
+
+
+BAD_PARAMS = {  # field=value: what the message says
+    "seed=3.0": (dict(seed=3.0), r"seed=3.0 \(must be an int or None\)"),
+    "n=2.0": (dict(n=2.0), r"n=2.0 \(must be an int >= 1\)"),
+    "top_k=2.5": (dict(top_k=2.5), r"top_k=2.5 \(must be an int >= 0"),
+    "max_new_tokens=2.5": (dict(max_new_tokens=2.5), r"max_new_tokens=2.5 \(must be an int >= 1\)"),
+    "temperature=nan": (dict(temperature=float("nan")), r"temperature=nan \(must be a number >= 0"),
+    "stop_token_ids=5": (dict(stop_token_ids=5), r"stop_token_ids=5 \(must be a list of token ids"),
+    "stop_token_ids=[-1]": (dict(stop_token_ids=[-1]), r"stop_token_ids=\[-1\] \(must be a list "
+                                                       r"of token ids >= 0\)"),
+    "max_new_tokens=0": (dict(max_new_tokens=0), r"max_new_tokens=0 \(must be an int >= 1\)"),
+    "n=0": (dict(n=0), r"n=0 \(must be an int >= 1\)"),
+    "top_p=0.0": (dict(top_p=0.0), r"top_p=0.0 \(must be in \(0, 1\]\)"),
+    "stop_token_ids=[4, 31]": (dict(stop_token_ids=[4, 31]), r"stop_token_ids \[31\] are outside "
+                                                              r"the model's vocabulary \[0, 31\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PARAMS)
+def test_bad_sampling_params_are_refused_at_submission(case):
+    """Each of these, set on a SamplingParams after its construction, was accepted: a float
+    seed, a stop id that is not a list, a max_new_tokens or n of 0 wedged the engine at admission
+    (slots taken, every later generate() spun forever; n=0 failed every later step); a float n
+    queued the requests before it and then failed; a float top_k or max_new_tokens was
+    truncated, a NaN temperature sampled at temperature 1, a stop id outside the vocabulary
+    could never stop. Now each is a ValueError naming the request and the field, nothing is
+    queued, and the engine serves later requests with all its slots. The constructor refuses
+    them too (all but the vocabulary, which it does not know)."""
+    fields, named = BAD_PARAMS[case]
+    engine = Engine(tiny_model(), num_slots=2, max_len=12)
+    ok = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match=rf"request 'bad': .*{named}"):
+        engine.generate([Request("ok", [1, 2], ok), Request("bad", [3], _mutated(**fields))])
+    assert not engine.has_work()
+    sp = SamplingParams(max_new_tokens=3, n=2, ignore_eos=True)
+    assert [len(c.completion_ids) for c in engine.generate([Request("z", [1, 2], sp)])] == [3, 3]
+    if "vocabulary" not in named:
+        with pytest.raises(ValueError, match=rf"invalid SamplingParams: .*{named}"):
+            SamplingParams(**fields)
+
+
+def test_sampling_params_type_errors_at_construction():
+    with pytest.raises(ValueError, match=r"temperature='0.5' \(must be a number >= 0"):
+        SamplingParams(temperature="0.5")
+
+
+def test_numpy_and_tensor_inputs_are_plain_ints():
+    """A numpy or tensor prompt gave completions whose prompt_ids were numpy scalars or 0-dim
+    tensors; a numpy uint64 seed wedged the engine (OverflowError in the admission); a float
+    prompt id was truncated. Now prompts and seeds are read as Python ints at submission."""
+    np = pytest.importorskip("numpy")
+    engine = Engine(tiny_model(), num_slots=2, max_len=12)
+    sp = SamplingParams(max_new_tokens=3, temperature=0.9, ignore_eos=True, seed=2 ** 63 + 5)
+    want = engine.generate([Request("a", [3, 4], sp)])[0]
+    for prompt in (np.array([3, 4]), torch.tensor([3, 4])):
+        c = engine.generate([Request("a", prompt, sp)])[0]
+        assert c.prompt_ids == [3, 4] and all(type(t) is int for t in c.prompt_ids)
+        assert c.completion_ids == want.completion_ids
+    c = engine.generate([Request("a", [3, 4], SamplingParams(
+        max_new_tokens=3, temperature=0.9, ignore_eos=True, seed=np.uint64(2 ** 63 + 5)))])[0]
+    assert c.completion_ids == want.completion_ids
+    with pytest.raises(ValueError, match=r"request 'f': prompt ids must be one list of "
+                                         r"integers \(got torch.float32"):
+        engine.add_requests([Request("f", [3.5, 4], sp)])
+    assert not engine.has_work()
+
+
+def test_load_weights_checks_the_version_before_applying():
+    """A version that is not an int failed (or was truncated) after `apply_fn` had written the
+    new weights: the engine then sampled new weights under the old version."""
+    engine = Engine(tiny_model(), num_slots=2, max_len=12)
+    applied = []
+    for version in (None, "x", 2.7):
+        with pytest.raises(ValueError, match=rf"version={version!r}: .*an int"):
+            engine.load_weights(lambda: applied.append(1), version)
+    assert not applied and engine.version == 0
+    with pytest.raises(ValueError, match=r"version=2.7: .*an int"):
+        engine.version = 2.7  # (it was truncated to 2)
+    engine.load_weights(lambda: applied.append(1), 3)
+    assert applied == [1] and engine.version == 3
+
+
+def test_engine_seed_must_be_an_int():
+    """A float engine seed failed at the first request without its own seed, with the requests
+    before it in the list already queued."""
+    with pytest.raises(ValueError, match=r"seed=1.5: the engine's sampling seed must be an int"):
+        Engine(tiny_model(), num_slots=2, max_len=12, seed=1.5)
+
+
+def test_generate_refuses_ids_the_engine_already_holds():
+    """generate() collects its completions by request id: one id queued before by another
+    caller (or running, or finished and not polled) was returned twice by generate() and never
+    reached its own caller's poll_finished()."""
+    engine = Engine(tiny_model(), num_slots=2, max_len=12)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    engine.add_requests([Request("a", [1, 2], sp), Request("b", [3], sp)])
+    engine.step()
+    with pytest.raises(ValueError, match=r"generate\(\) got request ids 'a' that the engine "
+                                         r"already holds"):
+        engine.generate([Request("c", [4], sp), Request("a", [5], sp)])
+    assert sorted(c.request_id for c in engine.generate([Request("c", [4], sp)])) == ["c"]
+    assert sorted(c.request_id for c in engine.poll_finished()) == ["a", "b"]

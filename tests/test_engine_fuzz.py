@@ -6,8 +6,9 @@ neighbours, the row count, queueing, harvest timing or compaction. So for a rand
 requests (5-30 of them; prompts of 1-20 tokens; n in 1..6; greedy, temperature 0, tempered,
 top-k, top-p or both; random stop ids, sometimes more than the slot state's 4 columns; eos
 ignored or not; own seeds or derived ones), submitted in batches between steps, by
-`generate` or after a refused batch, on 3-8 slots (queued and partly admitted groups, prefix
-copies, prompts prefilled again, compaction on and off, sync_every 1-5, chunked prefills,
+`generate` or after a refused batch (a prompt too long, a prompt or stop id outside the
+vocabulary, n set to 0 after construction), on 3-8 slots (queued and partly admitted groups,
+prefix copies, prompts prefilled again, compaction on and off, sync_every 1-5, chunked prefills,
 length buckets, a max_len that caps many samples, idle restarts), every completion must equal
 what its request gives alone in a fresh engine: the same tokens, finish reason and length, mu
 within fp32 rounding (the row count and the batch's kernels change the matmuls' rounding
@@ -23,6 +24,10 @@ exact reference too, given each token's recorded version v_k:
   in: the prompt's by v_0's (its prefill, which gave the first token), the key/value of
   completion token k-1 by v_k's (the decode step that fed it drew token k). The reference
   decodes one sequence through its own one-slot KV cache, switching weights per token.
+
+Failed admissions (`check_faults`): the same workloads with admissions that raise at random
+steps (before the prefill, after the prefix copies, after the first tokens), each undone by the
+engine and the step retried, must give the same completions bit for bit.
 
 Rounding knife edges: a token may differ where the draw sits within ~1e-5 of a decision (two
 greedy logits, a top-k/top-p cut, the uniform at a CDF boundary), and a mu may differ with the
@@ -132,12 +137,59 @@ def random_workload(seed: int, swaps: bool = False):
     return opts, reqs, batches, swap_at
 
 
-def run_mix(opts, batches, swap_at, models) -> tuple[list, Engine]:
+class Fault(Exception):
+    """An error injected into an admission (what an out-of-memory prefill would raise)."""
+
+
+# where an injected Fault is raised: before the prompts' prefill, after the prefix copies, or
+# after the first tokens were drawn and the slots' state written (a sample already live)
+FAULT_SITES = ("prefill", "copies", "first tokens")
+
+
+def inject_faults(engine: Engine) -> dict:
+    """Wrap the engine's admission steps so that each raises Fault(site, armed[site]) while
+    `armed[site]` is set (a step number; it is then cleared); returns `armed`."""
+    armed = dict.fromkeys(FAULT_SITES, False)
+
+    def wrap(site, fn, after: bool):
+        def wrapped(*args):
+            out = fn(*args) if after or not armed[site] else None
+            if armed[site]:
+                at, armed[site] = armed[site], False
+                raise Fault(site, at)
+            return out
+        return wrapped
+
+    engine._prefill = wrap("prefill", engine._prefill, False)
+    engine._copy_prefixes = wrap("copies", engine._copy_prefixes, True)
+    engine.st.start = wrap("first tokens", engine.st.start, True)
+    return armed
+
+
+def bad_request(kind: int, max_len: int) -> tuple[Request, str]:
+    """A request that add_requests refuses (and with it the whole list), and what the error
+    names: a prompt too long, an id outside the vocabulary, a stop id outside it, n set to 0
+    after the SamplingParams were built."""
+    if kind % 4 == 3:
+        params = SamplingParams(max_new_tokens=3)
+        params.n = 0
+        return Request("bad", [1], params), "n=0"
+    return [(Request("bad", [1] * max_len), "prompt has"),
+            (Request("bad", [1, VOCAB]), rf"prompt ids \[{VOCAB}\] are outside"),
+            (Request("bad", [1], SamplingParams(stop_token_ids=[VOCAB + 3])), "stop_token_ids"),
+            ][kind % 4]
+
+
+def run_mix(opts, batches, swap_at, models, faults: dict | None = None) -> tuple[list, Engine]:
     """Run the workload on one engine over a private copy of the version-0 model; before step
-    number `at` (counted from 1) of `swap_at`, load the weights of its versions."""
+    number `at` (counted from 1) of `swap_at`, load the weights of its versions. `faults`:
+    {step number: site}: the next admission from that step on fails there (the step is then
+    retried, and the engine must compute what it would have without the failure), unless
+    `generate` comes first; those that fired are removed from it."""
     model = copy.deepcopy(models[0])
     engine = Engine(model, pack_weights=False, **opts)
-    out, steps = [], 0
+    armed, faults = inject_faults(engine), {} if faults is None else faults
+    out, steps, refusals = [], 0, 0
 
     def step():
         nonlocal steps, out
@@ -146,16 +198,27 @@ def run_mix(opts, batches, swap_at, models) -> tuple[list, Engine]:
             engine.load_weights(lambda: [p.copy_(q) for p, q in
                                          zip(model.parameters(), models[v].parameters())],
                                 version=v)
-        engine.step()
+        if steps in faults:
+            armed[faults[steps]] = steps
+        while True:
+            try:
+                engine.step()
+                break
+            except Fault as e:  # undone: each slot free or holding a sample; retry the step
+                assert len(engine._free) + sum(i is not None for i in engine._slot) == \
+                    engine.num_slots
+                del faults[e.args[1]]
         if steps % 3 == 0:
             out += engine.poll_finished()
 
     for batch, how, refused_at in batches:
         if refused_at is not None:  # add_requests queues none of a list it refuses
-            bad = Request("bad", [1] * opts["max_len"])
-            with pytest.raises(ValueError, match="request 'bad': prompt has"):
+            bad, named = bad_request(refusals, opts["max_len"])
+            refusals += 1
+            with pytest.raises(ValueError, match=f"request 'bad': .*{named}"):
                 engine.add_requests(batch[:refused_at] + [bad] + batch[refused_at:])
         if how == "generate":
+            armed.update(dict.fromkeys(FAULT_SITES, False))
             out += engine.generate(batch)
             continue
         engine.add_requests(batch)
@@ -383,6 +446,40 @@ def test_weight_swaps_match_the_reference(family, seeds, llama, mistral):
     for what in ("swapped samples", "swapped samples kept", "recomputed tokens"):
         assert tally[what] > 0, (what, tally)
     assert tally["knife edges"] <= tally["samples"] // 100, tally
+
+
+def check_faults(models: dict, seeds, swaps: bool) -> list[str]:
+    """Run each workload with and without admissions that fail at random steps (`run_mix`'s
+    `faults`); the completions must be equal bit for bit. Returns the sites that fired."""
+    fired: list[str] = []
+    for seed in seeds:
+        opts, _, batches, swap_at = random_workload(seed, swaps)
+        rng = random.Random(seed)
+        faults = {at: rng.choice(FAULT_SITES) for at in rng.sample(range(1, 30), 6)}
+        planned = dict(faults)
+        want, _ = run_mix(opts, batches, swap_at, models)
+        got, engine = run_mix(opts, batches, swap_at, models, faults)
+        fired += [site for at, site in planned.items() if at not in faults]
+        assert [vars(c) | {"timing": None} for c in got] == \
+               [vars(c) | {"timing": None} for c in want], (seed, planned, faults)
+        assert not engine.has_work() and len(engine._free) == engine.num_slots
+    return fired
+
+
+@pytest.mark.parametrize("swaps", [False, True])
+def test_failed_admissions_change_no_output(swaps, llama):
+    """Admissions that fail (before the prefill, after the prefix copies, after the first
+    tokens) are undone and the step retried: every completion is then, bit for bit, what the
+    same workload gives without the failures. (An admission that raised used to lose its
+    requests and leave their slots taken.)"""
+    assert set(check_faults(llama, range(300, 306), swaps)) == set(FAULT_SITES)
+
+
+def test_the_fault_check_fails_an_engine_that_does_not_requeue(llama, monkeypatch):
+    import rollout.engine
+    monkeypatch.setattr(rollout.engine, "_requeue", lambda queue, plan, to_prefill: None)
+    with pytest.raises(AssertionError):
+        check_faults(llama, range(300, 302), False)
 
 
 def _shared_key(monkeypatch):  # every sample of a request draws with sample 0's key
