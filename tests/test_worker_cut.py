@@ -234,16 +234,14 @@ def test_colocated_mode_shortens_its_timeouts_after_the_first_step(tmp_path):
     assert run_ranks(_colocated_run, 1, folder, str(tmp_path / "run"), timeout=300) == [[60.0, 900.0]]
 
 
-def _trainer_with_slow_logging(rank, world, folder, run_dir):
-    """A fresh trainer (3 steps, fake generators) whose metrics logging takes 0.3 s a row."""
-    import time
+def _fresh_trainer(folder, run_dir, logger_cls, push=lambda v: None):
+    """A fresh trainer (3 steps, fake generators, `push` as its weight sender's) and its logger."""
     import torch
     from config import load_config
     from model import load_pretrained
     from parallel.dims import ParallelDims
     from parallel.mesh import build_meshes
     from trainer import worker as W
-    from trainer.metrics import MetricsLogger
     from trainer.optim import build_optimizer, build_scheduler
     cfg = load_config(None, ["--parallel.mode=colocated", "--trainer.prompts_per_step=2",
                              "--generator.n_samples=2", "--algo.max_staleness=0",
@@ -252,16 +250,24 @@ def _trainer_with_slow_logging(rank, world, folder, run_dir):
     meshes = build_meshes(ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
     model = load_pretrained(folder, dtype="float32")
     opt = build_optimizer(model, cfg.trainer)
+    logger = logger_cls(run_dir, tensorboard=False)
+    sender = ns(push=push, wait_sent=lambda: None, close=lambda: None)
+    w = W.TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, None,
+                        logger=logger)
+    w.link = _TrainerLink(w, [0.0])
+    return w, logger
+
+
+def _trainer_with_slow_logging(rank, world, folder, run_dir):
+    """A fresh trainer whose metrics logging takes 0.3 s a row: its run's wall time."""
+    import time
+    from trainer.metrics import MetricsLogger
 
     class SlowLogger(MetricsLogger):
         def log(self, metrics):
             super().log(metrics)
             time.sleep(0.3)
-    logger = SlowLogger(run_dir, tensorboard=False)
-    sender = ns(push=lambda v: None, wait_sent=lambda: None, close=lambda: None)
-    w = W.TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, None,
-                        logger=logger)
-    w.link = _TrainerLink(w, [0.0])
+    w, logger = _fresh_trainer(folder, run_dir, SlowLogger)
     t0 = time.perf_counter()
     w.run()
     wall = time.perf_counter() - t0
@@ -270,31 +276,13 @@ def _trainer_with_slow_logging(rank, world, folder, run_dir):
 
 
 def _trainer_whose_push_fails(rank, world, folder, run_dir):
-    """A fresh trainer (3 steps, fake generators) whose weight push fails at version 2."""
-    import torch
-    from config import load_config
-    from model import load_pretrained
-    from parallel.dims import ParallelDims
-    from parallel.mesh import build_meshes
-    from trainer import worker as W
+    """A fresh trainer whose weight push fails at version 2: the error."""
     from trainer.metrics import MetricsLogger
-    from trainer.optim import build_optimizer, build_scheduler
-    cfg = load_config(None, ["--parallel.mode=colocated", "--trainer.prompts_per_step=2",
-                             "--generator.n_samples=2", "--algo.max_staleness=0",
-                             "--trainer.max_steps=3", "--logging.progress=false",
-                             "--logging.tensorboard=false", f"--run.dir={run_dir}"]).resolve(1)
-    meshes = build_meshes(ParallelDims.from_config(cfg.parallel, 1), torch.device("cpu"))
-    model = load_pretrained(folder, dtype="float32")
-    opt = build_optimizer(model, cfg.trainer)
 
     def push(v):
         if v == 2:
             raise ConnectionError("generator rank 1 is gone")
-    sender = ns(push=push, wait_sent=lambda: None, close=lambda: None)
-    logger = MetricsLogger(run_dir, tensorboard=False)
-    w = W.TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, None,
-                        logger=logger)
-    w.link = _TrainerLink(w, [0.0])
+    w, logger = _fresh_trainer(folder, run_dir, MetricsLogger, push)
     try:
         w.run()
     except ConnectionError as e:
