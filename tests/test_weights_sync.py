@@ -1,7 +1,10 @@
-"""Weight sync on real gloo ranks: bitwise-exact shards after push, two versions in a row,
-atomic swap, and timeouts that name the peer and the version."""
+"""Weight sync on real gloo ranks: bitwise-exact shards after push for every layout pair the config
+admits, two versions in a row and a resume, the same plan on every rank, atomic swap, models of
+different shapes refused at planning, and timeouts that name the peer and the version."""
+import hashlib
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,64 +52,169 @@ def _loc(p):
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
-def _sync_worker(rank, world, folder, n_trainer, gen_tp, trainer_tp=1):
-    from parallel.layout import local_box
-    from weights_sync.sync import WeightReceiver, WeightSender
+# Every layout pair the config admits on 5 ranks (parallel.dims: tp divides the head counts and
+# the MLP, tied embeddings only without TP): (trainer fsdp, trainer tp, generator tp, generator
+# dp, family, generator dtype). The tiny models' vocabulary (97) divides by no TP degree; their
+# GQA k/v heads (2) are split by TP 2.
+LAYOUTS = [
+    (2, 1, 1, 1, "qwen2", "bfloat16"),  # FSDP -> one generator rank (q/k/v biases)
+    (2, 1, 2, 1, "qwen2", "bfloat16"),  # FSDP rows -> TP columns (o_proj, down_proj)
+    (3, 1, 1, 1, "qwen2", "bfloat16"),  # uneven FSDP shards
+    (2, 1, 1, 2, "qwen2", "bfloat16"),  # two generator replicas
+    (1, 2, 2, 1, "qwen3", "bfloat16"),  # trainer TP: q/k norms are Replicate DTensors there
+    (2, 1, 1, 1, "tied", "bfloat16"),   # the head moves once, as the embedding (transfer_specs)
+    (2, 2, 1, 1, "qwen2", "bfloat16"),  # FSDP x TP: strided shards of an uneven TP split
+    (2, 2, 1, 1, "qwen3", "bfloat16"),
+    (1, 1, 2, 2, "qwen2", "bfloat16"),  # generator TP x DP
+    (1, 2, 1, 3, "qwen2", "bfloat16"),  # trainer TP -> three replicas
+    (3, 1, 2, 1, "qwen2", "float32"),   # no cast: pieces go straight from the shard
+    (2, 1, 1, 3, "tied", "bfloat16"),
+]
 
-    model, p, wgroup, tgroup = _setup(rank, folder, n_trainer, gen_tp, trainer_tp=trainer_tp)
-    out = {}
-    # one sender/receiver for both versions: they must follow in-place updates of the shards
+
+RESUMED = 7  # the version a resumed run pushes first: any number, not v + 1
+
+
+def _resume(rank, c, model, plan, n_trainer, gen, tgroup, wgroup, gen_dtype, root):
+    """A restart's sender and receiver: the trainer saves its shards (version 2), moves on (its
+    shards change), builds a new sender, then loads the checkpoint in place; the generator
+    starts from zeros. Returns (sender, receiver), None where this rank is not that side."""
+    from parallel.checkpoint import load_sharded, save_sharded
+    from weights_sync.sync import WeightReceiver, WeightSender
+    sender = recv = None
     if rank < n_trainer:
-        sender = WeightSender(model, p, rank, GEN_DTYPE, wgroup, timeout_s=30, bucket_bytes=4096)
-    else:
-        recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30, bucket_bytes=4096)
-    for version in (1, 2):
+        path = Path(root) / f"layout{c}"
+        save_sharded(path, model, group=tgroup)
+        with torch.no_grad():
+            for prm in model.parameters():
+                _loc(prm).mul_(-3.0)  # lost progress: the restarted model differs from the save
+        sender = WeightSender(model, plan, rank, gen_dtype, wgroup, timeout_s=30,
+                              bucket_bytes=4096)
+        load_sharded(path, model, group=tgroup)
+    elif rank in gen:
+        with torch.no_grad():
+            for prm in model.parameters():
+                _loc(prm).zero_()
+        recv = WeightReceiver(model, plan, rank, wgroup, timeout_s=30, bucket_bytes=4096)
+    return sender, recv
+
+
+def _plan_facts(c, rank, plan, is_generator) -> dict:
+    """What the parent checks of this rank's plan: its digest (every rank of both meshes must
+    derive the same one, or they wait on transfers the others never planned), and on a
+    generator rank, the elements it receives against the elements of its boxes (each once)."""
+    digest = hashlib.sha1(repr(list(plan.steps.items())).encode()).digest()
+    out = {f"{c}.plan": torch.tensor(list(digest))}
+    if is_generator:
+        received = sum(t.global_box.numel for ts in plan.recvs_to(rank).values() for t in ts)
+        held = sum(plan.dst.boxes[rank][s.name].numel for s in plan.specs)
+        out[f"{c}.numel"] = torch.tensor([received, held])
+    return out
+
+
+def _layout_worker(rank, world, folders, layouts):
+    """Each layout pair in turn on ranks [0, fsdp * tp) (trainer) and the next gen_tp * gen_dp
+    (generator); the other ranks idle but take part in every group's creation and in the layout
+    exchange (world collectives). One sender and receiver per pair follow two versions of
+    in-place updates; then, as after a restart, a fresh sender is built before the checkpoint
+    of version 2 is loaded into the trainer's shards (trainer.role.start_trainer's order), and a
+    fresh receiver on re-initialised generator weights receives it as version RESUMED."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from model.hf_io import load_model_args
+    from parallel.layout import local_box
+    from parallel.sharding import build_model, parallelize_generator, parallelize_trainer
+    from weights_sync.sync import (WeightReceiver, WeightSender, exchange_layouts,
+                                   plan_between_meshes)
+    wgroup, out = dist.new_group(backend="gloo"), {}
+    for c, (fsdp, tp, gen_tp, gen_dp, family, dtype) in enumerate(layouts):
+        n_trainer, gen_dtype = fsdp * tp, getattr(torch, dtype)
+        gen = list(range(n_trainer, n_trainer + gen_tp * gen_dp))
+        tmesh = DeviceMesh("cpu", torch.arange(n_trainer).view(fsdp, tp),
+                           mesh_dim_names=("fsdp", "tp"))
+        gmesh = DeviceMesh("cpu", torch.tensor(gen).view(gen_dp, gen_tp),
+                           mesh_dim_names=("dp", "tp"))
+        tgroup, ggroup = dist.new_group(list(range(n_trainer))), dist.new_group(gen)
+        args, cpu = load_model_args(folders[family]), torch.device("cpu")
         if rank < n_trainer:
-            opt = torch.optim.SGD(model.parameters(), lr=0.01 * version)
-            for prm in model.parameters():  # a new version: an optimizer changes every shard
-                prm.grad = torch.ones_like(prm)
-            opt.step()
-            full = _full_params(model, tgroup)
-            sender.push(version)
-            sender.wait_sent()
-            if rank == 0:
-                for n, t in full.items():
-                    out[f"v{version}.{n}"] = t
+            model = build_model(args, cpu, torch.float32, path=folders[family],
+                                parallelize=lambda m: parallelize_trainer(m, tmesh))
+            p = plan_between_meshes(model, tgroup, rank == 0, False)
+            sender = WeightSender(model, p, rank, gen_dtype, wgroup, timeout_s=30,
+                                  bucket_bytes=4096)
+        elif rank in gen:
+            model = build_model(args, cpu, gen_dtype, seed=rank,
+                                parallelize=lambda m: parallelize_generator(m, gmesh))
+            p = plan_between_meshes(model, ggroup, False, rank == n_trainer)
+            recv = WeightReceiver(model, p, rank, wgroup, timeout_s=30, bucket_bytes=4096)
+            if args.tie_word_embeddings:
+                head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+                out[f"{c}.tied"] = torch.tensor(head is embed)
         else:
-            before = {n: _loc(prm).clone() for n, prm in model.named_parameters()}
-            apply = recv.receive(version)
-            # received but not applied: the model still holds the old version (no torn state)
-            assert all(torch.equal(before[n], _loc(prm)) for n, prm in model.named_parameters())
-            apply()
-            for n, prm in model.named_parameters():
-                box = local_box(n, prm)
-                out[f"v{version}.{n}"] = _loc(prm).clone()
-                out[f"box.{n}"] = torch.tensor([box.offsets, box.sizes])
-        dist.barrier()
+            exchange_layouts(None, False, False)
+        if rank < n_trainer or rank in gen:
+            out.update(_plan_facts(c, rank, p, rank in gen))
+        for version in (1, 2, RESUMED):
+            if version == RESUMED and (rank < n_trainer or rank in gen):
+                # a restart's plan is the same: the layouts did not change
+                sender, recv = _resume(rank, c, model, p, n_trainer, gen, tgroup, wgroup,
+                                       gen_dtype, folders["checkpoints"])
+            if rank < n_trainer and version != RESUMED:
+                opt = torch.optim.SGD(model.parameters(), lr=0.01 * version)
+                for prm in model.parameters():  # a new version: an optimizer changes every shard
+                    prm.grad = torch.ones_like(prm)
+                opt.step()
+            if rank < n_trainer:
+                full = _full_params(model, tgroup)
+                sender.push(version)
+                sender.wait_sent()
+                if rank == 0:
+                    out.update({f"{c}.v{version}.{n}": t for n, t in full.items()})
+            elif rank in gen:
+                before = {n: _loc(prm).clone() for n, prm in model.named_parameters()}
+                apply = recv.receive(version)
+                # received but not applied: the model still holds the old version (no torn state)
+                assert all(torch.equal(before[n], _loc(prm)) for n, prm in model.named_parameters())
+                apply()
+                for n, prm in model.named_parameters():
+                    box = local_box(n, prm)
+                    out[f"{c}.v{version}.{n}"] = _loc(prm).clone()
+                    out[f"{c}.box.{n}"] = torch.tensor([box.offsets, box.sizes])
+            dist.barrier()
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,n_trainer,gen_tp,trainer_tp,family", [
-    (3, 2, 1, 1, "qwen2"), (4, 2, 2, 1, "qwen2"), (4, 3, 1, 1, "qwen2"), (4, 2, 1, 1, "qwen2"),
-    (4, 2, 2, 2, "qwen3"),  # trainer TP: q/k norms are Replicate DTensors there, plain here
-    (3, 2, 1, 1, "tied")])  # the head moves once, as the embedding (transfer_specs)
-def test_generator_shards_bitwise_equal_trainer_slices(tmp_path, world, n_trainer, gen_tp,
-                                                       trainer_tp, family):
-    tiny.save_hf(family, tmp_path)
-    results = run_ranks(_sync_worker, world, str(tmp_path), n_trainer, gen_tp, trainer_tp,
-                        timeout=240)
-    trainer0 = results[0]
-    for res in results[n_trainer:]:
-        for version in (1, 2):
-            for key, local in res.items():
-                if not key.startswith(f"v{version}."):
-                    continue
-                name = key[len(f"v{version}."):]
-                offsets, sizes = res[f"box.{name}"].tolist()
-                full = trainer0[key]
-                want = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].to(GEN_DTYPE)
-                assert local.dtype == GEN_DTYPE and torch.equal(local, want), (version, name)
+def test_generator_shards_bitwise_equal_trainer_slices(tmp_path):
+    """Every layout pair of LAYOUTS, in one spawn of 5 ranks (a spawn costs more than a sync):
+    after each of two versions and after a resume, every generator rank's shard is bitwise its
+    box of the trainer's gathered full parameters, cast to the generator dtype."""
+    folders = {"checkpoints": str(tmp_path / "checkpoints")}
+    for family in sorted({lay[4] for lay in LAYOUTS}):
+        folders[family] = str(tmp_path / family)
+        tiny.save_hf(family, folders[family])
+    results = run_ranks(_layout_worker, 5, folders, LAYOUTS, timeout=300)
+    for c, (fsdp, tp, gen_tp, gen_dp, family, dtype) in enumerate(LAYOUTS):
+        n_trainer, gen_dtype = fsdp * tp, getattr(torch, dtype)
+        names = {k.split(".", 2)[2] for k in results[0] if k.startswith(f"{c}.v1.")}
+        assert names, LAYOUTS[c]
+        members = results[:n_trainer + gen_tp * gen_dp]
+        digest = results[0][f"{c}.plan"]
+        assert all(torch.equal(r[f"{c}.plan"], digest) for r in members), LAYOUTS[c]
+        for res in results[n_trainer:n_trainer + gen_tp * gen_dp]:
+            assert bool(res.get(f"{c}.tied", True)), LAYOUTS[c]  # the head is still the embedding
+            received, held = res[f"{c}.numel"].tolist()
+            assert received == held, (LAYOUTS[c], received, held)  # every element once
+            for version in (1, 2, RESUMED):
+                got = {k.split(".", 2)[2] for k in res if k.startswith(f"{c}.v{version}.")}
+                assert got == names, (LAYOUTS[c], got ^ names)
+                for name in names:
+                    local = res[f"{c}.v{version}.{name}"]
+                    offsets, sizes = res[f"{c}.box.{name}"].tolist()
+                    full = results[0][f"{c}.v{version}.{name}"]
+                    box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                    want = full[box].to(gen_dtype)
+                    assert local.dtype == gen_dtype and torch.equal(local, want), \
+                        (LAYOUTS[c], version, name)
 
 
 def _stale_apply_worker(rank, world, folder):
@@ -210,6 +318,24 @@ def test_transfer_specs_of_a_tied_model_move_the_shared_weight_once(tmp_path):
     got = [s.name for s in transfer_specs(_replicated(trainer, [0]), _replicated(generator, [1]))]
     assert got == [n for n, _ in model.named_parameters()]
     assert "lm_head.weight" not in got and got.count("model.embed_tokens.weight") == 1
+
+
+def test_models_of_different_shapes_are_refused_by_name_before_any_transfer():
+    """The planning step every rank runs at start-up (plan_between_meshes: transfer_specs, then
+    plan) refuses a generator built from another model, naming the parameter, both meshes'
+    shapes and the fix, before a sender or receiver exists: nothing is sent, nobody waits."""
+    from weights_sync.plan import plan
+    from weights_sync.sync import transfer_specs
+    trainer = _specs([("embed.weight", torch.empty(97, 8)), ("norm.weight", torch.empty(8))])
+    generator = _specs([("embed.weight", torch.empty(100, 8, dtype=GEN_DTYPE)),
+                        ("norm.weight", torch.empty(8, dtype=GEN_DTYPE))])
+    src, dst = _replicated(trainer, [0]), _replicated(generator, [1, 2])
+    with pytest.raises(ValueError) as e:
+        plan(src, dst, transfer_specs(src, dst))
+    msg = str(e.value)
+    assert "'embed.weight'" in msg and "(97, 8)" in msg and "(100, 8)" in msg, msg
+    assert re.search(r"\(97, 8\) on the trainer.*\(100, 8\) on the generator", msg), msg
+    assert "same model" in msg, msg  # the fix
 
 
 class _CountCopies(TorchDispatchMode):

@@ -123,10 +123,7 @@ def _param_plan(spec: ParamSpec, src: Layout, dst: Layout) -> _ParamPlan:
     for side, layout in (("source", src), ("destination", dst)):
         if spec.name not in layout.by_param:
             raise ValueError(f"param {spec.name!r} is missing from the {side} layout")
-        other = layout.spec_by_name.get(spec.name, spec)
-        if tuple(other.shape) != tuple(spec.shape):
-            raise ValueError(f"param {spec.name!r}: shape {spec.shape} vs {other.shape} in the "
-                             f"{side} layout")
+    _check_shapes(spec, src, dst)
     try:
         src_t = Tiling(spec.name, spec.shape, src.by_param[spec.name], strict=True)
     except ValueError as e:
@@ -134,6 +131,22 @@ def _param_plan(spec: ParamSpec, src: Layout, dst: Layout) -> _ParamPlan:
     dst_t = Tiling(spec.name, spec.shape, dst.by_param[spec.name], strict=False)
     recv_pos = [{r: j for j, r in enumerate(rs)} for rs in dst_t.holders]
     return _ParamPlan(spec, src_t, dst_t, recv_pos)
+
+
+def _check_shapes(spec: ParamSpec, src: Layout, dst: Layout) -> None:
+    """Both meshes hold `spec` at its global shape. A generator built from another model (another
+    vocabulary, width or head count) is refused here, at planning, on every rank alike: before any
+    sender or receiver exists, so nothing is sent and nobody waits for it."""
+    want = tuple(spec.shape)
+    have = {side: tuple(layout.spec_by_name.get(spec.name, spec).shape)
+            for side, layout in (("source", src), ("destination", dst))}
+    if set(have.values()) == {want}:
+        return
+    specs_too = f" and {want} in the planned specs" if have["source"] != want else ""
+    raise ValueError(f"param {spec.name!r} has shape {have['source']} on the trainer (source) "
+                     f"mesh but {have['destination']} on the generator (destination) "
+                     f"mesh{specs_too}: the two meshes hold different models. Build the trainer "
+                     f"and the generator from the same model (model.path and its config.json)")
 
 
 def plan(src: Layout, dst: Layout, specs: Sequence[ParamSpec]) -> Plan:
