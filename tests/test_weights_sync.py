@@ -552,3 +552,26 @@ def test_version_waits_share_one_deadline_and_name_the_silent_peer():
     results = run_ranks(_deadline_worker, 3, timeout_s, slow_s, 2.0, timeout=120)
     # a budget per source would wait slow_s + timeout_s = 9 s
     assert results[2]["recv_s"] < timeout_s + slow_s / 2, results[2]["recv_s"]
+
+
+def test_a_sender_closed_after_a_timed_out_wait_does_not_wait_again(monkeypatch):
+    """wait_sent() timed out on a version whose thread is stuck (a generator gone): the caller's
+    cleanup close() waited out a second whole timeout_s (plus the grace) for the same thread,
+    then raised the same error; a later wait_sent() raises at once."""
+    import threading
+    import time
+    from weights_sync.sync import VersionThread, WeightSender
+    monkeypatch.setattr(VersionThread, "JOIN_GRACE_S", 0.0)
+    release = threading.Event()
+    sender = WeightSender.__new__(WeightSender)
+    sender.rank, sender.timeout_s, sender.peers = 0, 0.3, {1: []}
+    sender._inflight = VersionThread()
+    sender._inflight.start(4, lambda: release.wait(30), (), "stuck")
+    with pytest.raises(TimeoutError, match="weights version 4: trainer rank 0 still waiting"):
+        sender.wait_sent()
+    t0 = time.monotonic()
+    sender.close()
+    with pytest.raises(TimeoutError, match="weights version 4"):
+        sender.wait_sent()
+    assert time.monotonic() - t0 < 0.1
+    release.set()

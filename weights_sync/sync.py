@@ -151,6 +151,7 @@ class VersionThread:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.version = -1
+        self.timed_out: str | None = None  # a join's time-out, while its thread is still stuck
 
     def start(self, version: int, target, args: tuple, name: str) -> None:
         self.version, self.error = version, None
@@ -166,11 +167,14 @@ class VersionThread:
     def join(self, timeout_s: float, waiting_for: str) -> None:
         if self._thread is None:
             return
+        if self.timed_out is not None and self._thread.is_alive():  # waited out once already
+            raise TimeoutError(self.timed_out)
         self._thread.join(timeout_s + self.JOIN_GRACE_S)
         if self._thread.is_alive():
-            raise TimeoutError(f"weights version {self.version}: {waiting_for} after "
-                               f"{timeout_s + self.JOIN_GRACE_S:.0f}s")
-        self._thread = None
+            self.timed_out = (f"weights version {self.version}: {waiting_for} after "
+                              f"{timeout_s + self.JOIN_GRACE_S:.0f}s")
+            raise TimeoutError(self.timed_out)
+        self._thread, self.timed_out = None, None
         if self.error is not None:
             raise self.error
 
@@ -286,7 +290,10 @@ class WeightSender:
         return stream.stream_numel(segs) * torch.empty((), dtype=self.dtype).element_size()
 
     def close(self) -> None:
-        self.wait_sent()
+        """Wait for the version in flight; after a `wait_sent` that timed out (the caller is
+        handling that error), no second wait of timeout_s for the same stuck thread."""
+        if self._inflight.timed_out is None:
+            self.wait_sent()
 
 
 def staged_apply(receiver, version: int):
