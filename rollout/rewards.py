@@ -18,6 +18,22 @@ reward: the trainer gets the ids. Built-ins (names for `resolve_reward` / `rewar
 
 A reward never crashes the run: `RewardRunner` turns an exception or a time-out into 0.0, counts
 it, and logs the first traceback (logger "tandem.reward").
+
+A model under RL sometimes writes answers that ask a checker for unbounded work: "10^{10^{10}}",
+"\\prod_{k=1}^{10^{8}} k", brackets nested 50 deep, 20k tokens of "1 1 1". Two defences:
+
+- Cheap guards in "math" (`_math_verify_equal`, `_huge_number`, `_to_fraction`): an answer too
+  long, nested too deep, or holding a number too large to evaluate is compared as a string
+  instead (linear time), counted in `RewardRunner.stats()["guarded"]`, the first one logged.
+- Worker processes (`RewardRunner`): a Python thread cannot be killed, so a reward that overran
+  its time limit kept running, taking CPU, memory and the GIL from the decode loop (8 stuck
+  made it 100x slower; one in C holding the GIL froze the process). A reward whose attribute
+  `isolate` is True ("math"; set it on your own, a function at module level of an importable
+  module, e.g. `my_reward.isolate = True`) runs in `max_workers` worker processes, fresh
+  interpreters (CUDA-safe) killed at their time limit; optionally `my_reward.warm_up()` runs
+  once in each before its first call (imports). Module state is then per worker process. Other
+  rewards run in threads; once `max_stuck` of those are stuck, calls score 0.0 without running
+  (counted, logged) until one ends.
 """
 from __future__ import annotations
 
@@ -28,11 +44,18 @@ import importlib.util
 import json
 import logging
 import math
+import multiprocessing.connection
+import os
+import pickle
 import queue
 import re
+import signal
+import subprocess
+import sys
 import threading
+import traceback
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, NoReturn
 
 logger = logging.getLogger("tandem.reward")
 
@@ -69,65 +92,153 @@ def _quiet_math_verify_timeout_warning() -> None:
 
 
 _MATHY_RE = re.compile(r"[\d\\^_=+*/]")  # a digit, a LaTeX command or an operator
+# Cheap guards before math_verify, whose parser took seconds to minutes on degenerate text, in
+# pure Python or in regular expressions that hold the GIL (times on a busy 2-core machine):
+_MAX_ANSWER_CHARS = 1000  # marked: "x+x+...+x" of 40k characters took 2.6 s, 10^6 digits 600 MB
+_MAX_NESTING = 8  # brackets ([{ : "((...(1)...))" took 1.5 s 10 deep, 10 s 50 deep; 250 never ended
+_MAX_SEARCHED_CHARS = 4000  # math_verify's own search of an unmarked completion is quadratic: "1 1
+# 1 ..." of 40k characters held the GIL for 7 s. It prefers the last match: it reads the end.
 
 
 def _math_verify_equal(gold: str, completion: str) -> float:
     """math_verify's verdict on the two final answers, found as `math_fallback` finds them (a
     marked answer: \\boxed{...}, `#### X`, `<answer>X</answer>`; else the gold whole, and
-    math_verify's own extraction over the completion) and read as LaTeX between $...$. Parsed
-    as they stand, math_verify reads only a leading number or plain expression: a bare gold
-    "2\\pi" became 2 (so "\\boxed{2}" scored 1), and "then <answer>7</answer>" gave the 5 of
-    "think 5". Words ("yes", a name, a choice letter) compare as strings (`math_fallback`):
-    between $...$ they parse as products of symbols."""
+    math_verify's own extraction over the completion's last _MAX_SEARCHED_CHARS characters) and
+    read as LaTeX between $...$. Parsed as they stand, math_verify reads only a leading number or
+    plain expression: a bare gold "2\\pi" became 2 (so "\\boxed{2}" scored 1), and "then
+    <answer>7</answer>" gave the 5 of "think 5". Words ("yes", a name, a choice letter) compare as
+    strings (`math_fallback`): between $...$ they parse as products of symbols. So do answers
+    that could take math_verify minutes or gigabytes (`_guarded`)."""
     from math_verify import parse, verify
 
     _quiet_math_verify_timeout_warning()
     gold_answer = extract_final_answer(gold, last_number=False) or gold
-    gold_parsed = _parse_latex(gold_answer) if _MATHY_RE.search(gold_answer) else []
+    if not _MATHY_RE.search(gold_answer) or _too_complex(gold_answer):
+        return math_fallback(gold, completion)  # not mathematical, or not for math_verify
+    gold_parsed = _parse_latex(gold_answer)
     if not gold_parsed:  # a non-mathematical answer: compare as strings
         return math_fallback(gold, completion)
     marked = extract_final_answer(completion, last_number=False)
+    tail = completion[-_MAX_SEARCHED_CHARS:]
+    why = _too_complex(marked) if marked is not None else _too_complex(tail, _MAX_SEARCHED_CHARS)
+    if why:
+        return _guarded(why, gold, completion)
     # Timeouts off (here and in _parse_latex): math_verify's own use signal.alarm, which fails
     # outside the main thread; RewardRunner enforces the time limit instead.
-    answer = parse(completion, parsing_timeout=None) if marked is None else _parse_latex(marked)
+    answer = parse(tail, parsing_timeout=None) if marked is None else _parse_latex(marked)
     if any(_huge_number(x) for x in (*gold_parsed, *answer)):
-        return math_fallback(gold, completion)
+        return _guarded("a huge number", gold, completion)
     return float(verify(gold_parsed, answer, timeout_seconds=None))
+
+
+def _too_complex(answer: str, max_chars: int = _MAX_ANSWER_CHARS) -> str | None:
+    """Why `answer` is not for math_verify (too long, brackets nested too deep), or None."""
+    if len(answer) > max_chars:
+        return f"{len(answer)} characters long (over {max_chars})"
+    depth = deepest = 0
+    for ch in answer:
+        if ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+    if deepest > _MAX_NESTING:
+        return f"brackets nested {deepest} deep (over {_MAX_NESTING})"
+    return None
+
+
+_guards = threading.local()  # .count: answers `_guarded` kept from math_verify in this call
+_guard_logged = threading.Event()
+
+
+def _guarded(why: str, gold: str, completion: str) -> float:
+    """An answer math_verify could take minutes or gigabytes over (`why`) compares as strings
+    (`math_fallback`, linear in the text); counted (RewardRunner.stats()["guarded"]), the first
+    in a process logged."""
+    _guards.count = getattr(_guards, "count", 0) + 1
+    if not _guard_logged.is_set():
+        _guard_logged.set()
+        logger.warning("math reward: an answer (%s) was compared as a string, not by math_verify, "
+                       "which could take minutes or gigabytes over it; further ones are counted "
+                       "in RewardRunner.stats()['guarded']", why)
+    return math_fallback(gold, completion)
+
+
+def _warm_up_math_verify() -> None:
+    """Import math_verify and its LaTeX parser (~0.5 s), before a worker's first time limit."""
+    if _has_math_verify():
+        _quiet_math_verify_timeout_warning()
+        _parse_latex("1")
+
+
+# math_verify's worst cases are not all guarded against (sympy can be asked for too much in too
+# many ways), and some hold the GIL: the math reward runs in worker processes (RewardRunner)
+math_reward.isolate, math_reward.warm_up = True, _warm_up_math_verify
 
 
 _MAX_POWER_BITS = 10**6  # 2^(10^8), 10^8 bits, took 1.2 s; 10^(10^10) never ended
 _MAX_FACTORIAL_ARG = 10**4  # (10^7)! stalled the decode loop for 8 s at a time; 10^4! takes 10 ms
+_MAX_SYMBOLIC_EXPONENT = 300  # "(x+1)^{300}" against "5" took 0.5 s, ^{1000} 4 s, ^{10^{6}} 3 GB
 
 
 def _huge_number(expr) -> bool:
-    """`expr` (parsed by math_verify, not yet evaluated) holds a power of numbers whose exact
-    value has more than _MAX_POWER_BITS bits ("10^{10^{10}}", "(2^{10})^{10^{9}}"), or a
-    factorial of a number above _MAX_FACTORIAL_ARG. verify() evaluates them in big-integer
-    operations in C, which hold the GIL: the time limit could not stop them, and the
-    generator's decode loop froze with them. Such answers compare as strings."""
+    """`expr` (parsed by math_verify, not yet evaluated) asks verify() for work without bound: a
+    power of numbers of more than _MAX_POWER_BITS bits ("10^{10^{10}}", "(1+10^{-20})^{10^{30}}"),
+    a factorial of a number above _MAX_FACTORIAL_ARG, a finite sum or product of more terms
+    ("\\prod_{k=1}^{10^{8}} k" is (10^8)!), a derivative of a higher order, or a power of a
+    symbol above _MAX_SYMBOLIC_EXPONENT (expanded: "(x+1)^{10^{6}}" took 3 GB in 10 s). verify()
+    evaluates numbers in big-integer operations in C, which hold the GIL: the time limit could
+    not stop them, and the generator's decode loop froze with them. Such answers compare as
+    strings."""
     import sympy
 
     if not isinstance(expr, sympy.Basic):
         return False  # the string math_verify keeps beside the expression
-    factorials = (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.gamma,
-                  sympy.subfactorial, sympy.RisingFactorial, sympy.FallingFactorial)
     for node in sympy.preorder_traversal(expr):
-        if isinstance(node, factorials) and not node.free_symbols:
-            if any(_huge_number(a) or not _size(a) <= _MAX_FACTORIAL_ARG for a in node.args):
-                return True
-        if not isinstance(node, sympy.Pow) or node.free_symbols:
-            continue
-        if _huge_number(node.base) or _huge_number(node.exp):
-            return True
-        base, size = _size(node.base), _size(node.exp)  # no huge power in them by now
-        if base in (0.0, 1.0):  # (also not a number: zoo)
-            continue
-        b = node.base
-        bits = (max(abs(b.p).bit_length(), b.q.bit_length()) if b.is_Rational
-                else abs(math.log2(base)) + 1)
-        if not size * bits <= _MAX_POWER_BITS:  # also nan, inf
+        if _huge_power(node) if isinstance(node, sympy.Pow) else _huge_count(node):
             return True
     return False
+
+
+def _huge_power(node) -> bool:
+    """A sympy Pow past the limits of `_huge_number` (its base and exponent checked first)."""
+    import sympy
+
+    if _huge_number(node.base) or _huge_number(node.exp):
+        return True
+    if node.free_symbols:  # a power of a symbol: expanded, integrated or differentiated
+        return bool(node.exp.is_number) and not _size(node.exp) <= _MAX_SYMBOLIC_EXPONENT
+    b, size = node.base, _size(node.exp)  # no huge power in them by now
+    base = _size(b)
+    # not 1.0 (of 15 digits): (1+10^{-20})^{10^{30}} was let by, and evaluated exactly
+    if base == 0.0 or b in (sympy.S.One, sympy.S.NegativeOne):  # (0.0: also not a number, zoo)
+        return False
+    bits = (max(abs(b.p).bit_length(), b.q.bit_length()) if b.is_Rational
+            else abs(math.log2(base)) + 1)
+    return not size * bits <= _MAX_POWER_BITS  # also nan, inf
+
+
+def _huge_count(node) -> bool:
+    """A factorial of a number, a finite sum or product of numeric bounds, or a derivative, of a
+    count above _MAX_FACTORIAL_ARG (or holding a huge number)."""
+    import sympy
+
+    factorials = (sympy.factorial, sympy.factorial2, sympy.binomial, sympy.gamma,
+                  sympy.subfactorial, sympy.RisingFactorial, sympy.FallingFactorial)
+    if isinstance(node, factorials) and not node.free_symbols:
+        counts = list(node.args)
+    elif isinstance(node, (sympy.Sum, sympy.Product)):
+        bounds = [lim[1:] for lim in node.limits if len(lim) == 3]
+        if any(_huge_number(x) for pair in bounds for x in pair):
+            return True
+        # infinite ones are summed symbolically (pi^2/6), not term by term
+        counts = [n for n in (hi - lo for lo, hi in bounds)
+                  if not n.free_symbols and not n.is_infinite]
+    elif isinstance(node, sympy.Derivative):
+        counts = [n for _, n in node.variable_count]
+    else:
+        return False
+    return any(_huge_number(n) or not _size(n) <= _MAX_FACTORIAL_ARG for n in counts)
 
 
 def _size(x) -> float:
@@ -165,7 +276,8 @@ def math_fallback(gold: str, completion: str) -> float:
     3. If both parse as numbers (ints, decimals, a/b; via fractions.Fraction, so "46.0" == "46"
        and "0.5" == "1/2"), two integers must be equal (1000001 is not 1000000), other numbers
        within 1e-6 of the gold, relative above 1 ("0.333333" == "1/3"); otherwise (also for an
-       exponent of 1000 or more, "1e1000") the normalised strings must match, case-insensitively.
+       exponent of 1000 or more, "1e1000", or a number of over 4300 characters) the normalised
+       strings must match, case-insensitively.
     """
     gold, completion = gold.replace(MINUS_SIGN, "-"), completion.replace(MINUS_SIGN, "-")
     gold_answer = extract_final_answer(gold, last_number=False) or gold
@@ -244,10 +356,16 @@ def _normalise(answer: str) -> str:
 
 _EXPONENT_RE = re.compile(r"[eE][+-]?([\d_]+)")  # Fraction allows "1e1_0"
 _MAX_EXPONENT_DIGITS = 3  # |exponent| < 1000: Fraction("1e10000000") took 16 s, holding the GIL
+# int(str) is quadratic in the digits and holds the GIL: Python's default limit of 4300 digits,
+# which a library may lift (sys.set_int_max_str_digits(0)), whatever it is now
+_MAX_NUMBER_CHARS = 4300
 
 
 def _to_fraction(s: str) -> Fraction | None:
-    """`s` as an exact number, or None (not a number, or an exponent too large to expand)."""
+    """`s` as an exact number, or None (not a number, too long, or an exponent too large to
+    expand)."""
+    if len(s) > _MAX_NUMBER_CHARS:
+        return None
     e = _EXPONENT_RE.search(s)
     if e and len(e.group(1).replace("_", "").lstrip("0")) > _MAX_EXPONENT_DIGITS:
         return None
@@ -323,6 +441,13 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 # resolving a spec
 
 
+def reward_runner(rcfg) -> "RewardRunner":
+    """The RewardRunner of a `reward` config section (fn, format_weight, timeout_s, isolate)."""
+    isolate = {"auto": None, "process": True, "thread": False}[rcfg.isolate]
+    return RewardRunner(resolve_reward(rcfg.fn, rcfg.format_weight), rcfg.timeout_s,
+                        isolate=isolate)
+
+
 def resolve_reward(spec, format_weight: float = 0.0) -> RewardFn:
     """A reward callable from a built-in name, "package.module:function", or a callable.
 
@@ -331,15 +456,24 @@ def resolve_reward(spec, format_weight: float = 0.0) -> RewardFn:
     fn = spec if callable(spec) else _resolve_spec(spec)
     if format_weight < 0:
         raise ValueError(f"format_weight must be >= 0, got {format_weight}")
-    if not format_weight:
-        return fn
+    return _WithFormat(fn, format_weight) if format_weight else fn
 
-    def with_format(item, completion_text, completion_ids):
-        return (_as_reward(fn(item, completion_text, completion_ids))  # named, as without it
-                + format_weight * format_reward(item, completion_text, completion_ids))
 
-    with_format.__name__ = f"{getattr(fn, '__name__', 'reward')}+{format_weight}*format"
-    return with_format
+class _WithFormat:
+    """`fn` plus `weight * format_reward`: a class, not a closure, so that it pickles (a worker
+    process of RewardRunner loads it by reference) and runs where `fn` runs."""
+
+    def __init__(self, fn: RewardFn, weight: float):
+        self.fn, self.weight = fn, weight
+        self.__name__ = f"{getattr(fn, '__name__', 'reward')}+{weight}*format"
+        self.isolate = getattr(fn, "isolate", False)
+
+    def __call__(self, item, completion_text, completion_ids):
+        return (_as_reward(self.fn(item, completion_text, completion_ids))  # named, as without it
+                + self.weight * format_reward(item, completion_text, completion_ids))
+
+    def warm_up(self) -> None:
+        getattr(self.fn, "warm_up", lambda: None)()
 
 
 def _resolve_spec(spec: str) -> RewardFn:
@@ -378,6 +512,21 @@ def _resolve_spec(spec: str) -> RewardFn:
 # running rewards off the hot path
 
 
+class _Overran(Exception):
+    """A call of the reward did not return within the runner's timeout_s."""
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward failed in a worker process; the message holds the worker's traceback."""
+
+
+def _scored_call(fn: RewardFn, item, text: str, ids: list[int]) -> tuple[float, int]:
+    """The reward (a finite float) and how many answers the math reward guarded against in it."""
+    _guards.count = 0
+    reward = _as_reward(fn(item, text, ids))
+    return reward, _guards.count
+
+
 class _CallThread:
     """A daemon thread that runs reward calls one at a time from its queue. Reused across calls
     (a fresh thread per call cost ~0.12 ms of thread start and hand-offs, 3x the reused one:
@@ -389,10 +538,22 @@ class _CallThread:
         self.thread = threading.Thread(target=self._loop, name="tandem-reward-call", daemon=True)
         self.thread.start()
 
-    def call(self, item, text: str, ids: list[int]) -> concurrent.futures.Future:
+    def run(self, item, text: str, ids: list[int], timeout_s: float) -> tuple[float, int]:
+        """`_scored_call` on this thread; raises _Overran after timeout_s, or the reward's error."""
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._calls.put((item, text, ids, result))
-        return result
+        # wait() rather than result(timeout=): a reward that itself raises TimeoutError (a socket
+        # time-out) is an error of the reward, not a time-out of its call thread
+        if not concurrent.futures.wait([result], timeout=timeout_s).done:
+            raise _Overran
+        return result.result()
+
+    def usable(self) -> bool:
+        return not self.abandoned
+
+    def abandon(self) -> None:
+        """A thread cannot be killed: it ends when its call returns, if ever."""
+        self.abandoned = True
 
     def stop(self) -> None:
         """End the thread once its queue is empty (it is then idle: nothing is queued behind)."""
@@ -405,35 +566,175 @@ class _CallThread:
                 return
             item, text, ids, result = call
             try:
-                result.set_result(self.fn(item, text, ids))
+                result.set_result(_scored_call(self.fn, item, text, ids))
             except BaseException as e:  # reported through the future, never raised here
                 result.set_exception(e)
 
 
-class RewardRunner:
-    """Score completions in background threads; a failing or stuck reward scores 0.0.
+_WORKER_START_TIMEOUT_S = 120.0  # a fresh interpreter importing the reward and warming it up
+_WORKER_MAIN = "import sys; from rollout.rewards import _serve; _serve(*map(int, sys.argv[1:]))"
 
-    Each of `max_workers` supervisor threads owns a call thread that runs the reward, and waits
-    at most `timeout_s` for each call. Python cannot kill a thread, so a reward that overruns
-    keeps running in the background, but it is abandoned: its supervisor returns 0.0, counts a
-    time-out, starts a new call thread and moves on, so a stuck reward never blocks the others
-    or the caller (`stats()["stuck"]` counts the abandoned threads still alive). Supervisors bound
-    how many rewards run at once. The first error traceback and the first time-out are logged;
-    later ones are only counted.
+
+class _CallProcess:
+    """A worker process that runs reward calls one at a time, sent over a socket pair. A fresh
+    interpreter (`_serve`), not a fork: the parent may hold CUDA state, which a fork cannot use,
+    and a fork copies a large process. So the reward is loaded by reference (pickle): a function
+    at module level of an importable module. It is killed when a call overruns: its CPU, its
+    memory and its GIL are the run's again at once."""
+
+    def __init__(self, fn_pickle: bytes):
+        ours, theirs = multiprocessing.connection.Pipe()
+        # the child finds the modules the parent found: the launch folder, PYTHONPATH, the venv
+        path = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": path})
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = ours
+        try:
+            ours.send_bytes(fn_pickle)
+            if not ours.poll(_WORKER_START_TIMEOUT_S):
+                raise TimeoutError(f"reward worker process {self.proc.pid} did not load the "
+                                   f"reward within {_WORKER_START_TIMEOUT_S:.0f} s")
+            self._reply()  # ("ready", None)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def run(self, item, text: str, ids: list[int], timeout_s: float) -> tuple[float, int]:
+        """`_scored_call` in the worker; raises _Overran after timeout_s, or the reward's error."""
+        try:
+            self.conn.send((item, text, ids))
+        except OSError:  # it died since its last call
+            self._died()
+        if not self.conn.poll(timeout_s):  # (True also when the worker died: _reply says so)
+            raise _Overran
+        return self._reply()
+
+    def _reply(self):
+        try:
+            status, payload = self.conn.recv()
+        except (EOFError, OSError):
+            self._died()
+        if status == "error":
+            raise RewardWorkerError(payload)
+        return payload
+
+    def _died(self) -> NoReturn:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.abandon()
+        raise RewardWorkerError(f"reward worker process {self.proc.pid} ended (exit code {code}) "
+                                f"before it answered; a new one takes the next call")
+
+    def usable(self) -> bool:
+        return self.proc.poll() is None
+
+    def abandon(self) -> None:
+        """Kill the worker (SIGKILL: a reward stuck in C ignores anything milder)."""
+        self.proc.kill()
+        self._reap()
+
+    def stop(self) -> None:
+        """End an idle worker: it exits when the socket closes."""
+        self._reap()
+
+    def _reap(self) -> None:
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # closed while running a call (close() after a kill)
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def _serve(fd: int, parent_pid: int) -> None:
+    """The main of a reward worker process (`_CallProcess`): load the reward (and warm it up:
+    imports), then run calls one at a time until the parent closes the socket."""
+    # a Ctrl-C, or a SIGTERM to the whole job (preemption), is the parent's to handle: it may
+    # still score the completions in flight. The worker ends with it (_die_with_parent).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    logging.basicConfig(format=f"[reward worker %(process)d of {parent_pid}] %(levelname)s "
+                               f"%(name)s: %(message)s")
+    conn = multiprocessing.connection.Connection(fd)
+    try:
+        fn = pickle.loads(conn.recv_bytes())
+        getattr(fn, "warm_up", lambda: None)()
+    except BaseException:
+        conn.send(("error", "loading the reward in a worker process failed:\n"
+                            + traceback.format_exc()))
+        return
+    reply = ("ready", None)
+    while True:
+        conn.send(reply)
+        try:
+            item, text, ids = conn.recv()
+        except EOFError:  # the runner closed, or its process ended
+            return
+        try:
+            reply = ("ok", _scored_call(fn, item, text, ids))
+        except BaseException:  # even SystemExit: reported, the worker lives on
+            reply = ("error", traceback.format_exc())
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have Linux SIGKILL this process when the thread that started it ends (the runner's
+    supervisor: it lives until close()): a reward stuck in C would run on as an orphan of a
+    crashed run. Elsewhere an idle worker ends on the socket's EOF."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent ended before that
+        os._exit(0)
+
+
+class RewardRunner:
+    """Score completions in the background; a failing or stuck reward scores 0.0.
+
+    Each of `max_workers` supervisor threads owns a caller that runs the reward, and waits at
+    most `timeout_s` for each call; supervisors bound how many rewards run at once. The caller
+    is, with `isolate` (default: the reward's own `isolate` attribute, True for "math"):
+
+    - a worker process (`_CallProcess`): a reward that overruns is killed, and a new worker
+      takes the next call. A reward's work (pure Python or C holding the GIL) never slows the
+      generator's decode loop. The reward must pickle by reference (module level).
+    - else a thread (`_CallThread`). Python cannot kill a thread: a reward that overruns keeps
+      running, abandoned (`stats()["stuck"]` counts those still alive), taking CPU and the GIL
+      from the decode loop (8 stuck made it 100x slower). Once `max_stuck` are stuck, calls
+      score 0.0 without running (`stats()["skipped"]`, logged) until one of them ends.
+
+    The supervisor returns 0.0 and counts an error or a time-out; the first error traceback and
+    the first time-out are logged, later ones only counted.
     """
 
-    def __init__(self, fn: RewardFn, timeout_s: float, max_workers: int = 2):
-        if timeout_s <= 0 or max_workers < 1:
-            raise ValueError(f"RewardRunner needs timeout_s > 0 and max_workers >= 1, got "
-                             f"timeout_s={timeout_s}, max_workers={max_workers}")
-        self.fn, self.timeout_s = fn, float(timeout_s)
+    def __init__(self, fn: RewardFn, timeout_s: float, max_workers: int = 2,
+                 isolate: bool | None = None, max_stuck: int = 4):
+        if timeout_s <= 0 or max_workers < 1 or max_stuck < 1:
+            raise ValueError(f"RewardRunner needs timeout_s > 0, max_workers >= 1 and max_stuck "
+                             f">= 1, got timeout_s={timeout_s}, max_workers={max_workers}, "
+                             f"max_stuck={max_stuck}")
+        self.fn, self.timeout_s, self.max_stuck = fn, float(timeout_s), max_stuck
+        self._name = getattr(fn, "__name__", repr(fn))
+        self.isolated = bool(getattr(fn, "isolate", False) if isolate is None else isolate)
+        self._fn_pickle = _pickled(fn, self._name) if self.isolated else b""
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "tandem-reward")
         self._lock = threading.Lock()
-        self._local = threading.local()  # each supervisor's call thread
-        self._callers: list[_CallThread] = []  # every call thread started, to stop on close
-        self._counts = {"calls": 0, "errors": 0, "timeouts": 0}
+        self._local = threading.local()  # each supervisor's caller
+        self._callers: list = []  # callers in use, to stop on close
+        self._counts = {"calls": 0, "errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0}
         self._abandoned: list[threading.Thread] = []
-        self._name = getattr(fn, "__name__", repr(fn))
 
     def submit(self, item, completion_text: str, completion_ids) -> concurrent.futures.Future:
         """A Future of the reward (a float); it never raises."""
@@ -448,26 +749,53 @@ class RewardRunner:
         return [f.result() for f in futures]
 
     def _supervise(self, item, text: str, ids: list[int]) -> float:
-        caller = getattr(self._local, "caller", None)
-        if caller is None:
-            caller = self._local.caller = _CallThread(self.fn)
-            with self._lock:
-                self._callers.append(caller)
-        with self._lock:
-            self._counts["calls"] += 1
-        result = caller.call(item, text, ids)
-        # wait() rather than result(timeout=): a reward that itself raises TimeoutError (a socket
-        # time-out) is an error of the reward, not a time-out of its call thread
-        if not concurrent.futures.wait([result], timeout=self.timeout_s).done:
-            caller.abandoned = True
-            self._local.caller = None
-            self._record_timeout(item, caller.thread)
+        if self._too_many_stuck():
             return 0.0
+        self._count("calls")
+        caller = None
         try:
-            return _as_reward(result.result())
+            caller = self._caller()
+            reward, guarded = caller.run(item, text, ids, self.timeout_s)
+        except _Overran:
+            self._local.caller = None
+            caller.abandon()
+            self._record_timeout(item, caller)
+            return 0.0
         except BaseException as e:  # even SystemExit from a reward must not escape the future
             self._record_error(item, e)
-        return 0.0
+            return 0.0
+        if guarded:
+            self._count("guarded", guarded)
+        return reward
+
+    def _caller(self):
+        caller = getattr(self._local, "caller", None)
+        if caller is None or not caller.usable():
+            caller = self._local.caller = (_CallProcess(self._fn_pickle) if self.isolated
+                                           else _CallThread(self.fn))
+            with self._lock:
+                self._callers = [c for c in self._callers if c.usable()] + [caller]
+        return caller
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def _too_many_stuck(self) -> bool:
+        with self._lock:
+            self._abandoned = [t for t in self._abandoned if t.is_alive()]
+            if len(self._abandoned) < self.max_stuck:
+                return False
+            self._counts["skipped"] += 1
+            first = self._counts["skipped"] == 1
+        if first:
+            logger.error("%d calls of reward %s are stuck past reward.timeout_s=%s in threads that "
+                         "cannot be killed, taking CPU from generation; further calls score 0.0 "
+                         "without running until one of them ends (counted in stats()['skipped']). "
+                         "Make the reward return in time, or run it in worker processes that can "
+                         "be killed: set `isolate = True` on it (a function at module level; see "
+                         "rollout/rewards.py)", len(self._abandoned), self._name, self.timeout_s)
+        return True
 
     def _record_error(self, item, error: BaseException) -> None:
         with self._lock:
@@ -478,30 +806,37 @@ class RewardRunner:
                          "counted, see RewardRunner.stats())", self._name, item.id,
                          exc_info=(type(error), error, error.__traceback__))
 
-    def _record_timeout(self, item, worker: threading.Thread) -> None:
+    def _record_timeout(self, item, caller) -> None:
         with self._lock:
             self._counts["timeouts"] += 1
             first = self._counts["timeouts"] == 1
-            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [worker]
+            if isinstance(caller, _CallThread):
+                self._abandoned.append(caller.thread)
         if first:
+            fate = ("its worker process was killed" if self.isolated else
+                    "its thread is abandoned (it cannot be killed)")
             logger.warning("reward %s exceeded reward.timeout_s=%s on prompt %s; it scores 0.0 "
-                           "and its thread is abandoned (further time-outs are only counted)",
-                           self._name, self.timeout_s, item.id)
+                           "and %s (further time-outs are only counted)",
+                           self._name, self.timeout_s, item.id, fate)
 
     def stats(self) -> dict:
-        """{"calls", "errors", "timeouts", "stuck"}: totals since construction."""
+        """Totals since construction: "calls" run, "errors" and "timeouts" among them (each
+        scored 0.0), "skipped" (0.0 without running: too many stuck), "guarded" (answers the
+        math reward kept from math_verify), and "stuck": abandoned threads still running."""
         with self._lock:
             stuck = sum(t.is_alive() for t in self._abandoned)
             return {**self._counts, "stuck": stuck}
 
     def close(self) -> None:
         """Cancel the calls not started, wait for the running supervisors (each at most
-        timeout_s), then end the idle call threads; abandoned ones end when their call returns.
+        timeout_s), then end the idle callers; abandoned threads end when their call returns.
         (Running every queued call first, a stuck reward held a generator's exit for
         timeout_s per queued completion divided by max_workers.)"""
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            for caller in self._callers:
+            callers, self._callers = self._callers, []
+        for caller in callers:
+            if caller.usable():
                 caller.stop()
 
     def __enter__(self):
@@ -509,6 +844,16 @@ class RewardRunner:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _pickled(fn: RewardFn, name: str) -> bytes:
+    try:
+        return pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(f"reward {name} cannot run in a worker process: pickle cannot send it "
+                         f"({e}). Define it at module level of an importable module "
+                         f"('package.module:function'), or run it in threads "
+                         f"(isolate=False)") from e
 
 
 def _as_reward(value) -> float:

@@ -11,7 +11,7 @@ from rollout.data import (PromptSource, filter_by_length, load_held_out, load_pr
 from rollout.engine import Engine, decode_mode
 from rollout.evaluate import PeriodicEval, engine_shape
 from rollout.packed_linear import describe as describe_packing
-from rollout.rewards import RewardRunner, resolve_reward
+from rollout.rewards import reward_runner
 from rollout.worker import GeneratorWorker, stop_token_ids
 from trainer.checkpointing import generator_state, read_extra, resume_path
 from trainer.link import Link, PeerError
@@ -129,7 +129,7 @@ def start_generator(cfg, meshes, tokenizer, link: Link | None,
                            world=dims.gen_dp)
     engine = build_engine(model, cfg, replica, meshes.device, print_choice=rank == dims.generator_rank_list[0])
     tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None
-    rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
+    rewards = reward_runner(cfg.reward)
     stack.callback(rewards.close)
     worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver,
                              dims.trainer_rank_list[0], replica, tp_group, encode)

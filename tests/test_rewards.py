@@ -195,7 +195,8 @@ def test_runner_scores_in_order():
         scores = runner.score_batch(items, ["0", "x", "2", "3", "", "5"], [[]] * 6)
         assert scores == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
         assert runner.submit(items[0], "0", []).result() == 1.0
-        assert runner.stats() == {"calls": 7, "errors": 0, "timeouts": 0, "stuck": 0}
+        assert runner.stats() == {"calls": 7, "errors": 0, "timeouts": 0, "stuck": 0,
+                                  "skipped": 0, "guarded": 0}
 
 
 def test_raising_reward_scores_zero_counts_and_logs_first_traceback_once(caplog):
@@ -229,7 +230,8 @@ def test_a_reward_raising_timeout_error_is_an_error_not_a_time_out(caplog):
         with RewardRunner(reward, timeout_s=5.0, max_workers=1) as runner:
             items = [_item("", i) for i in range(4)]
             assert runner.score_batch(items, [""] * 4, [[]] * 4) == [0.0] * 4
-            assert runner.stats() == {"calls": 4, "errors": 4, "timeouts": 0, "stuck": 0}
+            assert runner.stats() == {"calls": 4, "errors": 4, "timeouts": 0, "stuck": 0,
+                                      "skipped": 0, "guarded": 0}
     assert "TimeoutError: no answer from the grader for 0" in caplog.text
 
 
@@ -394,3 +396,205 @@ def test_math_reward_reads_the_typeset_minus_sign_with_or_without_math_verify():
     assert math_reward(_item("-5"), "so \\boxed{\u22125}", []) == 1.0
     assert math_reward(_item("\u22125"), "The answer is \\boxed{-5}", []) == 1.0
     assert math_reward(_item("5"), "so \\boxed{\u22125}", []) == 0.0
+
+
+# ----------------------------------------------------- blow-ups: guards and killable workers
+
+needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                                       reason="math_verify not installed (optional; make test "
+                                              "installs it)")
+
+
+def _depth(s: str) -> int:
+    depth = deepest = 0
+    for ch in s:
+        depth += (ch in "([{") - (ch in ")]}")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+@needs_math_verify
+def test_math_verify_is_handed_only_short_shallow_text(monkeypatch):
+    """math_verify's parser took seconds to minutes on degenerate text, in pure Python or in
+    regular expressions that hold the GIL: "\\boxed{((...(1)...))}" 50 deep took 10 s (250 deep
+    never ended), a "1 1 1 ..." completion of 20k tokens froze every thread for 7 s, 10^6 digits
+    took 600 MB. Such answers now compare as strings (0 here), counted in stats()["guarded"]."""
+    import math_verify
+    seen, parse = [], math_verify.parse
+
+    def recording_parse(text, *args, **kwargs):
+        seen.append(text)
+        return parse(text, *args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", recording_parse)
+    cases = [("5", "\\boxed{" + "(" * 40 + "1" + ")" * 40 + "}", 0.0),   # too deep
+             ("5", "\\boxed{" + "{" * 40 + "1" + "}" * 40 + "}", 0.0),
+             ("5", "\\boxed{" + "+".join(["x"] * 2000) + "}", 0.0),       # too long
+             ("5", "<answer>" + "9" * 100_000 + "</answer>", 0.0),
+             ("5", "1 " * 20_000 + "so 5", 1.0),          # unmarked: math_verify reads its end
+             ("5", "9" * 100_000 + " so 5", 1.0),
+             ("\\frac{1}{1+\\frac{1}{1+\\frac{1}{2}}}", "\\boxed{\\frac{3}{5}}", 1.0)]  # 3 deep
+    with RewardRunner(math_reward, timeout_s=30.0, max_workers=1, isolate=False) as runner:
+        scores = runner.score_batch([_item(g) for g, _, _ in cases], [c for _, c, _ in cases],
+                                    [[]] * len(cases))
+        stats = runner.stats()
+    assert scores == [want for _, _, want in cases]
+    assert stats["guarded"] == 4 and stats["timeouts"] == stats["errors"] == 0
+    assert seen and max(map(len, seen)) <= 5000 and max(map(_depth, seen)) <= 10
+
+
+@needs_math_verify
+@pytest.mark.parametrize("answer, huge", [
+    ("(1+10^{-20})^{10^{30}}", True),   # a base within 1e-15 of 1 was skipped as exactly 1
+    ("\\prod_{k=1}^{10^{8}} k", True),  # (10^8)! in C, holding the GIL
+    ("\\sum_{k=1}^{10^{8}} k!", True),
+    ("(x+1)^{10^{6}}", True),           # expanded: 3 GB in 10 s
+    ("\\int_0^1 x^{10^{10}} dx", True),  # 1.3 GB in 15 s
+    ("(1+10^{-2})^{3}", False), ("\\prod_{k=1}^{5} k", False), ("\\sum_{k=1}^{10} k", False),
+    ("(x+1)^{3}", False), ("x^{300}", False), ("x^{2024}", True),
+])
+def test_huge_number_guard_covers_near_one_bases_products_sums_and_symbolic_powers(answer, huge):
+    from rollout.rewards import _huge_number, _parse_latex
+    assert any(_huge_number(x) for x in _parse_latex(answer)) == huge
+
+
+@needs_math_verify
+def test_sane_products_sums_and_symbolic_powers_are_still_verified():
+    cases = [("120", "\\boxed{\\prod_{k=1}^{5} k}", 1.0),  # 5! = 120, 1+...+10 = 55, 1.01^3
+             ("55", "\\boxed{\\sum_{k=1}^{10} k}", 1.0),
+             ("(x+1)^{3}", "\\boxed{(1+x)^{3}}", 1.0),
+             ("1.030301", "\\boxed{(1+10^{-2})^{3}}", 1.0),
+             ("5", "\\boxed{(1+10^{-20})^{10^{30}}}", 0.0),
+             ("5", "\\boxed{\\prod_{k=1}^{10^{8}} k}", 0.0)]
+    with RewardRunner(math_reward, timeout_s=30.0, max_workers=1, isolate=False) as runner:
+        scores = runner.score_batch([_item(g) for g, _, _ in cases], [c for _, c, _ in cases],
+                                    [[]] * len(cases))
+        assert runner.stats()["timeouts"] == 0 and runner.stats()["guarded"] == 2
+    assert scores == [want for _, _, want in cases]
+
+
+def test_fallback_numbers_are_bounded_whatever_the_int_digit_limit(monkeypatch):
+    """int(str) is quadratic in the digits and holds the GIL; only Python's default limit of
+    4300 digits (which any library may lift: sys.set_int_max_str_digits(0)) kept the fallback
+    from parsing a 10^6-digit answer."""
+    from rollout.rewards import _to_fraction
+    monkeypatch.setattr(sys, "get_int_max_str_digits", sys.get_int_max_str_digits)
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        assert _to_fraction("9" * 50_000) is None and _to_fraction("0." + "9" * 50_000) is None
+        assert math_fallback("9" * 50_000, "\\boxed{" + "9" * 50_000 + "}") == 1.0  # strings
+        assert _to_fraction("9" * 300) == int("9" * 300)
+    finally:
+        sys.set_int_max_str_digits(before)
+
+
+def hangs_on_request(item, text, ids):
+    """An importable reward (tests.test_rewards:hangs_on_request) for the worker processes."""
+    import os
+    if text == "hang":
+        threading.Event().wait()  # a reward that never returns
+    if text == "crash":
+        os._exit(3)  # a reward that takes its process down (a segfault in an extension)
+    if text == "raise":
+        raise RuntimeError(f"boom on {item.id}")
+    return float(os.getpid())
+
+
+def _gone(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_an_isolated_reward_that_overruns_is_killed_not_abandoned(caplog):
+    """A thread cannot be killed: each time-out left a thread running the reward (CPU, memory,
+    and the GIL taken from the decode loop, which ran 100x slower with 8 stuck); a reward in C
+    that holds the GIL froze the process. In a worker process it is killed at its time-out."""
+    import os
+    with caplog.at_level(logging.WARNING, logger="tandem.reward"):
+        with RewardRunner(hangs_on_request, timeout_s=0.5, max_workers=1, isolate=True) as runner:
+            first = runner.submit(_item("", 0), "pid", []).result()
+            scores = runner.score_batch([_item("", i) for i in range(1, 4)],
+                                        ["hang", "pid", "hang"], [[]] * 3)
+            stats = runner.stats()
+    assert first not in (0.0, os.getpid()) and scores[1] not in (0.0, first)  # a new worker
+    assert scores[0] == scores[2] == 0.0 and _gone(int(first)) and _gone(int(scores[1]))
+    assert stats == {"calls": 4, "errors": 0, "timeouts": 2, "stuck": 0, "skipped": 0,
+                     "guarded": 0}
+    assert caplog.text.count("exceeded reward.timeout_s=0.5") == 1 and "killed" in caplog.text
+
+
+def test_an_isolated_reward_that_raises_or_dies_scores_zero_and_is_logged_once(caplog):
+    with caplog.at_level(logging.ERROR, logger="tandem.reward"):
+        with RewardRunner(hangs_on_request, timeout_s=10.0, max_workers=1, isolate=True) as runner:
+            texts = ["raise", "pid", "crash", "pid", "raise"]
+            scores = runner.score_batch([_item("", i) for i in range(5)], texts, [[]] * 5)
+            stats = runner.stats()
+    assert scores[0] == scores[2] == scores[4] == 0.0 and scores[1] != scores[3]  # restarted
+    assert stats["errors"] == 3 and stats["timeouts"] == 0 and stats["calls"] == 5
+    assert len([r for r in caplog.records if r.name == "tandem.reward"]) == 1
+    assert "RuntimeError: boom on 0" in caplog.text and "Traceback" in caplog.text
+
+
+def test_math_reward_runs_in_a_worker_process_others_in_threads():
+    assert resolve_reward("math").isolate and resolve_reward("math", format_weight=0.5).isolate
+    deep = "\\boxed{" + "(" * 20 + "46" + ")" * 20 + "}"  # guarded (with math_verify)
+    with RewardRunner(resolve_reward("math", format_weight=0.5), timeout_s=30.0) as runner:
+        assert runner.isolated
+        assert runner.score_batch([_item("46")] * 3, ["<answer>46</answer>", "47", deep],
+                                  [[]] * 3) == [1.5, 0.0, 0.0]
+        # counted in the worker, summed here
+        assert runner.stats()["guarded"] == int(importlib.util.find_spec("math_verify") is not None)
+    with RewardRunner(exact_match, timeout_s=1.0) as runner:
+        assert not runner.isolated
+    with pytest.raises(ValueError, match=r"cannot run in a worker process.*module level"):
+        RewardRunner(lambda item, text, ids: 1.0, timeout_s=1.0, isolate=True)
+
+
+def test_too_many_stuck_threads_stop_the_calls_loudly_until_they_end(caplog):
+    """Stuck call threads piled up without bound, each taking CPU from the decode loop."""
+    release = threading.Event()
+
+    def reward(item, text, ids):
+        if text == "stuck":
+            release.wait()
+        return 1.0
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="tandem.reward"):
+            with RewardRunner(reward, timeout_s=0.2, max_workers=1, max_stuck=2) as runner:
+                scores = runner.score_batch([_item("", i) for i in range(4)],
+                                            ["stuck", "stuck", "ok", "ok"], [[]] * 4)
+                stats = runner.stats()
+                release.set()
+                deadline = time.monotonic() + 10
+                while runner.stats()["stuck"] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert runner.score_batch([_item("")], ["ok"], [[]]) == [1.0]  # calls again
+        assert scores == [0.0] * 4
+        assert stats == {"calls": 2, "errors": 0, "timeouts": 2, "stuck": 2, "skipped": 2,
+                         "guarded": 0}
+        assert caplog.text.count("2 calls of reward") == 1
+    finally:
+        release.set()
+
+
+def test_reward_isolate_setting_picks_processes_or_threads():
+    """reward.isolate: 'auto' follows the reward's own attribute (math: processes), 'process' and
+    'thread' override it either way, for the reward with its format term too."""
+    from config import load_config
+    from rollout.rewards import reward_runner
+    got = {}
+    for fn, isolate in (("math", "auto"), ("math", "thread"), ("exact_match", "auto"),
+                        ("exact_match", "process")):
+        cfg = load_config(None, [f"--reward.fn={fn}", f"--reward.isolate={isolate}",
+                                 "--reward.format_weight=0.1"])
+        runner = reward_runner(cfg.reward)
+        got[fn, isolate] = runner.isolated
+        runner.close()
+    assert got == {("math", "auto"): True, ("math", "thread"): False,
+                   ("exact_match", "auto"): False, ("exact_match", "process"): True}

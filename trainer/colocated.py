@@ -218,7 +218,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     from model.hf_io import to_dtype
     from parallel.layout import Layout
     from rollout.data import PromptSource
-    from rollout.rewards import RewardRunner, resolve_reward
+    from rollout.rewards import reward_runner
     from rollout.role import build_eval, build_generator_model, load_items
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_optimizer, build_scheduler
@@ -238,7 +238,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     replica = dims.generator_coord(rank)[0]
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)
-    rewards = RewardRunner(resolve_reward(cfg.reward.fn, cfg.reward.format_weight), cfg.reward.timeout_s)
+    rewards = reward_runner(cfg.reward)
     opt = build_optimizer(t_model, cfg.trainer)
     logger = None
     if rank == 0:
