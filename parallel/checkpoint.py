@@ -92,9 +92,59 @@ def _rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _barrier(group) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+@contextmanager
+def _together(group, what: str):
+    """Run the block on this rank, then meet every rank of `group` (collective: a barrier that
+    also carries errors). A block that raised on any rank raises on every rank: there its own
+    error, elsewhere one naming the rank that failed and its cause. Work that one rank does alone
+    (rank 0's renames and writes) or sees alone (a folder another node does not) left the others
+    in the next collective until the group's timeout, failing with gloo's bare "Timed out
+    waiting 3000ms for recv operation" (or "Connection closed by peer", once that rank exited)."""
+    if not dist.is_initialized():
+        yield
+        return
+    try:
+        yield
+    except Exception as e:
+        _meet(group, what, f"{type(e).__name__}: {e}")
+        raise
+    _meet(group, what, None)
+
+
+def _meet(group, what: str, error: str | None) -> None:
+    """`_together`'s meeting: raises here for another rank's error, or where the meeting itself
+    fails (a rank that never came), naming what every rank was to finish."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    try:
+        failed = _gather_errors(group, ranks, error)
+    except RuntimeError as e:  # gloo: a time-out or a lost peer, both RuntimeError
+        if error is not None:
+            return  # this rank's own error is the one it raises
+        kind = TimeoutError if "timed out" in str(e).lower() else ConnectionError
+        raise kind(f"rank {dist.get_rank()} waited for every rank of {ranks} to finish {what}, "
+                   f"and gave up: {e}") from e
+    others = {r: err for r, err in failed.items() if r != dist.get_rank()}
+    if others and error is None:
+        raise RuntimeError(f"rank {dist.get_rank()}: {what} failed on "
+                           + "; ".join(f"rank {r}: {err}" for r, err in others.items()))
+
+
+def _gather_errors(group, ranks: list[int], error: str | None) -> dict[int, str]:
+    """{global rank: error} of the ranks of `group` that failed, on every rank. One small
+    all-gather where none did (the cost of a barrier); the texts only where one did. CPU tensors:
+    gloo's half of a "cpu:gloo,cuda:nccl" group, no device sync."""
+    data = (error or "").encode()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
+    dist.all_gather(sizes, torch.tensor([len(data)]), group=group)
+    n = max(int(s) for s in sizes)
+    if n == 0:
+        return {}
+    padded = torch.zeros(n, dtype=torch.uint8)
+    padded[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    texts = [torch.empty(n, dtype=torch.uint8) for _ in ranks]
+    dist.all_gather(texts, padded, group=group)
+    return {r: bytes(t[:int(k)].tolist()).decode(errors="replace")
+            for r, t, k in zip(ranks, texts, sizes) if int(k)}
 
 
 @contextmanager
@@ -127,10 +177,10 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 def _fresh_tmp(final: Path, group) -> Path:
     """`final.tmp`, emptied of any leftovers from a crashed save, visible to every rank on return."""
     tmp = final.with_name(final.name + ".tmp")
-    if _rank(group) == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(group)
+    with _together(group, f"preparing {tmp}"):
+        if _rank(group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
     return tmp
 
 
@@ -167,14 +217,16 @@ def save_sharded(path: str | os.PathLike, model: torch.nn.Module,
     final = Path(path)
     text = _encode_extra(extra)
     tmp = _fresh_tmp(final, group)
-    with _quiet_single_process():
+    with _quiet_single_process():  # (DCP shares a rank's failure within the save itself)
         dcp.save(_app_state(model, optimizer), checkpoint_id=str(tmp), process_group=group)
-    _barrier(group)  # every rank's shards (and DCP's metadata) are on disk before the rename
-    if _rank(group) == 0:
-        if text is not None:
-            (tmp / EXTRA_FILE).write_text(text + "\n")
-        _replace_dir(tmp, final)
-    _barrier(group)  # nobody returns (and e.g. prunes or resumes) before the rename
+    with _together(group, f"writing the shards of {final}"):
+        pass  # every rank's shards (and DCP's metadata) are on disk before the rename
+    # nobody returns (and e.g. prunes or resumes) before the rename; a failed one fails all
+    with _together(group, f"renaming {tmp} to {final}"):
+        if _rank(group) == 0:
+            if text is not None:
+                (tmp / EXTRA_FILE).write_text(text + "\n")
+            _replace_dir(tmp, final)
     return final
 
 
@@ -186,10 +238,15 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
     one process). Returns the `extra` dict ({} if none).
     Collective over `group`; every rank reads `extra.json` itself."""
     folder = Path(path)
-    if not (folder / ".metadata").is_file():
-        latest = latest_checkpoint(folder.parent)
-        raise ValueError(f"{folder} is not a finished checkpoint (no DCP .metadata file); "
-                         f"latest finished checkpoint under {folder.parent}: {latest}")
+    # every rank looks before any enters DCP's collectives: one that cannot see the folder (a
+    # node without the mount) failed alone, the others waited in DCP until the group's timeout
+    with _together(group, f"reading checkpoint {folder}"):
+        if not (folder / ".metadata").is_file():
+            latest = latest_checkpoint(folder.parent)
+            raise ValueError(f"{folder} is not a finished checkpoint (no DCP .metadata file); "
+                             f"latest finished checkpoint under {folder.parent}: {latest}")
+        extra_file = folder / EXTRA_FILE
+        extra = json.loads(extra_file.read_text()) if extra_file.is_file() else {}
     if folder.name.endswith(_ASIDE) and _rank(group) == 0:
         print(f"loading {folder}: the save that was replacing it was cut off between its renames "
               f"(no {folder.name.removesuffix(_ASIDE)}), so this earlier save of that step is "
@@ -202,8 +259,7 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module,
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-    extra_file = folder / EXTRA_FILE
-    return json.loads(extra_file.read_text()) if extra_file.is_file() else {}
+    return extra
 
 
 # ----- Hugging Face export ------------------------------------------------------------------
@@ -245,21 +301,30 @@ def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
             if writer:
                 tensors[name] = full.to(device="cpu", dtype=out_dtype).contiguous()
             del full
+        # a failed write (a full disk) fails every rank here, not in the next file's gathers
+        with _together(group, f"writing {tmp / fname}"):
+            if writer:
+                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(tensors, fname))
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+    with _together(group, f"finishing the export {final}"):
         if writer:
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, fname))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-    if writer:
-        if len(files) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-        _replace_dir(tmp, final)
-    _barrier(group)
+            _finish_export(tmp, final, cfg, out_dtype, tokenizer, weight_map, total, len(files))
     return final
+
+
+def _finish_export(tmp: Path, final: Path, cfg: dict, out_dtype: torch.dtype, tokenizer,
+                   weight_map: dict, total: int, n_files: int) -> None:
+    """Rank 0's end of `export_hf`: the index (several files), config.json, the tokenizer, then
+    the rename of `tmp` to `final`."""
+    if n_files > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+    _replace_dir(tmp, final)
 
 
 # ----- RNG state as JSON ----------------------------------------------------------------------

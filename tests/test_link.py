@@ -1,4 +1,5 @@
 """The cross-mesh link on real gloo ranks: typed messages, polling, queuing, timeouts, shutdown."""
+import re
 import time
 
 import pytest
@@ -305,6 +306,37 @@ def test_a_blocked_wait_does_not_hold_up_other_threads_store_calls():
     assert time.perf_counter() - t0 < 0.5
     waiter.join()
     assert len(errors) == 1 and "an ack that never comes" in str(errors[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_wait_without_a_finite_timeout_is_refused_naming_it(bad):
+    """A NaN timeout made wait_for spin for ever (`now > nan` is never true; a whole core, for
+    minutes here) and inf either waited for ever (a store without clone(): 1 ms polls) or failed
+    with the clock's "timestamp out of range for platform time_t", naming nothing. The wait runs
+    in a thread, so that a hang fails this test instead of blocking it."""
+    import threading
+
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=rf"Link needs a finite timeout_s >= 0 .*got {bad}"):
+        Link(0, [1], timeout_s=bad, store=dist.HashStore())
+    link = Link(0, [1], timeout_s=30, store=dist.HashStore())
+    errors = []
+
+    def wait():
+        try:
+            link.wait_for(Msg.ACK, "an ack of v1", timeout_s=bad)
+        except Exception as e:  # noqa: BLE001 (recorded for the assertion)
+            errors.append(e)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive(), f"wait_for(timeout_s={bad}) still waits for an ack after 10 s"
+    assert re.search(rf"Link.wait_for \(an ack of v1\) needs a finite timeout_s >= 0 .*got {bad}",
+                     f"{type(errors[0]).__name__}: {errors[0]}"), errors
+    with pytest.raises(ValueError, match=rf"Link.flush needs a finite timeout_s >= 0 .*got {bad}"):
+        link.flush(bad)
+    link.close()
 
 
 def _quiet_polls(rank, world):

@@ -644,3 +644,125 @@ def test_pin_malloc_keeps_freed_host_memory_for_reuse():
     # kept: the freed block's 8 MB, less what the allocation took of free bytes the heap had
     # before (8380624 once); unpinned it is ~0.1 MB
     assert mmapped < (1 << 20) and kept >= (7 << 20), (mmapped, kept)
+
+
+# ----- a rank failing in checkpoint work fails every rank, with its cause ---------------------
+def _fault_worker(rank, world, root):
+    """Each scenario on a fresh group with a 3 s timeout (a timed-out gloo group is broken): one
+    rank fails in work that only it does (or sees), and then stays alive, not in any collective
+    of that group, as a failing trainer rank does while it tells the generators; the other's
+    outcome is recorded. Both meet in the store before the next scenario."""
+    import types
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from model import ModelArgs, Transformer
+    from parallel import checkpoint as C
+    from trainer import checkpointing
+    store, out = dist.distributed_c10d._get_default_store(), {}
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs())
+    root = Path(root)
+
+    def scenario(name, run, timeout_s=3):
+        group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
+        try:
+            run(group)
+            out[name] = "ok"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        store.set(f"{name}/{rank}", "done")
+        store.wait([f"{name}/{1 - rank}"], timedelta(seconds=60))
+
+    def broken(what):
+        def fail(*a, **k):
+            raise OSError(what)
+        return fail
+
+    real = C._replace_dir, C.save_file
+    if rank == 0:  # the rename of a finished save fails (a stale NFS handle) on rank 0 only
+        C._replace_dir = broken("[Errno 116] Stale file handle")
+    scenario("rename", lambda g: C.save_sharded(root / "a" / "step_000001", model, extra={"k": 1},
+                                                group=g))
+    if rank == 0:  # rank 0's disk fills up while it writes the export
+        C.save_file = broken("[Errno 28] No space left on device")
+    scenario("export", lambda g: C.export_hf(model, root / "hf", group=g))
+    C._replace_dir, C.save_file = real
+    scenario("save", lambda g: C.save_sharded(root / "b" / "step_000001", model, extra={"k": 2},
+                                              group=g))
+    # rank 1's node does not see the run folder (a missing mount)
+    where = root / "b" / "step_000001" if rank == 0 else root / "elsewhere" / "step_000001"
+    scenario("load", lambda g: C.load_sharded(where, Transformer(ModelArgs()), group=g))
+
+    def cut_fails(step):  # the owner's part of the cut: a generator leader never replies
+        raise TimeoutError(f"rank 0 timed out after 1s waiting for generator states for "
+                           f"checkpoint {step} (from [2]) from ranks [2]")
+    def worker(group):  # what checkpointing.save reads before the owner's part fails
+        return types.SimpleNamespace(
+            is_owner=rank == 0, version=3, sched=types.SimpleNamespace(state_dict=lambda: {}),
+            collect_generator_states=cut_fails,
+            meshes=types.SimpleNamespace(dims=types.SimpleNamespace(trainer_rank_list=[0, 1]),
+                                         trainer_group=group))
+    scenario("cut", lambda g: checkpointing.save(worker(g), 3))
+    # rank 0 never comes (stuck elsewhere): rank 1 gives up after the group's timeout, naming it
+    scenario("late", lambda g: rank and C.save_sharded(root / "c" / "step_000001", model, group=g),
+             timeout_s=1)
+    out["saved"] = sorted(p.name for p in (root / "b").iterdir())
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_faults(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    return run_ranks(_fault_worker, 2, str(root), timeout=120)
+
+
+def test_a_failed_rename_of_a_save_fails_the_other_rank_with_its_cause(checkpoint_faults):
+    """Rank 0 failed to rename `step_N.tmp` (after every rank wrote its shards), and the other
+    waited in the closing barrier until the group's timeout, with gloo's bare "Timed out waiting
+    3000ms for recv operation" (or "Connection closed by peer" once rank 0 exited)."""
+    first, second = checkpoint_faults
+    assert first["rename"] == "OSError: [Errno 116] Stale file handle"
+    assert re.search(r"rank 1: renaming .*step_000001\.tmp to .*step_000001 failed on rank 0: "
+                     r"OSError: \[Errno 116\] Stale file handle", second["rename"]), second["rename"]
+
+
+def test_a_failed_write_of_an_export_fails_the_other_rank_with_its_cause(checkpoint_faults):
+    """Rank 0's write of a safetensors file failed; the other went on to the closing barrier
+    (or the next file's gathers) and waited there until the group's timeout."""
+    first, second = checkpoint_faults
+    assert first["export"] == "OSError: [Errno 28] No space left on device"
+    assert re.search(r"rank 1: writing .*hf\.tmp/model\.safetensors failed on rank 0: "
+                     r"OSError: \[Errno 28\] No space left on device", second["export"]), second["export"]
+
+
+def test_a_checkpoint_one_rank_cannot_see_fails_every_rank_before_dcp_waits(checkpoint_faults):
+    """Rank 1 refused to load (no .metadata where it looks) while rank 0 went into DCP's
+    collectives and waited there for it until the group's timeout."""
+    first, second = checkpoint_faults
+    assert first["save"] == second["save"] == "ok"
+    assert first["saved"] == ["step_000001"]
+    assert re.search(r"ValueError: .*elsewhere/step_000001 is not a finished checkpoint",
+                     second["load"]), second["load"]
+    assert re.search(r"rank 0: reading checkpoint .*b/step_000001 failed on rank 1: ValueError: "
+                     r".*elsewhere/step_000001 is not a finished checkpoint", first["load"]), first["load"]
+
+
+def test_a_failed_cut_fails_the_other_trainer_ranks_with_its_cause(checkpoint_faults):
+    """The owner's part of a checkpoint (the generators' states) timed out while the other
+    trainer ranks waited for its `extra` in a broadcast: they failed on the group's timeout."""
+    first, second = checkpoint_faults
+    assert first["cut"].startswith("TimeoutError: rank 0 timed out after 1s waiting for generator")
+    assert re.search(r"PeerError: trainer rank 0 failed in the checkpoint of step 3: TimeoutError: "
+                     r"rank 0 timed out after 1s waiting for generator states", second["cut"]), second["cut"]
+
+
+def test_a_rank_that_never_comes_to_a_checkpoint_fails_the_other_naming_what_it_waited_for(
+        checkpoint_faults):
+    """A bare barrier's time-out said only "Timed out waiting 1000ms for recv operation"."""
+    first, second = checkpoint_faults
+    assert first["late"] == "ok"  # (it did not take part)
+    assert re.search(r"TimeoutError: rank 1 waited for every rank of \[0, 1\] to finish preparing "
+                     r".*c/step_000001\.tmp, and gave up: .*Timed out", second["late"]), second["late"]

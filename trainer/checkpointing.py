@@ -318,17 +318,26 @@ def gather_cut(link, leaders: list[int], step: int) -> tuple[dict[int, object], 
 
 def save(worker, step: int) -> Path:
     """Collective over the trainer mesh: called by every trainer rank after step `step`."""
-    from parallel.checkpoint import save_sharded, rng_state
+    from parallel.checkpoint import save_sharded
+    from trainer.link import PeerError
     from trainer.worker import broadcast_json
 
     t0 = time.perf_counter()
-    extra = None
+    owner, group = worker.meshes.dims.trainer_rank_list[0], worker.meshes.trainer_group
+    sent = None
     if worker.is_owner:
-        extra = {"step": step, "version": worker.version, "scheduler": worker.sched.state_dict(),
-                 "generators": worker.collect_generator_states(step), "rng": rng_state(),
-                 "buffer": worker.buffer.state_dict(), "nonfinite_total": worker.nonfinite_total,
-                 "settings": settings_of(worker.cfg), "origin": worker.origin}
-    extra = broadcast_json(extra, worker.meshes.dims.trainer_rank_list[0], worker.meshes.trainer_group)
+        try:
+            sent = {"extra": _owner_extra(worker, step)}
+        except Exception as e:  # the other trainer ranks wait in this broadcast: the cause
+            try:
+                broadcast_json({"error": f"{type(e).__name__}: {e}"}, owner, group)
+            except Exception:  # noqa: BLE001 (the group is gone too: this rank's cause goes up)
+                pass
+            raise
+    sent = broadcast_json(sent, owner, group)
+    if "error" in sent:  # (they wait twice as long as the owner's cut: parallel/mesh.py)
+        raise PeerError(f"trainer rank {owner} failed in the checkpoint of step {step}: {sent['error']}")
+    extra = sent["extra"]
     root = checkpoint_root(worker.cfg)
     path = save_sharded(checkpoint_dir(root, step), worker.model, worker.opt, extra,
                         group=worker.meshes.trainer_group)
@@ -337,6 +346,16 @@ def save(worker, step: int) -> Path:
         print(f"checkpoint of step {step} saved to {path} ({time.perf_counter() - t0:.1f}s)",
               flush=True)
     return path
+
+
+def _owner_extra(worker, step: int) -> dict:
+    """The checkpoint's `extra.json`, on the trainer's owner rank: the generators' half of the
+    cut (`gather_cut`) is collected here."""
+    from parallel.checkpoint import rng_state
+    return {"step": step, "version": worker.version, "scheduler": worker.sched.state_dict(),
+            "generators": worker.collect_generator_states(step), "rng": rng_state(),
+            "buffer": worker.buffer.state_dict(), "nonfinite_total": worker.nonfinite_total,
+            "settings": settings_of(worker.cfg), "origin": worker.origin}
 
 
 def load(worker, path: Path) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -56,6 +57,14 @@ WATCH_S = 24 * 3600.0
 RECEIPT_POLL_S = 0.01
 RECEIPT_POLL_MAX_S = 0.5
 _WATCHED: "weakref.WeakSet[Link]" = weakref.WeakSet()  # links whose watcher runs
+
+
+def _check_timeout(seconds: float, what: str) -> float:
+    """A wait's timeout: NaN never passes its deadline (wait_for spun for ever) and inf is none."""
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} needs a finite timeout_s >= 0 (hangs are bugs), got {seconds!r}; "
+                         "pass a number of seconds (parallel.timeout_s)")
+    return float(seconds)
 
 
 def _attempt() -> str:
@@ -113,7 +122,8 @@ class Link:
 
     def __init__(self, rank: int, peers: list[int], timeout_s: float, max_in_flight: int = 64,
                  store=None):
-        self.rank, self.peers, self.timeout_s = rank, list(peers), timeout_s
+        self.rank, self.peers = rank, list(peers)
+        self.timeout_s = _check_timeout(timeout_s, "Link")
         self.max_in_flight = max_in_flight
         self.store = attempt_store("link", store)
         self._next_ticket = 1  # next of my tickets to read
@@ -214,6 +224,8 @@ class Link:
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every message sent so far has been received, each for at most `timeout_s`
         (None: the link's)."""
+        if timeout_s is not None:
+            _check_timeout(timeout_s, "Link.flush")
         while self._sends:
             self._wait_send(timeout_s)
 
@@ -258,7 +270,8 @@ class Link:
 
         A SHUTDOWN from a peer raises PeerError at once (a crash on one side ends the other)."""
         types = {types} if isinstance(types, Msg) else set(types)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else _check_timeout(
+            timeout_s, f"Link.wait_for ({what})")
         deadline = time.monotonic() + timeout
         while True:
             self._arrived.clear()
