@@ -282,6 +282,7 @@ def test_a_fresh_start_drops_an_earlier_attempts_evaluations_from_tensorboard(tm
     from rollout.evaluate import PeriodicEval
     cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--eval.every_steps=10"])
     for values in ({0: 0.25, 10: 0.5}, {0: 0.75}):
+        _next_second()
         ev = PeriodicEval(cfg, None, [], lambda it: [1], None, None, writer=True, start_version=0)
         for v, r in values.items():
             ev._record({"step": v, "reward_mean": r, "prompts": 1, "completion_tokens_mean": 1.0,
@@ -335,6 +336,16 @@ def test_a_non_finite_value_is_null_in_the_jsonl_and_left_out_of_tensorboard(tmp
     assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2, 3]
 
 
+def _next_second() -> None:
+    """Sleep to the next whole second. TensorBoard reads a folder's event files in name order,
+    "events.out.tfevents.<second>.<host>.<pid>.<writer count>": two attempts of one run are two
+    processes, seconds apart; two writers of one test process in one second sorted by their
+    counts as text, so writer 10 came before writer 9 (in the full suite) and the purge went
+    the wrong way."""
+    import time
+    time.sleep(1 - time.time() % 1 + 0.01)
+
+
 def test_a_resume_redoes_its_steps_once_in_the_jsonl_and_in_tensorboard(tmp_path):
     """An attempt logged steps 1-3 and its checkpoint is of step 2: the resumed run's steps 3-4
     replace the old 3 in both sinks, none doubled, none missing."""
@@ -342,6 +353,7 @@ def test_a_resume_redoes_its_steps_once_in_the_jsonl_and_in_tensorboard(tmp_path
     from config import load_config
     cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--logging.progress=false"])
     for start, steps in ((0, (1, 2, 3)), (2, (3, 4))):
+        _next_second()
         logger = MetricsLogger.from_config(cfg, start)
         logger.stream = io.StringIO()
         for s in steps:
