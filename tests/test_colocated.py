@@ -110,6 +110,9 @@ def test_two_ranks_train_as_one_and_generate_with_the_trainers_weights(tmp_path)
     assert len(rows[0]) == 3
     for a, b in zip(*rows):  # the same prompts, and samples of the same lengths (the reward)
         assert (a["prompt_ids"], a["reward_mean"]) == (b["prompt_ids"], b["reward_mean"])
+    for r in rows[0] + rows[1]:  # split mode's split of the step: the batch (generated), training
+        assert 0 < r["time_wait_batch_s"] and 0 < r["time_train_s"], r
+        assert r["time_wait_batch_s"] + r["time_train_s"] <= r["time_step_s"], r
     params = [k[2:] for k in one if k.startswith("t/")]
     for rank in two:
         for name in params:

@@ -128,10 +128,12 @@ class ColocatedWorker:
             t0 = time.perf_counter()
             start = t0 if self.last_stamp is None else self.last_stamp
             groups = self._exchange(self._generate())
+            t_batch = time.perf_counter()
             res = train_step(self.t_model, self.opt, self.sched, groups, self.cfg, self.dp_group,
                              self.meshes.device, self.version, self.ref_model,
                              shard=(self.dp_rank, self.meshes.dims.trainer_fsdp))
             self.nonfinite.check(res)
+            t_trained = time.perf_counter()
             self.version += 1
             self.step += 1
             maybe_export_hf(self.cfg, self.t_model, self.step,
@@ -143,9 +145,11 @@ class ColocatedWorker:
                 self.warm = True
             stats = reduce_stats(res.stats, self.dp_group)
             stamp = time.perf_counter()
-            if self.logger is not None:
-                self.logger.log(step_metrics(self.step, self.version, groups, stats, res,
-                                             stamp - start, stamp - t1, self.nonfinite.total))
+            if self.logger is not None:  # split mode's timing keys: here the batch is generated
+                m = step_metrics(self.step, self.version, groups, stats, res, stamp - start,
+                                 stamp - t1, self.nonfinite.total)
+                self.logger.log({**m, "time_wait_batch_s": t_batch - t0,
+                                 "time_train_s": t_trained - t_batch})
             t_eval = time.perf_counter()
             self._evaluate(evaluator)  # after the step's metrics: its time is in eval.jsonl
             self.last_stamp = stamp + time.perf_counter() - t_eval  # the next step's start
