@@ -90,7 +90,7 @@ def run_layout(model: str, run_dir: Path, lay, a, slots: int) -> dict:
         return {"error": proc.stderr[-2000:]}
     rows = read_metrics(run_dir)[a.warmup:]
 
-    def med(k):  # robust to load spikes; colocated runs log no wait/train split; a generator
+    def med(k):  # robust to load spikes; a generator
         vals = [r[k] for r in rows if r.get(k) is not None]  # ack may come after its row
         return statistics.median(vals) if vals else None
     return {"step_s": med("time_step_s"), "wait_s": med("time_wait_batch_s"),
