@@ -83,6 +83,7 @@ def test_a_resume_that_moves_the_kl_reference_is_refused(tmp_path):
             rf"Set --model.ref_path={first} to keep the run's reference, or "
             rf"--model.ref_path={moved} if the reference should change")):
         check_resume(_cfg(tmp_path, f"--model.path={moved}", "--algo.kl_coef=0.1"))
+    check_resume(_cfg(tmp_path, f"--model.path={first}/.", "--algo.kl_coef=0.1"))  # one folder
     keep = _cfg(tmp_path, f"--model.path={moved}", "--algo.kl_coef=0.1", f"--model.ref_path={first}")
     check_resume(keep)
     line = _line(keep, path)

@@ -81,7 +81,7 @@ def settings_of(cfg) -> dict:
     the starting policy, model.path), so that a changed model.path shows as a moved reference."""
     settings = {f"{section}.{key}": value
                 for section, table in cfg.to_dict().items() for key, value in table.items()}
-    settings["model.ref_path"] = cfg.model.ref_path or cfg.model.path
+    settings["model.ref_path"] = reference_folder(cfg)
     return settings
 
 
@@ -151,6 +151,13 @@ def buffered_groups(extra: dict) -> int:
     return len((extra.get("buffer") or {}).get("groups", []))
 
 
+def reference_folder(cfg) -> str:
+    """The KL reference's folder as an absolute path ('' = model.path): "runs/m", "./runs/m/" and
+    "/work/runs/m" are one folder, and a resume that spells it another way moves nothing."""
+    import os
+    return os.path.realpath(cfg.model.ref_path or cfg.model.path)
+
+
 def ref_path_given(cfg) -> bool:
     """model.ref_path was set (not '' and not filled in from model.path by `Config.resolve`)."""
     return bool(cfg.model.ref_path) and "model.ref_path" not in getattr(cfg, "_derived", {})
@@ -160,8 +167,9 @@ def _check_reference(cfg, path: Path, was: str | None) -> None:
     """With KL, model.ref_path '' means the starting policy, model.path: a resume with another
     model.path (the policy's weights come from the checkpoint all the same) moved the reference,
     and the objective changed mid-run without a word. A reference set explicitly is applied."""
-    ref = cfg.model.ref_path or cfg.model.path
-    if cfg.algo.kl_coef == 0 or was is None or ref == was or ref_path_given(cfg):
+    import os
+    ref = reference_folder(cfg)
+    if cfg.algo.kl_coef == 0 or was is None or ref == os.path.realpath(was) or ref_path_given(cfg):
         return
     raise ValueError(
         f"resuming {path} with model.path={cfg.model.path!r} and algo.kl_coef={cfg.algo.kl_coef} "
