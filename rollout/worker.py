@@ -9,6 +9,9 @@ is its *leader* and alone talks to the trainer):
         discarding the slow prompts would bias training toward short ones)
     engine.step()  (continuous batching: finished slots refill at once)
     finished groups -> rewards in a thread pool (off the decode path) -> TRAJECTORIES to trainer 0
+A TP replica's ranks fail together, naming the first failure: the leader's own (a message to the
+trainer) goes to its followers in their next broadcast (`_tp_broadcast`), one inside a collective
+they share (an engine step) through the job's store (`_naming_failures`).
 
 Staleness gate (AReaL, per replica; trainer.buffer.GenerationGate): this replica's share B_r of
 the trainer's B groups per step may start its k-th group (1-based) only if
@@ -20,6 +23,7 @@ trained against: synchronous on-policy RL.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -33,7 +37,7 @@ from rollout.engine import Completion, Engine, Request, SamplingParams
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import GenerationGate
-from trainer.link import Link, Msg, PeerError
+from trainer.link import Link, Msg, PeerError, attempt_store
 
 
 def stop_token_ids(cfg, tokenizer) -> list[int]:
@@ -60,6 +64,58 @@ def replica_share(batch_groups: int, dp: int, replica: int) -> int:
 
 # the message type a TP leader broadcasts when it fails while its followers wait for messages
 _LEADER_FAILED = -1
+
+
+def _tp_broadcast(tp_group, msgs, leader_failed: Exception | None) -> list:
+    """Every rank of a TP replica, at the same point of its loop (so that the order of their
+    collectives stays the same): the leader's messages `msgs` (as tuples) to its followers, or in
+    their place its failure since the last broadcast, `leader_failed` (None on followers), which
+    it then raises and the followers raise as a PeerError naming it."""
+    if leader_failed is not None:
+        error = f"{type(leader_failed).__name__}: {leader_failed}"
+        box = [[(_LEADER_FAILED, -1, {"error": error})]]
+    else:
+        box = [[(int(m.type), m.version, m.payload) for m in msgs]]
+    dist.broadcast_object_list(box, group_src=0, group=tp_group)
+    if box[0] and box[0][0][0] == _LEADER_FAILED:
+        if leader_failed is not None:
+            raise leader_failed
+        raise PeerError(f"this TP group's leader failed: {box[0][0][2]['error']}")
+    return box[0]
+
+
+class ReplicaRankFailed(RuntimeError):
+    """Another rank of this TP replica failed inside a collective they share (an engine step's
+    all-reduce); the message names it and its cause. Not a PeerError, which is the trainer's
+    shutdown: a leader tells the trainer this one (rollout/role.py)."""
+
+
+def _failure_store():
+    return attempt_store("tp_failures")  # the job's store, keys by global rank
+
+
+def _publish_failure(error: BaseException) -> None:
+    """Leave this rank's cause where the other ranks of its TP replica look (`_peer_failure`):
+    they are left in a collective with it, to fail there with a gloo error that names nothing."""
+    try:
+        _failure_store().set(str(dist.get_rank()), f"{type(error).__name__}: {error}"[:4000])
+    except Exception:  # the store is gone too: the others fail with their own error, as before
+        pass
+
+
+def _peer_failure(tp_group) -> str | None:
+    """The cause another rank of this TP replica left (`_publish_failure`), if any. A rank failed
+    in a collective learns why: its peer published before it left the collective (the peer's
+    exit, which closed the connection, or the group's timeout came after)."""
+    try:
+        store, me = _failure_store(), dist.get_rank()
+        for i, r in enumerate(dist.get_process_group_ranks(tp_group)):
+            if r != me and store.check([str(r)]):
+                return (f"generator rank {r} (tp rank {i} of this replica) failed: "
+                        f"{store.get(str(r)).decode()}")
+    except Exception:  # no store to ask: this rank's own error stands
+        return None
+    return None
 
 
 @dataclass
@@ -98,6 +154,11 @@ class GeneratorWorker:
         self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
         self.awaiting = 0  # generate nothing until weights of this version are applied
         self.stop_passed = False  # this rank's SIGTERM was passed on to the trainer
+        # a TP leader's own failure (a send to the trainer, its poll, its paused wait), kept until
+        # the next broadcast to its followers (`_tp_broadcast`): raised at once, it left them in
+        # their next collective, to fail on the group's timeout with a gloo error naming nothing
+        self.failed: Exception | None = None
+        self._guarded = False  # inside `_naming_failures`
 
     def resume(self, state: dict | None, version: int) -> None:
         """Restore the cut of a checkpoint (trainer/checkpointing.py): the cursor, then regenerate
@@ -115,33 +176,80 @@ class GeneratorWorker:
 
     # ----- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        while not self.stop:
-            self._handle(self._poll())
-            if self.stop:
-                break
-            self._pass_on_stop()
-            self._admit()
-            if self.engine.has_work():
-                self.engine.step()
-                self._collect()
-            else:
-                self._await_rewards()
-            self._ship_scored()
-            if not self.engine.has_work() and not self.pending and not self.stop:
-                # a SIGTERM while paused goes to the trainer at once, not after the next weights
-                with preemption.acting_on_request(self._pass_on_stop):
-                    self._pause()
+        with self._naming_failures():
+            while not self.stop:
+                self._handle(self._poll())
+                if self.stop:
+                    break
+                self._pass_on_stop()
+                self._admit()
+                if self.engine.has_work():
+                    self.engine.step()
+                    self._collect()
+                else:
+                    self._await_rewards()
+                self._ship_scored()
+                if (not self.engine.has_work() and not self.pending and not self.stop
+                        and self.failed is None):  # a failed leader goes on to tell its followers
+                    # a SIGTERM while paused goes to the trainer at once, not after the next weights
+                    with preemption.acting_on_request(self._pass_on_stop):
+                        self._pause()
+
+    @contextlib.contextmanager
+    def _naming_failures(self):
+        """With TP: a rank's failure names the failure of another rank of its replica that caused
+        it (`ReplicaRankFailed`), or else leaves its own cause for the others (`_peer_failure`).
+        A failure inside a collective the ranks share (an engine step's all-reduce: an OOM on one
+        rank) left the others there, to fail with "Connection closed by peer" or the group's
+        timeout, and a leader told the trainer that instead of its follower's cause."""
+        outer, self._guarded = not self._guarded, True
+        try:
+            yield
+        except Exception as e:
+            if outer and self.tp_group is not None and not isinstance(e, PeerError):
+                cause = _peer_failure(self.tp_group)
+                if cause is not None:
+                    raise ReplicaRankFailed(cause) from e
+                _publish_failure(e)
+            raise
+        finally:
+            if outer:
+                self._guarded = False
 
     def _poll(self) -> list:
-        """The leader polls the link; TP followers get the same decisions by broadcast."""
-        msgs = self.link.poll() if self.link is not None else []
+        """The leader polls the link; TP followers get the same decisions by broadcast, or the
+        leader's failure (`_tp_broadcast`)."""
         if self.tp_group is None:
-            return msgs
-        box = [[(int(m.type), m.version, m.payload) for m in msgs]]
-        dist.broadcast_object_list(box, group_src=0, group=self.tp_group)
-        if box[0] and box[0][0][0] == _LEADER_FAILED:
-            raise PeerError(f"this TP group's leader failed: {box[0][0][2]['error']}")
-        return box[0] if self.link is None else msgs
+            return self.link.poll() if self.link is not None else []
+        if self.link is None:  # a follower
+            return _tp_broadcast(self.tp_group, [], None)
+        msgs = []
+        if self.failed is None:
+            try:
+                msgs = self.link.poll()
+            except Exception as e:  # told to the followers in the broadcast, then raised
+                self.failed = e
+        _tp_broadcast(self.tp_group, msgs, self.failed)
+        return msgs
+
+    def _check_leader(self) -> None:
+        """Every rank of a TP replica, at the same point: whether the leader's replies just sent
+        failed, learnt before the next engine step (or an evaluation), not after it."""
+        if self.tp_group is not None:
+            _tp_broadcast(self.tp_group, [], self.failed if self.link is not None else None)
+
+    def _send(self, kind: Msg, version: int, payload=None) -> None:
+        """The leader's message to the trainer. With TP followers a failure is kept for the next
+        broadcast (`_tp_broadcast`), and the leader goes on in lockstep with them until then, its
+        further messages not sent."""
+        if self.link is None or self.failed is not None:
+            return
+        try:
+            self.link.send(self.trainer0, kind, version, payload)
+        except Exception as e:
+            if self.tp_group is None:
+                raise
+            self.failed = e
 
     def _handle(self, msgs) -> None:
         for m in msgs:
@@ -159,7 +267,9 @@ class GeneratorWorker:
                 if preemption.requested():  # the stop's checkpoint: the trainer leads from here,
                     preemption.stopping()   # and the save may outlast the grace period
                 if self.link is not None:
-                    self.link.send(self.trainer0, Msg.CHECKPOINT, version, self._cut())
+                    self._send(Msg.CHECKPOINT, version, self._cut())
+        if msgs:  # the same on every rank of the replica: its leader's replies, sent or failed
+            self._check_leader()
 
     def _pass_on_stop(self) -> None:
         """A SIGTERM on this replica's leader stops the run: the trainer's first rank decides
@@ -167,7 +277,7 @@ class GeneratorWorker:
         reason = preemption.requested()
         if reason and not self.stop_passed and self.link is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
-            self.link.send(self.trainer0, Msg.STOP, self.version, {"reason": f"{reason} on generator rank {rank}"})
+            self._send(Msg.STOP, self.version, {"reason": f"{reason} on generator rank {rank}"})
             self.stop_passed = True
 
     def _cut(self) -> dict:
@@ -193,8 +303,7 @@ class GeneratorWorker:
         self.gate.update(version, dropped)
         dt = time.perf_counter() - t0
         self.stats["sync_s"] += dt
-        if self.link is not None:
-            self.link.send(self.trainer0, Msg.ACK, version, {"seconds": dt})
+        self._send(Msg.ACK, version, {"seconds": dt})
         # after the ack: the trainer's sync time excludes the evaluation
         if self.evaluator is not None and self.evaluator.due(version):
             self.evaluate(version)
@@ -202,14 +311,14 @@ class GeneratorWorker:
     def evaluate(self, version: int) -> None:
         """The held-out evaluation of `version`, announced to the trainer, whose waiting line
         then says why this replica ships nothing meanwhile."""
-        if self.link is not None:
-            self.link.send(self.trainer0, Msg.EVALUATING, version)
-        # a SIGTERM meanwhile goes to the trainer at once, not after the evaluation (the trainer
-        # trains on from the other replicas' groups; the evaluation may last parallel.timeout_s)
-        with preemption.acting_on_request(self._pass_on_stop):
-            rec = self.evaluator.maybe_run(version)
-        if self.link is not None:
-            self.link.send(self.trainer0, Msg.EVALUATING, version, {"seconds": rec["time_s"]})
+        with self._naming_failures():  # also the starting policy's, before `run`
+            self._send(Msg.EVALUATING, version)
+            self._check_leader()  # an ack or this notice failed: not after the evaluation
+            # a SIGTERM meanwhile goes to the trainer at once, not after the evaluation (the
+            # trainer trains on from the other replicas' groups; it may last parallel.timeout_s)
+            with preemption.acting_on_request(self._pass_on_stop):
+                rec = self.evaluator.maybe_run(version)
+            self._send(Msg.EVALUATING, version, {"seconds": rec["time_s"]})
 
     def _pause(self) -> None:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""
@@ -221,10 +330,10 @@ class GeneratorWorker:
                                    f"a new weight version after v{self.version} (generation is "
                                    f"paused by the staleness gate)", timeout_s=timeout, consume=False)
             except Exception as e:  # TP followers wait in the next poll's broadcast: the cause
-                if self.tp_group is not None:
-                    box = [[(_LEADER_FAILED, -1, {"error": f"{type(e).__name__}: {e}"})]]
-                    dist.broadcast_object_list(box, group_src=0, group=self.tp_group)
-                raise
+                if self.tp_group is None:
+                    raise
+                self.failed = e  # raised after that broadcast (`_poll`)
+                return
         self.stats["paused_s"] += time.perf_counter() - t0
 
     def _admit(self) -> None:
@@ -275,7 +384,7 @@ class GeneratorWorker:
                                             for c, f in zip(p.completions, p.futures)],
                                 self.replica))
         if groups and self.link is not None:
-            self.link.send(self.trainer0, Msg.TRAJECTORIES, min(g.min_version for g in groups),
-                           [g.to_dict() for g in groups])
+            self._send(Msg.TRAJECTORIES, min(g.min_version for g in groups),
+                       [g.to_dict() for g in groups])
         self.stats["groups_sent"] += len(groups)
 
