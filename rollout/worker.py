@@ -158,6 +158,8 @@ class GeneratorWorker:
         # the next broadcast to its followers (`_tp_broadcast`): raised at once, it left them in
         # their next collective, to fail on the group's timeout with a gloo error naming nothing
         self.failed: Exception | None = None
+        self._reward_failed = {"errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0}
+        self._reward_report_at = 0.0  # the next reward-failure line not before (time.monotonic)
         self._guarded = False  # inside `_naming_failures`
 
     def resume(self, state: dict | None, version: int) -> None:
@@ -386,5 +388,26 @@ class GeneratorWorker:
         if groups and self.link is not None:
             self._send(Msg.TRAJECTORIES, min(g.min_version for g in groups),
                        [g.to_dict() for g in groups])
+            self._report_rewards()
         self.stats["groups_sent"] += len(groups)
+
+    REWARD_REPORT_EVERY_S = 60.0
+
+    def _report_rewards(self) -> None:
+        """A console line when rewards failed since the last one (at most one a minute): the
+        runner logs only the first error and time-out, and a reward that scores 0.0 for most
+        samples otherwise shows only as a flat reward curve."""
+        s = getattr(self.rewards, "stats", lambda: None)()
+        now = time.monotonic()
+        if not s or now < self._reward_report_at:
+            return
+        failed = {k: s.get(k, 0) for k in ("errors", "timeouts", "skipped", "guarded")}
+        if failed == self._reward_failed:
+            return
+        self._reward_failed, self._reward_report_at = failed, now + self.REWARD_REPORT_EVERY_S
+        print(f"generator replica {self.replica}: of {s['calls'] + s.get('skipped', 0)} reward "
+              f"calls so far, {failed['errors']} raised and {failed['timeouts']} ran past "
+              f"reward.timeout_s={self.cfg.reward.timeout_s} (scored 0.0), {failed['skipped']} "
+              f"were skipped (too many stuck), {failed['guarded']} answers were compared as "
+              "strings (too large for math_verify)", flush=True)
 

@@ -181,3 +181,32 @@ def test_a_rank_failing_in_the_engine_is_named_by_the_other(fail_rank, other):
     # rollout/role.py tells the trainer any failure of a leader but a PeerError (the trainer's
     # own shutdown): a follower's cause must not come as one
     assert not issubclass(ReplicaRankFailed, PeerError)
+
+
+def test_reward_failures_get_a_console_line_when_they_grow_at_most_once_a_minute(capsys):
+    """The runner logs only the first error and time-out of a reward; one that then fails for
+    most samples showed only as a flat reward curve. The leader prints the counts when they grew
+    since its last line, at most every REWARD_REPORT_EVERY_S."""
+    from types import SimpleNamespace as ns
+    from rollout.worker import GeneratorWorker
+    counts = {"calls": 10, "errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0, "stuck": 0}
+    w = GeneratorWorker.__new__(GeneratorWorker)
+    w.rewards, w.replica, w.cfg = ns(stats=lambda: dict(counts)), 1, ns(reward=ns(timeout_s=5.0))
+    w._reward_failed = {"errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0}
+    w._reward_report_at = 0.0
+    w._report_rewards()
+    assert capsys.readouterr().out == ""  # nothing failed
+    counts.update(calls=20, errors=3, timeouts=1)
+    w._report_rewards()
+    assert capsys.readouterr().out == (
+        "generator replica 1: of 20 reward calls so far, 3 raised and 1 ran past "
+        "reward.timeout_s=5.0 (scored 0.0), 0 were skipped (too many stuck), 0 answers were "
+        "compared as strings (too large for math_verify)\n")
+    counts.update(errors=4)
+    w._report_rewards()
+    assert capsys.readouterr().out == ""  # within the minute
+    w._reward_report_at = 0.0  # the minute is over
+    w._report_rewards()
+    assert "4 raised" in capsys.readouterr().out
+    w._report_rewards()
+    assert capsys.readouterr().out == ""  # no new failure
