@@ -28,16 +28,26 @@ another rank of its host gone (their pid files, `<run_dir>/pids`) dies of the SI
 without this module, also while its main thread is blocked in a C++ call (a collective waiting for
 a rank of another host), where Python's handler cannot run until the call returns: the signal's
 C-level wake-up byte (`signal.set_wakeup_fd`) is read by a thread (`_watch`), which makes the
-check. A failure on another host is not seen that way: there the ranks wait until torchrun's
-SIGKILL (30 s by default) before the restart.
+check. torchrun ends the ranks of that host only, and those died silently: where one was the
+trainer's first rank or a generator replica's leader, the other hosts learnt of the failure from
+what broke next, or waited for it until parallel.timeout_s (the trainer, for groups that a dead
+node's replicas would have made) and failed with a time-out naming neither rank nor node. So,
+once the job's process group exists (`write_pid`), the dying rank first records the failure in the
+job's store, the first one only (`_record_failure`, at most FAILURE_WRITE_S, over a connection of
+its own), and a thread on every host's first rank looks for it every FAILURE_POLL_S
+(`_read_failures`): one of another host prints one line naming it and exits with 1 (under
+--max-restarts its agent counts a restart too), and its torchrun ends the rest of its host. A
+rank signalled alone or by a restart (every rank of its host alive) records nothing, nor does a
+node whose ranks all ended on their own (one rank a node: its own error path tells its peers).
 The handler takes no lock that the code it interrupts could hold, and prints nothing; the one
 thing it does besides noting the signal is the `act` of an `acting_on_request` block (a link
 message, whose store and gloo calls the block's code, interrupted between two bytecodes, is
-not in).
+not in). Store calls are the threads' only.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -45,6 +55,9 @@ import sys
 import threading
 
 EXIT_CODE = 128 + signal.SIGTERM
+FAILED_KEY = "first"  # under attempt_store("failed"): {"node", "what"} of the first failure
+FAILURE_POLL_S = 1.0  # how often a host's first rank looks for another host's failure
+FAILURE_WRITE_S = 2.0  # how long a dying rank tries to record it (its store may be gone with it)
 
 
 class _State:
@@ -58,6 +71,9 @@ class _State:
 _state = _State()
 _pid_dir = None
 _wakeup: tuple | None = None  # (read end, write end, the wake-up fd set before ours)
+_failures = None  # the job's store, under attempt_store("failed"): where failures are recorded
+_reader: tuple | None = None  # (thread, stop event) of `_read_failures`, on a host's first rank
+_own_pid_file: str | None = None  # this rank's, removed as it finishes (`uninstall`)
 
 
 def install(grace_s: float, pid_dir: str | os.PathLike | None = None) -> None:
@@ -82,7 +98,10 @@ def _start_watch() -> None:
 
 def _forget_in_child() -> None:
     """A forked child inherits the wake-up fd: its own signals would reach this process's
-    watcher as if they were ours. (Forked from another thread, Python refuses to unset it there.)"""
+    watcher as if they were ours. (Forked from another thread, Python refuses to unset it there.)
+    It has none of the threads either: its handler records no failure (`_on_sigterm`)."""
+    global _failures, _reader
+    _failures = _reader = None
     if _wakeup is not None:
         try:
             signal.set_wakeup_fd(-1)
@@ -97,7 +116,8 @@ def _watch(r: socket.socket) -> None:
     """Every signal with a Python handler writes its number to the wake-up socket from C, at
     once, whatever the main thread is doing. A SIGTERM while a rank of this host is gone (torchrun
     ending a failed job) ends the process here, as the default action would; any other starts the
-    grace period now (the handler's own part waits for the main thread)."""
+    grace period now (the handler's own part waits for the main thread). Before it ends the
+    process, the failure is recorded for the other hosts (`_record_failure`)."""
     while True:
         try:
             data = r.recv(64)
@@ -107,7 +127,9 @@ def _watch(r: socket.socket) -> None:
             return
         if signal.SIGTERM not in data:
             continue
-        if _pid_dir is not None and not local_ranks_alive(_pid_dir):
+        gone = gone_ranks(_pid_dir) if _pid_dir is not None else []
+        if gone:
+            _record_failure(gone)
             os._exit(EXIT_CODE)
         _state.signalled.set()
 
@@ -116,12 +138,25 @@ def uninstall(ignore: bool = False) -> None:
     """Back to the default SIGTERM (the process dies at once), or with `ignore` to none at all,
     for a rank whose run is over and that only has to exit: torchrun sends SIGTERM to the other
     ranks once the first has exited, and Python drops its handlers while it shuts down, so a
-    handled SIGTERM there would still end the process by signal. Ends the grace thread."""
-    global _state, _wakeup
+    handled SIGTERM there would still end the process by signal. Ends the grace thread, and the
+    sharing of failures (`share_failures`); with `ignore`, this rank's pid file goes too: a rank of
+    its host that torchrun signals once this one has exited (143 after a stop) must not take
+    that for a failure, nor record one."""
+    global _state, _wakeup, _failures, _reader, _own_pid_file
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else signal.SIG_DFL)
     _state.stopping.set()
     _state.signalled.set()
     _state = _State()
+    if _reader is not None:
+        thread, stop = _reader
+        stop.set()
+        thread.join(FAILURE_POLL_S)  # one store call at most: none is under way at exit
+        _reader = None
+    _failures = None
+    if ignore and _own_pid_file is not None:
+        with contextlib.suppress(OSError):
+            os.remove(_own_pid_file)
+    _own_pid_file = None
     if _wakeup is not None:
         r, w, previous = _wakeup
         signal.set_wakeup_fd(previous)  # whoever had set one before install
@@ -133,7 +168,9 @@ def uninstall(ignore: bool = False) -> None:
 def _on_sigterm(signum, frame) -> None:
     s = _state
     if _pid_dir is not None and not local_ranks_alive(_pid_dir):
-        os._exit(EXIT_CODE)  # torchrun ending a failed job: die now (as `_watch` does)
+        if _failures is None:
+            os._exit(EXIT_CODE)  # torchrun ending a failed job: die now (as `_watch` does)
+        return  # `_watch` records the failure, then ends the process (the handler: no store call)
     if s.reason is None:  # a second SIGTERM (SLURM and torchrun each send one) changes nothing
         s.reason = "SIGTERM"
         s.signalled.set()
@@ -145,17 +182,31 @@ def pid_file(pid_dir, rank: int) -> str:
 
 
 def write_pid(pid_dir, rank: int) -> None:
-    """`<pid_dir>/rank<N>.pid`: for the check below, operators, and the fault tests."""
+    """`<pid_dir>/rank<N>.pid`: for the check below, operators, and the fault tests. Written once
+    the job's process group exists (train_rl.py): from then on this rank shares failures with the
+    other hosts (`share_failures`, where `install` was given this pid directory)."""
+    global _own_pid_file
     os.makedirs(pid_dir, exist_ok=True)
-    with open(pid_file(pid_dir, rank), "w") as f:
+    path = pid_file(pid_dir, rank)
+    with open(path, "w") as f:
         f.write(f"{os.getpid()}\n")
+    if _pid_dir is not None and os.path.abspath(pid_dir) == os.path.abspath(_pid_dir):
+        _own_pid_file = path
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            share_failures()
 
 
 def local_ranks_alive(pid_dir, env=os.environ) -> bool:
-    """False when a rank of this host (torchrun numbers them RANK - LOCAL_RANK onwards) has
-    exited; True where unknown (no pid file yet)."""
+    """False when a rank of this host has exited (`gone_ranks`)."""
+    return not gone_ranks(pid_dir, env)
+
+
+def gone_ranks(pid_dir, env=os.environ) -> list[int]:
+    """The ranks of this host (torchrun numbers them RANK - LOCAL_RANK onwards) that have
+    exited; none where unknown (no pid file: not written yet, or removed by a finished rank)."""
     rank, local = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
-    first = rank - local
+    first, gone = rank - local, []
     for r in range(first, first + int(env.get("LOCAL_WORLD_SIZE", "1"))):
         try:
             with open(pid_file(pid_dir, r)) as f:
@@ -165,10 +216,83 @@ def local_ranks_alive(pid_dir, env=os.environ) -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
+            gone.append(r)
         except PermissionError:
             pass  # alive, another user's (a reused pid)
-    return True
+    return gone
+
+
+# ----- failures shared between hosts (module docstring) ---------------------------------------
+def share_failures(store=None) -> None:
+    """From now on, a failure that torchrun ends this host's ranks for is recorded in the job's
+    `store` (default: the process group's; its keys per torchrun attempt), and one recorded by
+    another host ends this one, with a line naming it (on the host's first rank; the others go
+    when torchrun ends them). Only after `install` with a pid directory; once."""
+    global _failures, _reader
+    if _wakeup is None or _failures is not None:
+        return
+    from trainer.link import attempt_store  # the job's store and key prefixes, as the link's
+    failures = attempt_store("failed", store)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        try:  # a connection of its own: a poll must not wait behind the main thread's calls
+            waiter = failures.clone()
+        except (RuntimeError, NotImplementedError):
+            waiter = None  # a store without clone() (not torchrun's): failures are only recorded
+        if waiter is not None:
+            stop = threading.Event()
+            thread = threading.Thread(target=_read_failures, args=(waiter, stop),
+                                      name="failure-watch", daemon=True)
+            thread.start()
+            _reader = (thread, stop)
+    _failures = failures
+
+
+def _record_failure(gone: list[int]) -> None:
+    """Best effort: that the ranks `gone` of this host exited, unless a failure was recorded
+    first (another's on this host is its consequence) or Ctrl-C ends the run (no failure). From
+    `_watch`, over a connection of its own (the main thread may be in a call on the process
+    group's), for at most FAILURE_WRITE_S: a store that lived on this host may be gone, and a
+    connection to it is retried until the store's timeout."""
+    store = _failures
+    if store is None or interrupted():
+        return
+    node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank
+    what = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} (host "
+            f"{socket.gethostname()}, node {node}) exited, and torchrun ended the other ranks of "
+            "that node")
+    value = json.dumps({"node": node, "what": what})
+
+    def record():
+        with contextlib.suppress(Exception):
+            store.clone().compare_set(FAILED_KEY, "", value)  # the first stays
+
+    thread = threading.Thread(target=record, name="failure-record", daemon=True)
+    thread.start()
+    thread.join(FAILURE_WRITE_S)
+
+
+def _read_failures(store, stop: threading.Event) -> None:
+    """Every FAILURE_POLL_S, whether a host recorded a failure; one of another host's: a line
+    naming it, and exit 1 (torchrun then ends this host's other ranks). A poll, not a wait on the
+    key: nothing else could end that wait (a thread still in one at exit can abort the process:
+    trainer/link.py), and a timed-out one logs a c10d warning."""
+    node = os.environ.get("GROUP_RANK", "0")
+    while not stop.wait(FAILURE_POLL_S):
+        try:
+            if not store.check([FAILED_KEY]):
+                continue
+            failure = json.loads(store.get(FAILED_KEY))
+            where, what = failure["node"], failure["what"]
+        except Exception:
+            return  # the store is gone: the job is ending (its own errors say why)
+        if where == node or interrupted() or stop.is_set():
+            return  # this host's own failure: torchrun is ending its ranks already
+        print(f"error (rank {os.environ.get('RANK', '0')}): the run failed on another node: "
+              f"{what}; that node's log has the cause. This rank exits too",
+              file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(1)
 
 
 def note_sigint() -> None:

@@ -245,3 +245,44 @@ def test_colocated_mode_trains_on_two_ranks(tmp_path):
     evals = [json.loads(ln)["step"] for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 3]  # the starting and the final policy, on replica 0
     assert proc.stdout.count("exported the policy after step 2 to") == 1
+
+
+def test_two_nodes_a_rank_killed_on_one_ends_the_other_naming_it(tmp_path):
+    """Node 0: trainer ranks 0-1; node 1: generator ranks 2-3 (two replicas). Rank 3 is killed at
+    the end of its start-up (SIGKILL: it says nothing); node 1's agent ends rank 2, which died of
+    the SIGTERM at once and silently too (launch/preemption.py). Node 0 learnt nothing: the
+    trainer waited for the first groups until parallel.warmup_timeout_s (60 s here; later steps
+    parallel.timeout_s) and failed with a time-out that did not name the cause. Rank 2 now
+    records it in the job's store as it dies, and node 0's first rank reads it, says so and
+    exits, its agent ending the other rank. (Rank 2 evaluates v0 on 2000 held-out prompts
+    first, so that it ships no groups before it is ended: a step would end in a weight push to
+    dead rank 3, which gloo refuses at once, "Connection closed by peer".)"""
+    import contextlib
+    import signal
+    model = make_rl_model(tmp_path / "model")
+    port, run_dir = free_port(), tmp_path / "run"
+    args = ["--config", "configs/tiny_cpu.toml", *QUICK, f"--model.path={model}", f"--run.dir={run_dir}",
+            "--trainer.max_steps=4", "--parallel.generator_ranks=2", "--logging.tensorboard=false",
+            "--parallel.warmup_timeout_s=60", "--eval.num_prompts=2000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=3,step=0"}
+    agents = [subprocess.Popen(  # a static rendezvous: node 0 holds the store
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "2",
+         "train_rl.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for node in (0, 1)]
+    try:
+        errs = [a.communicate(timeout=40)[1] for a in agents]  # well before the 60 s
+    except subprocess.TimeoutExpired:
+        errs = None
+    finally:  # a hung run: its ranks (each in a session of its own, torchrun's), then agents
+        if any(a.poll() is None for a in agents):
+            for pid in (run_dir / "pids").glob("rank*.pid"):
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid.read_text()), signal.SIGKILL)
+            for a in agents:
+                a.kill()
+    assert errs is not None, "node 0 did not end within 40 s of node 1's failure"
+    assert all(a.returncode not in (0, None) for a in agents), errs
+    assert ("error (rank 0): the run failed on another node: rank 3 (host " in errs[0] and
+            ", node 1) exited, and torchrun ended the other ranks of that node" in errs[0]), errs[0][-3000:]
+    assert "TimeoutError" not in errs[0], errs[0][-3000:]

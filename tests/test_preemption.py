@@ -3,6 +3,7 @@ within the grace period exits with 143 and says why. (The stop itself, end to en
 torchrun: tests/test_faults.py.)"""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -343,3 +344,110 @@ def test_ctrl_c_during_a_checkpoint_ends_a_rank_with_one_line(tmp_path):
                               env={**os.environ, "RANK": rank, "WORLD_SIZE": "3"})
         assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
         assert proc.stderr.startswith(line) and proc.stderr.count("\n") == (1 if line else 0), proc.stderr
+
+
+# ----- a failure that torchrun ends one host's ranks for reaches the other hosts --------------
+# A rank of a host whose torchrun ended its ranks after one failed: it shares failures through the
+# job's store (the test's), then, blocked in a C++ call, gets that SIGTERM.
+_ENDED_RANK = """
+    import sys, threading
+    from datetime import timedelta
+    import torch.distributed as dist
+    os.environ.update({env})
+    preemption.install(grace_s=60, pid_dir={pid_dir!r})
+    store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=30))
+    preemption.share_failures(store)
+    main = threading.get_ident()
+
+    def signal_once_waiting():
+        while sys._current_frames()[main].f_code.co_name != "blocked":
+            time.sleep(0.01)
+        {then}
+
+    def blocked():
+        store.wait(["never"], timedelta(seconds=30))
+    threading.Thread(target=signal_once_waiting, daemon=True).start()
+    blocked()
+    print("returned", flush=True)
+"""
+
+
+def _host(pid_dir, port: int, node: int, rank: int, local: int, then: str) -> subprocess.Popen:
+    env = dict(RANK=str(rank), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(node))
+    code = "import os, signal, time\nfrom launch import preemption\n" + textwrap.dedent(
+        _ENDED_RANK).format(env=env, pid_dir=str(pid_dir), port=port, then=then)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_rank_that_torchrun_ends_after_a_host_mate_died_ends_the_other_hosts_naming_it(tmp_path):
+    """Node 1's rank 2 died; torchrun ends rank 3, which died of the SIGTERM at once, silently:
+    node 0 learnt nothing (its trainer waited for groups until parallel.timeout_s). Rank 3 now
+    records it in the job's store first; node 0's first rank (its main thread blocked in a C++
+    call, as in a collective) reads it, says so and exits; node 1's first rank (a stand-in for
+    rank 2, alive) leaves its own node's failure to torchrun. End to end under two torchrun
+    agents: tests/test_e2e.py."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    (node1 / "rank2.pid").write_text(f"{_dead_pid()}\n")
+    procs = [_host(tmp_path / "node0", store.port, 0, 0, 0, then="pass"),  # reads it, blocked
+             _host(node1, store.port, 1, 3, 1, then="os.kill(os.getpid(), signal.SIGTERM)"),
+             # node 1's first rank: its reader stops at the record, and it goes on
+             _host(tmp_path / "node1b", store.port, 1, 2, 0,
+                   then="preemption._reader[0].join(30); print('went on', flush=True); os._exit(0)")]
+    try:
+        (out0, err0), (out3, err3), (out2, err2) = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == preemption.EXIT_CODE and "returned" not in out3, err3[-2000:]
+    assert procs[0].returncode == 1 and "returned" not in out0, (procs[0].returncode, err0[-2000:])
+    what = (f"rank 2 (host {socket.gethostname()}, node 1) exited, and torchrun ended the other "
+            "ranks of that node")
+    assert (f"error (rank 0): the run failed on another node: {what}; that node's log has the "
+            "cause. This rank exits too") in err0, err0[-2000:]
+    assert procs[2].returncode == 0 and out2 == "went on\n" and "error" not in err2, err2[-2000:]
+
+
+def test_the_first_failure_recorded_stays_and_ctrl_c_records_none(monkeypatch):
+    """A host's other ranks die of the first one's failure (and a host that a failure ended, of
+    that): the first record names the cause, later ones do not replace it. Ctrl-C is no failure."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from trainer.link import attempt_store
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = attempt_store("failed", dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
+                                                  timeout=timedelta(seconds=30)))
+    monkeypatch.setattr(preemption, "_failures", store)
+    monkeypatch.setattr(preemption, "_sigint", True)
+    preemption._record_failure([0])
+    assert not store.check([preemption.FAILED_KEY])
+    monkeypatch.setattr(preemption, "_sigint", False)
+    for node, gone in (("1", [4, 5]), ("1", [6]), ("0", [0])):
+        monkeypatch.setenv("GROUP_RANK", node)
+        preemption._record_failure(gone)
+    failure = json.loads(store.get(preemption.FAILED_KEY))
+    assert failure["node"] == "1" and failure["what"].startswith("ranks 4, 5 (host "), failure
+
+
+def test_a_finished_rank_is_not_taken_for_a_failed_one(tmp_path):
+    """torchrun SIGTERMs a host's other ranks once one has exited 143 after a stop: one still
+    between the end barrier and `uninstall` found the finished rank gone and took that for a
+    failure (it died of the signal; with failures shared it would also have recorded one, and
+    ended the other hosts with an error). A finished rank's pid file goes as it finishes."""
+    proc = _child(f"""
+        os.environ.update(RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
+        preemption.install(grace_s=60, pid_dir={str(tmp_path)!r})
+        preemption.write_pid({str(tmp_path)!r}, 0)
+        preemption.uninstall(ignore=True)  # train_rl: after the end barrier
+    """)
+    assert proc.returncode == 0, proc.stderr
+    host_mate = {"RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert preemption.local_ranks_alive(tmp_path, host_mate)
