@@ -257,30 +257,14 @@ def test_two_nodes_a_rank_killed_on_one_ends_the_other_naming_it(tmp_path):
     exits, its agent ending the other rank. (Rank 2 evaluates v0 on 2000 held-out prompts
     first, so that it ships no groups before it is ended: a step would end in a weight push to
     dead rank 3, which gloo refuses at once, "Connection closed by peer".)"""
-    import contextlib
-    import signal
+    from tests.dist import two_nodes
     model = make_rl_model(tmp_path / "model")
-    port, run_dir = free_port(), tmp_path / "run"
+    run_dir = tmp_path / "run"
     args = ["--config", "configs/tiny_cpu.toml", *QUICK, f"--model.path={model}", f"--run.dir={run_dir}",
             "--trainer.max_steps=4", "--parallel.generator_ranks=2", "--logging.tensorboard=false",
             "--parallel.warmup_timeout_s=60", "--eval.num_prompts=2000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=3,step=0"}
-    agents = [subprocess.Popen(  # a static rendezvous: node 0 holds the store
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "2",
-         "train_rl.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for node in (0, 1)]
-    try:
-        errs = [a.communicate(timeout=40)[1] for a in agents]  # well before the 60 s
-    except subprocess.TimeoutExpired:
-        errs = None
-    finally:  # a hung run: its ranks (each in a session of its own, torchrun's), then agents
-        if any(a.poll() is None for a in agents):
-            for pid in (run_dir / "pids").glob("rank*.pid"):
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid.read_text()), signal.SIGKILL)
-            for a in agents:
-                a.kill()
+    errs, agents = two_nodes(args, env, 2, run_dir, timeout=40)  # well before the 60 s
     assert errs is not None, "node 0 did not end within 40 s of node 1's failure"
     assert all(a.returncode not in (0, None) for a in agents), errs
     assert ("error (rank 0): the run failed on another node: rank 3 (host " in errs[0] and

@@ -3,10 +3,8 @@ resumes from the last checkpoint, metrics stay contiguous, every prompt is train
 and in synchronous mode the final parameters equal an uninterrupted run, bitwise. Ctrl-C ends
 every rank with one line; SIGTERM stops the run at a step boundary with a checkpoint; a rank's
 failure in start-up ends the ranks of another node at once, naming it."""
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,26 +96,13 @@ def test_a_start_up_failure_on_another_node_ends_the_run_naming_it(tmp_path):
     node only; trainer rank 0, on the other, waited for the first groups until
     parallel.warmup_timeout_s (120 s here) and then failed with a time-out not naming the cause:
     the generator's link was built, and its failures told the trainer, only after start-up."""
-    from tests.dist import free_port
+    from tests.dist import two_nodes
     model = make_rl_model(tmp_path / "model")
-    port = free_port()
     args = ["--config", "configs/tiny_cpu.toml", *QUICK, f"--model.path={model}",
             f"--run.dir={tmp_path / 'run'}", "--trainer.max_steps=2", "--logging.tensorboard=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=1,step=0,signal=RAISE"}
-    agents = [subprocess.Popen(  # a static rendezvous: node 0 (trainer rank 0) holds the store
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
-         "train_rl.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for node in (0, 1)]
-    try:
-        errs = [a.communicate(timeout=100)[1] for a in agents]  # well before the 120 s
-    finally:  # a hung run: its ranks (each in a session of its own, torchrun's), then agents
-        if any(a.poll() is None for a in agents):
-            for pid in (tmp_path / "run" / "pids").glob("rank*.pid"):
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid.read_text()), signal.SIGKILL)
-            for a in agents:
-                a.kill()
+    errs, agents = two_nodes(args, env, 1, tmp_path / "run", timeout=100)  # well before the 120 s
+    assert errs is not None, "the nodes did not end within 100 s of node 1's failure"
     cause = "generator rank 1: RuntimeError: fault injection: a failure on rank 1 at the end of start-up"
     assert all(a.returncode not in (0, None) for a in agents), errs
     assert f"error (rank 1): {cause}" in errs[1], errs[1][-3000:]
