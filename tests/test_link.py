@@ -268,14 +268,18 @@ def test_a_full_window_times_out_naming_the_receiver_and_keeps_the_process_group
 
 
 def test_a_ctrl_c_shutdown_prints_nothing_of_its_own(capsys):
-    """Ctrl-C prints one line for the whole run (train_rl.py): the broadcast stays silent."""
+    """Ctrl-C prints one line for the whole run (train_rl.py): the broadcast stays silent. The
+    cause left in the store for late readers is the first one."""
     from collections import deque
+
+    import torch.distributed as dist
     link = Link.__new__(Link)
-    link.rank, link.peers, link._sends = 1, [], deque()
+    link.rank, link.peers, link._sends, link.store = 1, [], deque(), dist.HashStore()
     link.broadcast_shutdown("trainer rank 1: KeyboardInterrupt: ", announce=False)
     assert capsys.readouterr().err == ""
     link.broadcast_shutdown("trainer rank 1: RuntimeError: boom")
     assert capsys.readouterr().err == "error (rank 1): trainer rank 1: RuntimeError: boom\n"
+    assert link._left_error(1) == "trainer rank 1: KeyboardInterrupt: " and link._left_error(0) is None
 
 
 def test_a_blocked_wait_does_not_hold_up_other_threads_store_calls():
@@ -456,3 +460,41 @@ def test_link_keys_carry_the_attempt_only_in_torchruns_shared_store(monkeypatch)
     assert _attempt() == ""
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert _attempt() == ""
+
+
+def _late_reader(rank, world, port):
+    """Rank 1 fails and shuts down; rank 0 reads its SHUTDOWN only after rank 1 gave up waiting
+    for it and left (rank 0 was in a collective, or still starting up)."""
+    import torch.distributed as dist
+    link = Link(rank, [1 - rank], timeout_s=30)
+    out = {}
+    if rank == 1:
+        link.broadcast_shutdown("generator rank 1: RuntimeError: boom", timeout_s=0.5,
+                                announce=False)
+        dist.destroy_process_group()  # this rank exits: its connections close
+        link.store.set("sender_gone", "1")
+    else:
+        link.store.wait(["sender_gone"])
+        try:
+            link.wait_for(Msg.TRAJECTORIES, "trajectories")
+            out["error"] = "no error"
+        except Exception as e:  # noqa: BLE001 (what the receiver says is the test)
+            out["error"] = f"{type(e).__name__}: {e}"
+    link.close()
+    if rank == 0:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    return out
+
+
+def test_a_shutdown_read_after_its_sender_left_still_names_the_cause():
+    """The sender waits a few seconds for a peer to take its SHUTDOWN; a peer that read it later
+    (busy in a collective, or still starting up) found the body gone with its sender: gloo
+    refused the receive at once, "RuntimeError: ... Connection closed by peer", without the cause.
+    The sender leaves the cause in the job's store (torchrun's agent holds it; it outlives the
+    ranks), and the SHUTDOWN arrives with it."""
+    from tests.dist import free_port
+    out = run_ranks(_late_reader, 2, free_port(), timeout=60)[0]
+    assert out["error"] == ("PeerError: rank 1 shut down while rank 0 waited for trajectories: "
+                            "generator rank 1: RuntimeError: boom")

@@ -438,7 +438,7 @@ def _leader_fails(rank, world):
 
     def collect():
         raise TimeoutError("trainer rank 0 waited 10s for 4 prompt groups")
-    trainer = ns(is_owner=rank == 0, _collect=collect, _stop_asked=lambda: None,
+    trainer = ns(is_owner=rank == 0, _collect=collect, _stop_asked=lambda: None, step=2,
                  meshes=ns(dims=ns(trainer_rank_list=[0]), trainer_group=dist.group.WORLD))
     gen_link = ns(wait_for=lambda *a, **k: (_ for _ in ()).throw(
         TimeoutError("rank 0 timed out after 10s waiting for a new weight version")))
@@ -521,3 +521,177 @@ def test_the_process_groups_start_with_the_start_up_budget_and_followers_twice_i
     with pytest.raises(Stop):
         train_rl._run_role(cfg, None, None)
     assert got == [("init", 1200.0), ("set_timeouts", 1200.0)]
+
+
+
+class _Meshes:
+    """Two trainer ranks, their own process group `group` (a test breaks it, the harness's stays
+    whole), and one generator leader that is never reached."""
+
+    def __init__(self, rank, group):
+        import torch
+        self.rank, self.device, self.trainer_group = rank, torch.device("cpu"), group
+        self.dims = ns(trainer_rank_list=[0, 1], trainer_fsdp=2,
+                       generator_mesh_ranks=lambda: [[2]])
+        self.trainer = type("Mesh", (dict,), {"get_coordinate": lambda m: [rank, 0]})(
+            fsdp=ns(get_group=lambda: self.trainer_group))
+
+    def set_timeouts(self, seconds):
+        pass
+
+
+def _two_trainers(rank, link, **trainer):
+    """A TrainerWorker on two trainer ranks with their own process group; fake generators,
+    training and weight sends."""
+    import torch.distributed as dist
+    from trainer import worker as W
+    cfg = ns(trainer=ns(prompts_per_step=1, max_nonfinite_steps=3, **trainer),
+             algo=ns(buffer_capacity=4, max_staleness=1), generator=ns(n_samples=1),
+             parallel=ns(timeout_s=30.0, warmup_timeout_s=30.0), logging=ns(progress=False),
+             checkpoint=ns(every_steps=0, hf_export_every=0))
+    sender = ns(push=lambda v: None, wait_sent=lambda: None, close=lambda: None)
+    w = W.TrainerWorker(cfg, _Meshes(rank, dist.new_group([0, 1])), None, None, None, sender, link)
+    W.train_step = lambda *a, **k: ns(stats={"tokens": 1.0, "is_ratio_max": 1.0}, skipped=False)
+    w._collect = lambda: []
+    return w
+
+
+def _raised(call) -> str:
+    try:
+        call()
+        return "no error"
+    except Exception as e:  # noqa: BLE001 (what each rank raises is the test)
+        return f"{type(e).__name__}: {e}"
+
+
+def _owner_fails_alone(rank, world, max_steps, fail):
+    """Trainer rank 0 (the owner) fails in step 1 after the step's last collective, in work it
+    does alone (`fail`: its weights message to a generator, or its metrics row); trainer rank 1
+    goes on to its next meeting with it. What each raises, and what rank 0 told the generators."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    told = []
+
+    def send(dst, kind, version, payload=None):
+        if fail == "send":
+            raise TimeoutError("rank 0 timed out after 1s waiting for rank 2 to receive a "
+                               "WEIGHTS_READY message (it sends at most 64 messages ahead)")
+
+    def log(row):
+        if fail == "log":
+            raise OSError(28, "No space left on device")
+    link = ns(send=send, flush=lambda timeout_s=None: None,
+              broadcast_shutdown=lambda error, announce=True: told.append(error))
+    w = _two_trainers(rank, link if rank == 0 else None, max_steps=max_steps)
+    w.logger, w._metrics = ns(log=log) if rank == 0 else None, lambda *a: {}
+    _set_pg_timeout(timedelta(seconds=3), w.meshes.trainer_group)  # rank 1's wait for rank 0
+    return {"error": _raised(w.run), "told": told}
+
+
+@pytest.mark.parametrize("max_steps, fail, cause", [
+    (3, "send", "TimeoutError: rank 0 timed out after 1s waiting for rank 2 to receive a "
+                "WEIGHTS_READY message (it sends at most 64 messages ahead)"),
+    (1, "log", "OSError: [Errno 28] No space left on device")])
+def test_the_owners_failure_between_steps_reaches_the_other_trainer_ranks(max_steps, fail, cause):
+    """Trainer rank 0 fails after the step's last collective, alone (its weights message to a
+    generator timed out, its metrics row failed): the other trainer ranks, in their next meeting
+    with it (the next step's start, or the run's end after its last step), timed out with gloo's
+    bare "Timed out waiting ... for send operation", or went on to the end as if it had not."""
+    from tests.dist import run_ranks
+    owner, follower = run_ranks(_owner_fails_alone, 2, max_steps, fail, timeout=60)
+    assert owner["error"] == cause
+    assert follower["error"] == f"PeerError: trainer rank 0 failed after step 1: {cause}"
+    assert owner["told"] == [f"trainer rank 0: {cause}"]
+
+
+def _owner_gone(rank, world, leaves_cause):
+    """Trainer rank 0 fails at the start of step 2 and exits (with a link: its cause left in the
+    job's store as it shuts the generators down); trainer rank 1 waits for it. What each
+    raises."""
+    import gc
+
+    import torch.distributed as dist
+    from trainer import worker as W
+    from trainer.link import Link
+    link = Link(0, [], timeout_s=30) if rank == 0 and leaves_cause else None
+    w = _two_trainers(rank, link, max_steps=3)
+    w._push_weights = lambda: None
+
+    def maybe_kill(r, step):
+        if r == 0 and step == 2:
+            raise MemoryError("host out of memory")
+    W.maybe_kill = maybe_kill
+    out = _raised(w.run)
+    if rank == 0:  # it exits: its connections close
+        group = w.meshes.trainer_group
+        del w
+        gc.collect()
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()
+    if link is not None:
+        link.close()
+    return out
+
+
+@pytest.mark.parametrize("leaves_cause", [True, False])
+def test_a_trainer_rank_that_lost_the_owner_names_the_step_and_the_owners_cause(leaves_cause):
+    """The other trainer ranks wait for trainer rank 0 in collectives (the step's start, its
+    batch, the stats); where it failed elsewhere and exited, they failed with gloo's bare
+    "Connection closed by peer": no step, nothing awaited, no cause. The cause comes from the
+    job's store, where the owner's link left it (trainer/link.py)."""
+    from tests.dist import run_ranks
+    owner, follower = run_ranks(_owner_gone, 2, leaves_cause, timeout=60)
+    assert owner == "MemoryError: host out of memory"
+    if leaves_cause:
+        assert follower == ("PeerError: trainer rank 0 failed: trainer rank 0: MemoryError: host "
+                            "out of memory (trainer rank 1 waited for the other trainer ranks at "
+                            "the start of step 2)")
+    else:
+        assert follower.startswith("ConnectionError: trainer rank 1 waited for the other trainer "
+                                   "ranks at the start of step 2, which failed: ")
+
+
+def test_a_failed_prune_of_an_old_checkpoint_warns_and_the_next_save_retries(tmp_path, monkeypatch,
+                                                                             capsys):
+    """Trainer rank 0 prunes the old checkpoints after the save's last sync point: a failure there
+    (a network file system's "Directory not empty", a permission) killed the run that had just
+    saved a new checkpoint, and the other trainer ranks then failed without the cause. Now a
+    warning naming the folder and the error; the next save's prune deletes it."""
+    import os
+    import shutil
+
+    from parallel import checkpoint as C
+    from trainer import checkpointing
+    from trainer import worker as W
+
+    def save_sharded(path, model, opt, extra, group=None):  # every rank's shards, then renamed
+        path.mkdir(parents=True)
+        (path / ".metadata").write_text("")
+        return path
+    monkeypatch.setattr(C, "save_sharded", save_sharded)
+    monkeypatch.setattr(W, "broadcast_json", lambda obj, src, group: obj)  # one trainer rank
+    monkeypatch.setattr(checkpointing, "_owner_extra", lambda worker, step: {"step": step})
+    worker = ns(is_owner=True, model=None, opt=None,
+                cfg=ns(run=ns(dir=str(tmp_path)), checkpoint=ns(keep_last=1)),
+                meshes=ns(dims=ns(trainer_rank_list=[0]), trainer_group=None))
+    root = tmp_path / "checkpoints"
+    checkpointing.save(worker, 1)
+    rmtree = shutil.rmtree
+
+    def nfs_rmtree(path, ignore_errors=False, **kwargs):
+        if ignore_errors:
+            return rmtree(path, ignore_errors=True, **kwargs)
+        raise OSError(39, "Directory not empty", str(path))
+    monkeypatch.setattr(shutil, "rmtree", nfs_rmtree)
+    capsys.readouterr()
+    assert checkpointing.save(worker, 2) == root / "step_000002"
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: could not prune the old checkpoints under {root} "
+                          "(checkpoint.keep_last=1): OSError: [Errno 39] Directory not empty: "
+                          f"'{root / 'step_000001'}'"), err
+    assert sorted(os.listdir(root)) == ["step_000001", "step_000002"]
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    checkpointing.save(worker, 3)
+    assert sorted(os.listdir(root)) == ["step_000003"]

@@ -350,10 +350,26 @@ def save(worker, step: int) -> Path:
     path = save_sharded(checkpoint_dir(root, step), worker.model, worker.opt, extra,
                         group=worker.meshes.trainer_group)
     if worker.is_owner:
-        prune_checkpoints(root, worker.cfg.checkpoint.keep_last)
+        _prune(root, worker.cfg.checkpoint.keep_last)
         print(f"checkpoint of step {step} saved to {path} ({time.perf_counter() - t0:.1f}s)",
               flush=True)
     return path
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    """Delete the checkpoints before the last `keep_last` (the owner, after the save's last sync
+    point). A file-system error (a network file system's "Directory not empty", a permission) is a
+    warning: it killed a run that had just saved a new checkpoint, and the other trainer ranks,
+    waiting for the owner in their next collective, failed without the cause. The old folders stay
+    on disk; the next save's prune tries again. (A bad keep_last still raises.)"""
+    try:
+        prune_checkpoints(root, keep_last)
+    except OSError as e:
+        print(f"warning: could not prune the old checkpoints under {root} (checkpoint.keep_last="
+              f"{keep_last}): {type(e).__name__}: {e}. The run goes on and the next checkpoint's "
+              "prune tries again; if this repeats, delete them by hand (a folder that lost its "
+              ".metadata is no checkpoint any more, and no prune deletes it)",
+              file=sys.stderr, flush=True)
 
 
 def _owner_extra(worker, step: int) -> dict:

@@ -9,6 +9,7 @@ Wire format of one message from `src` to `dst`:
     header  a ticket n = store.add("<dst>/tickets", 1), then store key "<dst>/<n>" =
             JSON {type, version, src, nbytes}, in the job's TCPStore
     bell    store key "<dst>/bell", set after the header
+    error   store key "error/<src>", the cause a failing rank left before its SHUTDOWNs (the first)
 The store gives receivers a truly non-blocking poll (gloo's `Work.is_completed()` only turns true
 inside `wait()`, so an irecv cannot be polled): a receiver reads its ticket counter, and for each
 published header posts a receive for a body that is already on its way. Tickets from one sender
@@ -25,6 +26,14 @@ not lost: its header was written before it, so the receive that the flag trigger
 
 Blocking waits (`wait_for`) always have a timeout, and the error names the peer and what was
 awaited. Messages that arrive while waiting for something else are queued, not lost.
+
+A failing rank waits a few seconds for each peer to take its SHUTDOWN (`broadcast_shutdown`); a
+body not taken by then leaves with its sender. So the cause goes into the store first (`error`
+above): a peer that reads the SHUTDOWN later (it was in a collective, or still starting up), or
+whose connection to the rank broke, raises PeerError with it, not gloo's "Connection closed by
+peer". Under torchrun the store lives in the agent and outlives the ranks; where every rendezvous
+round has a store of its own (`_attempt`) it lives in global rank 0's process, and goes with it.
+Ranks without a link (trainer ranks waiting for rank 0 in a collective) read it: `left_error`.
 """
 from __future__ import annotations
 
@@ -86,6 +95,23 @@ def attempt_store(name: str, store=None):
     return dist.PrefixStore(f"tandem/{name}/{_attempt()}", base)
 
 
+def left_error(rank: int, store=None) -> str | None:
+    """The error that `rank` left in the job's store (default: the process group's) as it shut
+    down (`Link.broadcast_shutdown`), or None: it left none, or the store went with it."""
+    try:
+        return _read_error(attempt_store("link", store), rank)
+    except (RuntimeError, ValueError):  # no process group, no store
+        return None
+
+
+def _read_error(store, rank: int) -> str | None:
+    key = f"error/{rank}"
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except RuntimeError:  # the store is gone: it lived in that rank's process (module docstring)
+        return None
+
+
 @atexit.register
 def _close_watched() -> None:
     """A watcher still blocked in the store when the interpreter tears down aborts the process
@@ -145,7 +171,10 @@ class Link:
         """Asynchronous; blocks (with timeout) only when `max_in_flight` bodies are unreceived
         (`_wait_window`)."""
         body = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8)
-        work = dist.isend(body, dst, tag=TAG_BODY)
+        try:
+            work = dist.isend(body, dst, tag=TAG_BODY)
+        except RuntimeError as e:  # gloo refuses at once where the connection to dst broke
+            raise self._broken(e, f"rank {dst} to receive a {type.name} message", dst) from None
         ticket = self.store.add(f"{dst}/tickets", 1)
         header = {"type": int(type), "version": version, "src": self.rank, "nbytes": body.numel()}
         self.store.set(f"{dst}/{ticket}", json.dumps(header))
@@ -219,7 +248,7 @@ class Link:
 
     def _wait_send(self, timeout_s: float | None = None) -> None:
         work, _, dst, type, _ = self._sends.popleft()
-        self._wait(work, f"rank {dst} to receive a {type.name} message", timeout_s)
+        self._wait(work, f"rank {dst} to receive a {type.name} message", dst, timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every message sent so far has been received, each for at most `timeout_s`
@@ -239,14 +268,27 @@ class Link:
             header = json.loads(self.store.get(key))
             self.store.delete_key(key)
             self._next_ticket += 1
-            body = torch.empty(header["nbytes"], dtype=torch.uint8)
             src = header["src"]
-            self._wait(dist.irecv(body, src, tag=TAG_BODY), f"the body of a message from rank {src}")
-            self.bytes_received += body.numel()
-            payload = json.loads(bytes(body.numpy()).decode())
+            try:
+                payload = self._receive_body(src, header["nbytes"])
+            except PeerError:  # its sender left before this rank took the body: the cause is
+                if header["type"] != Msg.SHUTDOWN:  # in the store, the SHUTDOWN arrives with it
+                    raise
+                payload = {"error": self._left_error(src)}
             if header["type"] == Msg.SHUTDOWN:
                 self._gone.add(src)
             self._queue.append(Message(Msg(header["type"]), header["version"], src, payload))
+
+    def _receive_body(self, src: int, nbytes: int) -> Any:
+        body = torch.empty(nbytes, dtype=torch.uint8)
+        what = f"the body of a message from rank {src}"
+        try:
+            work = dist.irecv(body, src, tag=TAG_BODY)
+        except RuntimeError as e:  # gloo refuses at once where the connection to src broke
+            raise self._broken(e, what, src) from None
+        self._wait(work, what, src)
+        self.bytes_received += body.numel()
+        return json.loads(bytes(body.numpy()).decode())
 
     def poll(self) -> list[Message]:
         """Every message that has arrived (queued first), without blocking on new ones. No store
@@ -349,7 +391,7 @@ class Link:
                 self._waiter = False
         return self._waiter or None
 
-    def _wait(self, work, what: str, timeout_s: float | None = None) -> None:
+    def _wait(self, work, what: str, peer: int, timeout_s: float | None = None) -> None:
         """A timed-out wait breaks the whole process group, not just this message: gloo then
         closes every pair of its context ("Application timeout caused pair closure"; the peers'
         next operation on the group fails with "Connection closed by peer")."""
@@ -357,10 +399,31 @@ class Link:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as e:  # gloo raises RuntimeError both for timeouts and for dead peers
-            if "imed out" in str(e):
-                raise TimeoutError(f"rank {self.rank} timed out after {timeout_s:.0f}s waiting "
-                                   f"for {what} ({e})") from None
-            raise ConnectionError(f"rank {self.rank} lost its peer while waiting for {what} ({e})") from None
+            raise self._broken(e, what, peer, timeout_s) from None
+
+    def _broken(self, e: RuntimeError, what: str, peer: int,
+                timeout_s: float | None = None) -> Exception:
+        """The error for a gloo operation with `peer` that failed: PeerError with the cause the
+        peer left as it shut down (module docstring), else what gloo said."""
+        cause = self._left_error(peer)
+        if cause is not None:
+            return PeerError(f"rank {peer} shut down while rank {self.rank} waited for {what}: {cause}")
+        if "imed out" in str(e):
+            return TimeoutError(f"rank {self.rank} timed out after "
+                                f"{self.timeout_s if timeout_s is None else timeout_s:.0f}s "
+                                f"waiting for {what} ({e})")
+        return ConnectionError(f"rank {self.rank} lost its peer while waiting for {what} ({e})")
+
+    def _left_error(self, peer: int) -> str | None:
+        return _read_error(self.store, peer)
+
+    def _leave_error(self, error: str) -> None:
+        """Put this rank's cause where its peers find it after it is gone (the first one stays:
+        a second failure on the way out is not the cause)."""
+        try:
+            self.store.compare_set(f"error/{self.rank}", "", error)
+        except RuntimeError:
+            pass  # the store is gone: the SHUTDOWNs' bodies carry it as far as they get
 
     def broadcast_shutdown(self, error: str | None = None, timeout_s: float = 5.0,
                            announce: bool = True) -> None:
@@ -378,6 +441,8 @@ class Link:
         harness's barrier under CPU load (all, when the second followed the first's flush)."""
         if error and announce:
             print(f"error (rank {self.rank}): {error}", file=sys.stderr, flush=True)
+        if error:  # first: it reaches a peer that takes its SHUTDOWN after this rank is gone
+            self._leave_error(error)
         for p in self.peers:
             if p in self._shut | self._gone:
                 continue

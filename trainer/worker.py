@@ -21,7 +21,7 @@ from launch.faults import maybe_kill
 from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
-from trainer.link import Link, Msg, PeerError
+from trainer.link import Link, Msg, PeerError, left_error
 from trainer.metrics import Heartbeat, duration, reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
 
@@ -40,6 +40,27 @@ def broadcast_json(obj, src: int, group) -> object:
         data = torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(data, src=src, group=group)
     return json.loads(bytes(data.numpy()).decode())
+
+
+def awaiting(owner: int, what: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a collective over the trainer mesh in which this rank waits for
+    `what` (from trainer rank `owner`, the one that talks to the generators). Its failure names
+    this rank and what it waited for, and where the owner failed and left its error in the job's
+    store (its link's `broadcast_shutdown`), that error: gloo's own said only "Timed out waiting
+    1200000ms for recv operation" or "Connection closed by peer"."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:  # gloo's and NCCL's errors (DistError) are RuntimeErrors
+        if isinstance(e, PeerError):
+            raise
+        me = dist.get_rank()
+        cause = left_error(owner) if me != owner else None
+        if cause is not None:
+            raise PeerError(f"trainer rank {owner} failed: {cause} (trainer rank {me} waited "
+                            f"for {what})") from None
+        kind = (TimeoutError if "imed out" in str(e) else
+                ConnectionError if "onnection" in str(e) else RuntimeError)
+        raise kind(f"trainer rank {me} waited for {what}, which failed: {e}") from None
 
 
 def waiting_line(step: int, B: int, leaders: list[int], buffered: int,
@@ -102,7 +123,7 @@ class TrainerWorker:
             print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
             if self.sched.resume_note:  # another max_steps or schedule: trainer/optim.py
                 print(self.sched.resume_note, flush=True)
-        self._push_weights()
+        self._alone(self._push_weights)
 
     def run(self) -> None:
         try:
@@ -126,9 +147,10 @@ class TrainerWorker:
             # export cut off there stays `hf_final.tmp` (parallel.checkpoint.export_hf)
             preemption.stopping()
         # the end takes the start-up budget on every trainer rank: rank 0 waits for replica 0's
-        # final evaluation before the others meet it in the final export's collectives
+        # final evaluation before the others meet it here (and in the final export's collectives)
         self.meshes.set_timeouts(warmup_budget_s(self.cfg.parallel))
-        self._shutdown_generators()
+        self._alone(self._shutdown_generators)
+        self._stop_asked(at="the run's end")  # the meeting where `_alone`'s failures arrive
 
     def _one_step(self) -> None:
         maybe_kill(self.meshes.rank, self.step + 1)
@@ -150,10 +172,16 @@ class TrainerWorker:
         # generator (waiting for v+1) is never left hanging; the weights are simply unchanged.
         self.version += 1
         self.step += 1
-        stats = reduce_stats(res.stats, self.dp_group)
+        stats = awaiting(self.meshes.dims.trainer_rank_list[0],
+                         f"the stats of step {self.step} from the data-parallel ranks",
+                         reduce_stats, res.stats, self.dp_group)
         # Checkpoint before announcing version v: in synchronous mode the generators then hold no
         # prompt in flight at the cut, so a resumed run regenerates nothing and stays bitwise equal.
         self._maybe_save()
+        self._alone(self._finish_step, groups, stats, res, t0, t_wait, t_train)
+
+    def _finish_step(self, groups, stats, res, t0: float, t_wait: float, t_train: float) -> None:
+        """The step's weights to the generators, then (owner) its metrics row."""
         t1 = time.perf_counter()
         try:
             self._push_weights()
@@ -164,6 +192,23 @@ class TrainerWorker:
             if self.is_owner and self.logger is not None:
                 m = self._metrics(groups, stats, res, stamp - start, t_sync)
                 self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
+
+    def _alone(self, fn, *args) -> None:
+        """`fn(*args)`: work between two meetings of the trainer mesh that the owner does alone
+        (its messages to the generators, its metrics row, the end's SHUTDOWNs) while the other
+        trainer ranks go on to the next meeting (`_stop_asked`: the next step's start, or the
+        run's end). Its failure is sent to them there: they sat in it until gloo's time-out,
+        naming neither the step nor the cause. (Where they failed too, or left, that send
+        fails at once and the owner's own error goes up.)"""
+        try:
+            fn(*args)
+        except Exception as e:
+            if self.is_owner and len(self.meshes.dims.trainer_rank_list) > 1:
+                try:
+                    self._stop_asked(failed=f"{type(e).__name__}: {e}")
+                except Exception:  # noqa: BLE001 (they are gone: this rank's error goes up)
+                    pass
+            raise
 
     def _push_weights(self) -> None:
         self.sender.push(self.version)
@@ -214,11 +259,17 @@ class TrainerWorker:
                 preemption.request(f"SIGTERM on trainer rank {asked}")
             try:
                 got = self._collect()
+                groups = self._stop_decision() if got is None else [g.to_dict() for g in got]
             except Exception as e:  # the other trainer ranks wait in this broadcast: the cause
-                broadcast_json({"error": f"{type(e).__name__}: {e}"}, owner, self.meshes.trainer_group)
+                try:
+                    broadcast_json({"error": f"{type(e).__name__}: {e}"}, owner, self.meshes.trainer_group)
+                except Exception:  # noqa: BLE001 (they are gone: this rank's error goes up)
+                    pass
                 raise
-            groups = self._stop_decision() if got is None else [g.to_dict() for g in got]
-        groups = broadcast_json(groups, owner, self.meshes.trainer_group)
+        what = (f"the other trainer ranks to take the batch of step {self.step + 1}" if self.is_owner
+                else f"trainer rank {owner}'s batch for step {self.step + 1} (it waits for the "
+                     "generators' groups)")
+        groups = awaiting(owner, what, broadcast_json, groups, owner, self.meshes.trainer_group)
         if isinstance(groups, dict) and "error" in groups:  # (they wait twice as long: mesh.py)
             raise PeerError(f"trainer rank {owner} failed: {groups['error']}")
         if isinstance(groups, dict):
@@ -226,18 +277,32 @@ class TrainerWorker:
             return None
         return training_order([Group.from_dict(d) for d in groups])
 
-    def _stop_asked(self) -> int | None:
+    def _stop_asked(self, failed: str | None = None, at: str | None = None) -> int | None:
         """The highest trainer rank that got a SIGTERM (None: none), on every trainer rank: only
         the owner decides a stop, and a rank signalled alone (one node of several preempted)
         carried on until its grace period ended it with 143, and torchrun the job, the steps
         since the last checkpoint lost. One small all-reduce a step, before the owner waits for
-        the batch (the others wait for it there anyway); none with one trainer rank."""
+        the batch (the others wait for it there anyway), and one at the run's end (`at`); none
+        with one trainer rank.
+
+        The meeting where the owner's failure in work it did alone since the last one arrives
+        (`failed`, its error, on the owner: `_alone`): the others raise PeerError with it."""
         if len(self.meshes.dims.trainer_rank_list) == 1:
             return None
+        owner, group = self.meshes.dims.trainer_rank_list[0], self.meshes.trainer_group
+        at = at or f"the start of step {self.step + 1}"
         # on the host, as the batch broadcast: gloo's half of the group on GPUs, no device sync
-        flag = torch.tensor([self.meshes.rank + 1 if preemption.requested() else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.meshes.trainer_group)
-        return int(flag) - 1 if int(flag) else None
+        flag = torch.tensor([self.meshes.rank + 1 if preemption.requested() else 0,
+                             int(failed is not None)])
+        awaiting(owner, f"the other trainer ranks at {at}", dist.all_reduce, flag,
+                 op=dist.ReduceOp.MAX, group=group)
+        if flag[1]:
+            error = awaiting(owner, f"trainer rank {owner}'s error after step {self.step}",
+                             broadcast_json, {"error": failed}, owner, group)["error"]
+            if not self.is_owner:
+                raise PeerError(f"trainer rank {owner} failed after step {self.step}: {error}")
+            return None
+        return int(flag[0]) - 1 if flag[0] else None
 
     def _stop_decision(self) -> dict:
         """Why the run stops, and whether the last finished step still needs its checkpoint."""
