@@ -271,6 +271,21 @@ def _record_failure(gone: list[int]) -> None:
     thread.join(FAILURE_WRITE_S)
 
 
+def recorded_failure() -> str | None:
+    """The failure a host recorded (`_record_failure`), or None: for an error that would name
+    only a lost peer (trainer/link.py), as the host's dying ranks may close their connections
+    before this host's reader sees the record."""
+    store = _failures
+    if store is None:
+        return None
+    try:
+        if not store.check([FAILED_KEY]):
+            return None
+        return json.loads(store.get(FAILED_KEY))["what"]
+    except Exception:
+        return None
+
+
 def _read_failures(store, stop: threading.Event) -> None:
     """Every FAILURE_POLL_S, whether a host recorded a failure; one of another host's: a line
     naming it, and exit 1 (torchrun then ends this host's other ranks). A poll, not a wait on the

@@ -498,3 +498,34 @@ def test_a_shutdown_read_after_its_sender_left_still_names_the_cause():
     out = run_ranks(_late_reader, 2, free_port(), timeout=60)[0]
     assert out["error"] == ("PeerError: rank 1 shut down while rank 0 waited for trajectories: "
                             "generator rank 1: RuntimeError: boom")
+
+
+def test_a_lost_peer_names_the_failure_another_node_recorded(monkeypatch):
+    """A node whose ranks torchrun ended records why in the job's store (launch/preemption.py);
+    a rank whose receive from one of them failed first ("Connection closed by peer", the dying
+    rank's exit) said only that it lost its peer. Without a record: as before."""
+    import torch.distributed as dist
+    from launch import preemption
+    from trainer.link import Link, PeerError
+    link = Link(0, [2], timeout_s=30, store=dist.HashStore())
+    closed = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    assert type(link._broken(closed, "the body of a message from rank 2", 2)) is ConnectionError
+    what = "rank 3 (host h, node 1) exited, and torchrun ended the other ranks of that node"
+    monkeypatch.setattr(preemption, "recorded_failure", lambda: what)
+    err = link._broken(closed, "the body of a message from rank 2", 2)
+    assert isinstance(err, PeerError) and str(err) == (
+        f"the run failed on another node: {what} (rank 0 lost rank 2 while waiting for the body "
+        "of a message from rank 2)")
+
+
+def test_recorded_failure_reads_the_first_record_of_the_jobs_store(monkeypatch):
+    import json
+    import torch.distributed as dist
+    from launch import preemption
+    store = dist.HashStore()
+    monkeypatch.setattr(preemption, "_failures", store)
+    assert preemption.recorded_failure() is None
+    store.set(preemption.FAILED_KEY, json.dumps({"node": "1", "what": "rank 3 exited"}))
+    assert preemption.recorded_failure() == "rank 3 exited"
+    monkeypatch.setattr(preemption, "_failures", None)
+    assert preemption.recorded_failure() is None

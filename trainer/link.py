@@ -55,6 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launch import preemption
+
 TAG_BODY = 12
 # The watcher's store wait. Long: every timed-out wait logs a c10d warning; `close()` rings the
 # bell to end it.
@@ -408,6 +410,10 @@ class Link:
         cause = self._left_error(peer)
         if cause is not None:
             return PeerError(f"rank {peer} shut down while rank {self.rank} waited for {what}: {cause}")
+        failure = preemption.recorded_failure()  # a node whose ranks torchrun ended
+        if failure is not None:
+            return PeerError(f"the run failed on another node: {failure} (rank {self.rank} lost "
+                             f"rank {peer} while waiting for {what})")
         if "imed out" in str(e):
             return TimeoutError(f"rank {self.rank} timed out after "
                                 f"{self.timeout_s if timeout_s is None else timeout_s:.0f}s "
