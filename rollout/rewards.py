@@ -571,6 +571,7 @@ class _CallThread:
                 result.set_exception(e)
 
 
+_LOAD_FAILED = "loading the reward in a worker process failed"
 _WORKER_START_TIMEOUT_S = 120.0  # a fresh interpreter importing the reward and warming it up
 _WORKER_MAIN = "import sys; from rollout.rewards import _serve; _serve(*map(int, sys.argv[1:]))"
 
@@ -671,7 +672,7 @@ def _serve(fd: int, parent_pid: int) -> None:
         fn = pickle.loads(conn.recv_bytes())
         getattr(fn, "warm_up", lambda: None)()
     except BaseException:
-        conn.send(("error", "loading the reward in a worker process failed:\n"
+        conn.send(("error", _LOAD_FAILED + " (reward.isolate=thread runs it in threads):\n"
                             + traceback.format_exc()))
         return
     reply = ("ready", None)
@@ -735,6 +736,7 @@ class RewardRunner:
         self._callers: list = []  # callers in use, to stop on close
         self._counts = {"calls": 0, "errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0}
         self._abandoned: list[threading.Thread] = []
+        self._unloadable: RewardWorkerError | None = None  # a worker could not load the reward
 
     def submit(self, item, completion_text: str, completion_ids) -> concurrent.futures.Future:
         """A Future of the reward (a float); it never raises."""
@@ -771,8 +773,15 @@ class RewardRunner:
     def _caller(self):
         caller = getattr(self._local, "caller", None)
         if caller is None or not caller.usable():
-            caller = self._local.caller = (_CallProcess(self._fn_pickle) if self.isolated
-                                           else _CallThread(self.fn))
+            if self._unloadable is not None:  # no new interpreter per call for the same failure
+                raise self._unloadable
+            try:
+                caller = (_CallProcess(self._fn_pickle) if self.isolated else _CallThread(self.fn))
+            except RewardWorkerError as e:
+                if str(e).startswith(_LOAD_FAILED):
+                    self._unloadable = e
+                raise
+            self._local.caller = caller
             with self._lock:
                 self._callers = [c for c in self._callers if c.usable()] + [caller]
         return caller

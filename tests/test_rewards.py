@@ -598,3 +598,37 @@ def test_reward_isolate_setting_picks_processes_or_threads():
         runner.close()
     assert got == {("math", "auto"): True, ("math", "thread"): False,
                    ("exact_match", "auto"): False, ("exact_match", "process"): True}
+
+
+def _unloadable_reward(item, completion_text, completion_ids):
+    return 1.0
+
+
+def _failing_warm_up():
+    raise RuntimeError("the judge model is not on this machine")
+
+
+_unloadable_reward.isolate, _unloadable_reward.warm_up = True, _failing_warm_up
+
+
+def test_a_reward_that_cannot_load_in_a_worker_starts_one_worker_not_one_a_call(monkeypatch):
+    """A worker process that fails to load the reward (its warm_up raised) failed every call,
+    each in a fresh interpreter started for it (~1 s of imports a call). The first failure is
+    kept: later calls score 0.0 as errors at once, naming it."""
+    from types import SimpleNamespace
+    from rollout import rewards as R
+    starts = []
+    real = R._CallProcess.__init__
+
+    def counted(self, fn_pickle):
+        starts.append(1)
+        real(self, fn_pickle)
+    monkeypatch.setattr(R._CallProcess, "__init__", counted)
+    runner = R.RewardRunner(_unloadable_reward, timeout_s=60, max_workers=1)
+    try:
+        item = SimpleNamespace(id="p0", answer="1")
+        scores = [runner.submit(item, "1", [1]).result() for _ in range(3)]
+    finally:
+        runner.close()
+    assert scores == [0.0, 0.0, 0.0] and len(starts) == 1
+    assert runner.stats()["errors"] == 3

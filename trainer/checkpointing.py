@@ -181,7 +181,7 @@ def _check_reference(cfg, path: Path, was: str | None) -> None:
 
 # What a resume does with a setting that differs from its checkpoint's run's (`resume_changes`):
 # how to resume is no setting of the run, and a key missing here is applied from the next step.
-_NOT_COMPARED = ("checkpoint.resume", "run.dry_run")
+_NOT_COMPARED = ("checkpoint.resume", "run.dry_run", "run.dir")  # run.dir: another run's resumed
 _KEPT = {"trainer.seed": "its RNG state is restored"}
 _SCHEDULE = "the lr schedule keeps its position"
 _WHY = {"model.path": "tokenizer and model config; the policy's weights are the checkpoint's",
