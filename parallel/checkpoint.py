@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from model.hf_io import (INDEX_FILE, SINGLE_FILE, _split_shards, expected_tensors, save_file,
                          to_dtype)
+from parallel.mesh import is_timeout
 
 EXTRA_FILE = "extra.json"
 _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")  # full match: "step_000123.tmp" is never one
@@ -120,7 +121,7 @@ def _meet(group, what: str, error: str | None) -> None:
     except RuntimeError as e:  # gloo: a time-out or a lost peer, both RuntimeError
         if error is not None:
             return  # this rank's own error is the one it raises
-        kind = TimeoutError if "timed out" in str(e).lower() else ConnectionError
+        kind = TimeoutError if is_timeout(e) else ConnectionError
         raise kind(f"rank {dist.get_rank()} waited for every rank of {ranks} to finish {what}, "
                    f"and gave up: {e}") from e
     others = {r: err for r, err in failed.items() if r != dist.get_rank()}

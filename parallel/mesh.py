@@ -5,9 +5,11 @@ only uses the one(s) it belongs to. After start-up there are no collectives span
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -53,6 +55,14 @@ def pin_malloc() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+def is_timeout(e: RuntimeError, deadline: float = math.inf) -> bool:
+    """Whether a collective's error is its timeout: gloo says "Timed out", NCCL "... before
+    timing out" (a bare "timeout" is no sign: NCCL's "either an error or timeout" is said of
+    both); an error raised at the `deadline` (time.monotonic()) is one whatever it says."""
+    text = str(e).lower()
+    return "timed out" in text or "timing out" in text or time.monotonic() >= deadline
 
 
 def backend_for(device: torch.device, requested: str = "cpu:gloo,cuda:nccl") -> str:

@@ -37,7 +37,7 @@ from rollout.engine import Completion, Engine, Request, SamplingParams
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import GenerationGate
-from trainer.link import Link, Msg, PeerError, attempt_store
+from trainer.link import Link, Msg, PeerError, leave_error, left_error
 
 
 def stop_token_ids(cfg, tokenizer) -> list[int]:
@@ -90,31 +90,15 @@ class ReplicaRankFailed(RuntimeError):
     shutdown: a leader tells the trainer this one (rollout/role.py)."""
 
 
-def _failure_store():
-    return attempt_store("tp_failures")  # the job's store, keys by global rank
-
-
-def _publish_failure(error: BaseException) -> None:
-    """Leave this rank's cause where the other ranks of its TP replica look (`_peer_failure`):
-    they are left in a collective with it, to fail there with a gloo error that names nothing."""
-    try:
-        _failure_store().set(str(dist.get_rank()), f"{type(error).__name__}: {error}"[:4000])
-    except Exception:  # the store is gone too: the others fail with their own error, as before
-        pass
-
-
 def _peer_failure(tp_group) -> str | None:
-    """The cause another rank of this TP replica left (`_publish_failure`), if any. A rank failed
-    in a collective learns why: its peer published before it left the collective (the peer's
-    exit, which closed the connection, or the group's timeout came after)."""
-    try:
-        store, me = _failure_store(), dist.get_rank()
-        for i, r in enumerate(dist.get_process_group_ranks(tp_group)):
-            if r != me and store.check([str(r)]):
-                return (f"generator rank {r} (tp rank {i} of this replica) failed: "
-                        f"{store.get(str(r)).decode()}")
-    except Exception:  # no store to ask: this rank's own error stands
-        return None
+    """The cause another rank of this TP replica left (trainer.link.leave_error), if any. A rank
+    failed in a collective learns why: its peer left it before it left the collective (the
+    peer's exit, which closed the connection, or the group's timeout came after)."""
+    me = dist.get_rank()
+    for i, r in enumerate(dist.get_process_group_ranks(tp_group)):
+        cause = left_error(r) if r != me else None
+        if cause is not None:
+            return f"generator rank {r} (tp rank {i} of this replica) failed: {cause}"
     return None
 
 
@@ -200,7 +184,7 @@ class GeneratorWorker:
     @contextlib.contextmanager
     def _naming_failures(self):
         """With TP: a rank's failure names the failure of another rank of its replica that caused
-        it (`ReplicaRankFailed`), or else leaves its own cause for the others (`_peer_failure`).
+        it (`ReplicaRankFailed`), or else leaves its own cause for the others (trainer.link.leave_error).
         A failure inside a collective the ranks share (an engine step's all-reduce: an OOM on one
         rank) left the others there, to fail with "Connection closed by peer" or the group's
         timeout, and a leader told the trainer that instead of its follower's cause."""
@@ -212,7 +196,7 @@ class GeneratorWorker:
                 cause = _peer_failure(self.tp_group)
                 if cause is not None:
                     raise ReplicaRankFailed(cause) from e
-                _publish_failure(e)
+                leave_error(dist.get_rank(), f"{type(e).__name__}: {e}")
             raise
         finally:
             if outer:

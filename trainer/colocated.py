@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from config import warmup_budget_s
+from parallel.mesh import is_timeout
 from rollout.engine import Request
 from rollout.role import build_engine
 from rollout.worker import replica_share, sampling_params
@@ -31,7 +32,6 @@ from trainer.batch import Group
 from trainer.checkpointing import clear_complete, maybe_export_hf
 from trainer.metrics import reduce_stats, step_metrics
 from trainer.step import NonFiniteGuard, train_step
-from weights_sync.sync import is_timeout
 
 
 class _PlanWithoutSelf:

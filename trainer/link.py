@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from launch import preemption
+from parallel.mesh import is_timeout
 
 TAG_BODY = 12
 # The watcher's store wait. Long: every timed-out wait logs a c10d warning; `close()` rings the
@@ -104,6 +105,23 @@ def left_error(rank: int, store=None) -> str | None:
         return _read_error(attempt_store("link", store), rank)
     except (RuntimeError, ValueError):  # no process group, no store
         return None
+
+
+def leave_error(rank: int, error: str, store=None) -> None:
+    """Leave `rank`'s cause in the job's store (default: the process group's) where its peers find
+    it after it is gone (`left_error`); the first one stays: a second failure on the way out is
+    not the cause. Best effort: a store gone too leaves nothing."""
+    try:
+        _write_error(attempt_store("link", store), rank, error)
+    except (RuntimeError, ValueError):  # no process group, no store
+        pass
+
+
+def _write_error(store, rank: int, error: str) -> None:
+    try:
+        store.compare_set(f"error/{rank}", "", error[:4000])
+    except RuntimeError:
+        pass  # the store is gone: the SHUTDOWNs' bodies carry it as far as they get
 
 
 def _read_error(store, rank: int) -> str | None:
@@ -414,7 +432,7 @@ class Link:
         if failure is not None:
             return PeerError(f"the run failed on another node: {failure} (rank {self.rank} lost "
                              f"rank {peer} while waiting for {what})")
-        if "imed out" in str(e):
+        if is_timeout(e):
             return TimeoutError(f"rank {self.rank} timed out after "
                                 f"{self.timeout_s if timeout_s is None else timeout_s:.0f}s "
                                 f"waiting for {what} ({e})")
@@ -424,12 +442,7 @@ class Link:
         return _read_error(self.store, peer)
 
     def _leave_error(self, error: str) -> None:
-        """Put this rank's cause where its peers find it after it is gone (the first one stays:
-        a second failure on the way out is not the cause)."""
-        try:
-            self.store.compare_set(f"error/{self.rank}", "", error)
-        except RuntimeError:
-            pass  # the store is gone: the SHUTDOWNs' bodies carry it as far as they get
+        _write_error(self.store, self.rank, error)  # (`leave_error`, over this link's store)
 
     def broadcast_shutdown(self, error: str | None = None, timeout_s: float = 5.0,
                            announce: bool = True) -> None:

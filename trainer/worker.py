@@ -18,6 +18,7 @@ import torch.distributed as dist
 from config import warmup_budget_s
 from launch import preemption
 from launch.faults import maybe_kill
+from parallel.mesh import is_timeout
 from trainer import checkpointing
 from trainer.batch import Group
 from trainer.buffer import OffPolicyBuffer
@@ -58,7 +59,7 @@ def awaiting(owner: int, what: str, fn, *args, **kwargs):
         if cause is not None:
             raise PeerError(f"trainer rank {owner} failed: {cause} (trainer rank {me} waited "
                             f"for {what})") from None
-        kind = (TimeoutError if "imed out" in str(e) else
+        kind = (TimeoutError if is_timeout(e) else
                 ConnectionError if "onnection" in str(e) else RuntimeError)
         raise kind(f"trainer rank {me} waited for {what}, which failed: {e}") from None
 

@@ -29,7 +29,6 @@ the placement (`Meshes.gpu_of`) and combine both kinds when a rank has peers of 
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 import time
 import zlib
@@ -40,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel.mesh import gpu_key, same_gpu, shared_host_memory
+from parallel.mesh import gpu_key, is_timeout, same_gpu, shared_host_memory
 from weights_sync import stream
 
 TAG_WEIGHTS = 21
@@ -124,14 +123,6 @@ def _wait(work, deadline: float, timeout_s: float, what: str) -> None:
         if is_timeout(e, deadline):
             raise TimeoutError(f"weight sync timed out after {timeout_s:.0f}s waiting for {what} ({e})") from None
         raise PeerLost(f"weight sync lost its peer while waiting for {what} ({e})") from None
-
-
-def is_timeout(e: RuntimeError, deadline: float = math.inf) -> bool:
-    """Whether a collective's error is its timeout: gloo says "Timed out", NCCL "... before
-    timing out" (a bare "timeout" is no sign: NCCL's "either an error or timeout" is said of
-    both); an error raised at the `deadline` (time.monotonic()) is one whatever it says."""
-    text = str(e).lower()
-    return "timed out" in text or "timing out" in text or time.monotonic() >= deadline
 
 
 class VersionThread:
