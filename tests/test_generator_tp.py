@@ -6,7 +6,6 @@ all-reduces over the replica (the fake engine's one all-reduce a step stands for
 one rank left the other in its next collective: it ended with a bare gloo time-out (or
 "Connection closed by peer") after the group's timeout, naming nothing, and a leader whose
 follower failed told the trainer only that gloo error."""
-import concurrent.futures
 import types
 from datetime import timedelta
 
@@ -94,20 +93,13 @@ def _replica(rank, scenario, fails, fail_rank, fail_at):
              "checkpoint": [[Message(Msg.CHECKPOINT, 0, 0)]],
              "checkpoint, shutdown": [[Message(Msg.CHECKPOINT, 0, 0), Message(Msg.SHUTDOWN, 0, 0)]],
              "clean": [[], [], [weights], [], [Message(Msg.SHUTDOWN, 1, 0)]]}.get(scenario, [])
-    cfg = ns(trainer=ns(prompts_per_step=2), algo=ns(max_staleness=0),
-             parallel=ns(gen_dp=1, timeout_s=10.0, warmup_timeout_s=10.0),
-             generator=ns(max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
-                          n_samples=2, stop_token_ids=[], ignore_eos=True, seed=0))
+    from tests.test_worker_cut import generator_cfg, scored
+    cfg = generator_cfg(max_staleness=0, max_new_tokens=2, warmup_timeout_s=10.0)
     items = [PromptItem(id=i, prompt=f"p{i}", messages=None, answer="") for i in range(4)]
-
-    def reward(item, text, ids):
-        f = concurrent.futures.Future()
-        f.set_result(1.0)
-        return f
     engine = _TPEngine(tp_group, fail_at if rank == fail_rank else None)
     link = _LeaderLink(inbox, fails) if rank == 0 else None
     w = GeneratorWorker(cfg, engine, PromptSource(items, seed=0), ns(decode=str),
-                        ns(submit=reward), link, ns(receive=lambda v: None), 0, 0,
+                        scored(1.0), link, ns(receive=lambda v: None), 0, 0,
                         tp_group=tp_group, encode=lambda it: [1, 5 + it.id])
     if scenario == "evaluation":  # an evaluation after each swap: engine steps of its own
         w.evaluator = ns(due=lambda version: True,

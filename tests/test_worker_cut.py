@@ -35,21 +35,30 @@ class _Link:
         self.sent.append((kind, version, payload))
 
 
-def _worker(model, link):
-    cfg = ns(trainer=ns(prompts_per_step=2), algo=ns(max_staleness=1),
-             parallel=ns(gen_dp=1, timeout_s=10.0, warmup_timeout_s=100.0),
-             generator=ns(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
-                          n_samples=2, stop_token_ids=[], ignore_eos=True, seed=0))
-    items = [PromptItem(id=i, prompt=f"p{i}", messages=None, answer="") for i in range(10)]
+def generator_cfg(max_staleness: int, max_new_tokens: int, warmup_timeout_s: float):
+    """What a GeneratorWorker driven by fakes reads of its config: 2 groups of 2 samples a step."""
+    return ns(trainer=ns(prompts_per_step=2), algo=ns(max_staleness=max_staleness),
+              parallel=ns(gen_dp=1, timeout_s=10.0, warmup_timeout_s=warmup_timeout_s),
+              generator=ns(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+                           greedy=False, n_samples=2, stop_token_ids=[], ignore_eos=True, seed=0))
 
-    def reward(item, text, ids):
+
+def scored(value: float):
+    """A RewardRunner stand-in whose every reward is `value`, at once."""
+    def submit(item, text, ids):
         f = concurrent.futures.Future()
-        f.set_result(0.0)
+        f.set_result(value)
         return f
+    return ns(submit=submit)
+
+
+def _worker(model, link):
+    cfg = generator_cfg(max_staleness=1, max_new_tokens=3, warmup_timeout_s=100.0)
+    items = [PromptItem(id=i, prompt=f"p{i}", messages=None, answer="") for i in range(10)]
     engine = Engine(model, num_slots=4, max_len=32)
     engine.load_weights = lambda apply, version: None  # no trainer: the weights stay as they are
     return GeneratorWorker(cfg, engine, PromptSource(items, seed=0), ns(decode=str),
-                           ns(submit=reward), link, ns(receive=lambda v: None), 0, 0,
+                           scored(0.0), link, ns(receive=lambda v: None), 0, 0,
                            encode=lambda it: [1, 5 + it.id, 7])
 
 
