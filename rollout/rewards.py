@@ -441,8 +441,11 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 # resolving a spec
 
 
-def reward_runner(rcfg) -> "RewardRunner":
-    """The RewardRunner of a `reward` config section (fn, format_weight, timeout_s, isolate)."""
+def reward_runner(rcfg, leader: bool = True) -> "RewardRunner | Unscored":
+    """The RewardRunner of a `reward` config section (fn, format_weight, timeout_s, isolate); for
+    a generator TP follower (`leader` False), whose replica's leader scores, `Unscored`."""
+    if not leader:
+        return Unscored()
     isolate = {"auto": None, "process": True, "thread": False}[rcfg.isolate]
     return RewardRunner(resolve_reward(rcfg.fn, rcfg.format_weight), rcfg.timeout_s,
                         isolate=isolate)
@@ -853,6 +856,27 @@ class RewardRunner:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Unscored:
+    """The rewards of a generator TP follower: its replica's leader scores the same completions
+    and alone sends them (and records the evaluation), so a follower's are never read. It runs
+    nothing (a RewardRunner there ran the reward a second time, in worker processes of its own)
+    and scores 0.0."""
+
+    def submit(self, item, completion_text: str, completion_ids) -> concurrent.futures.Future:
+        done = concurrent.futures.Future()
+        done.set_result(0.0)
+        return done
+
+    def score_batch(self, items, texts, ids) -> list[float]:
+        return [0.0] * len(items)
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def _pickled(fn: RewardFn, name: str) -> bytes:

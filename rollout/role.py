@@ -129,7 +129,7 @@ def start_generator(cfg, meshes, tokenizer, link: Link | None,
                            world=dims.gen_dp)
     engine = build_engine(model, cfg, replica, meshes.device, print_choice=rank == dims.generator_rank_list[0])
     tp_group = meshes.generator["tp"].get_group() if dims.gen_tp > 1 else None
-    rewards = reward_runner(cfg.reward)
+    rewards = reward_runner(cfg.reward, leader=tp_rank == 0)
     stack.callback(rewards.close)
     worker = GeneratorWorker(cfg, engine, prompts, tokenizer, rewards, link, receiver,
                              dims.trainer_rank_list[0], replica, tp_group, encode)

@@ -8,7 +8,8 @@ is its *leader* and alone talks to the trainer):
     admit prompts while the staleness gate allows (a paused generator waits, never discards:
         discarding the slow prompts would bias training toward short ones)
     engine.step()  (continuous batching: finished slots refill at once)
-    finished groups -> rewards in a thread pool (off the decode path) -> TRAJECTORIES to trainer 0
+    finished groups -> rewards off the decode path (the leader's; followers score nothing)
+                    -> TRAJECTORIES to trainer 0
 A TP replica's ranks fail together, naming the first failure: the leader's own (a message to the
 trainer) goes to its followers in their next broadcast (`_tp_broadcast`), one inside a collective
 they share (an engine step) through the job's store (`_naming_failures`).

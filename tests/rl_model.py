@@ -1,4 +1,6 @@
 """A tiny random policy with the project's character tokenizer (see tools/make_tiny_model.py)."""
+import os
+
 from tools.make_tiny_model import make_random_model
 
 
@@ -10,3 +12,11 @@ def length_reward(item, completion_text: str, completion_ids) -> float:
     """A user reward (loaded as `tests.rl_model:length_reward`) that varies even for a random
     policy, so end-to-end runs have non-zero advantages and the weights really move."""
     return len(completion_ids) / 8.0
+
+
+def counted_length_reward(item, completion_text: str, completion_ids) -> float:
+    """`length_reward` that also appends a line to `$TANDEM_TEST_REWARD_CALLS/<RANK>` a call:
+    which ranks scored, and how often."""
+    with open(os.path.join(os.environ["TANDEM_TEST_REWARD_CALLS"], os.environ["RANK"]), "a") as f:
+        f.write(f"{len(completion_ids)}\n")
+    return length_reward(item, completion_text, completion_ids)

@@ -94,17 +94,21 @@ def test_a_timed_out_exchange_names_the_step_and_the_late_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_as_one_and_generate_with_the_trainers_weights(tmp_path):
+def test_two_ranks_train_as_one_and_generate_with_the_trainers_weights(tmp_path, monkeypatch):
     """Trainer FSDP over 2 ranks, generator TP over the same 2 (other boxes of every matrix):
     the same samples and, to fp32 rounding, the same weights as one rank of the same seeds; the
-    generator's weights equal the trainer's exactly after the last reshard."""
+    generator's weights equal the trainer's exactly after the last reshard. Only the TP leader
+    scores (the follower scored every completion again, for nothing)."""
     import torch
     folder = make_rl_model(tmp_path / "m")
     args = ["--trainer.max_steps=3", "--trainer.lr=1e-2", "--trainer.warmup_steps=0",
             "--trainer.prompts_per_step=4", "--generator.n_samples=4"]
     one = run_ranks(_run, 1, folder, str(tmp_path / "one"), args, timeout=300)[0]
-    two = run_ranks(_run, 2, folder, str(tmp_path / "two"), [*args, "--parallel.gen_tp=2"],
+    monkeypatch.setenv("TANDEM_TEST_REWARD_CALLS", str(tmp_path))
+    two = run_ranks(_run, 2, folder, str(tmp_path / "two"),
+                    [*args, "--parallel.gen_tp=2", "--reward.fn=tests.rl_model:counted_length_reward"],
                     timeout=300)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["0"]
     rows = [[json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
             for d in ("one", "two")]
     assert len(rows[0]) == 3

@@ -192,6 +192,30 @@ def test_two_nodes_on_one_machine(tmp_path):
     assert "generator:" not in stdout  # rank 3's set-up line: logging.log_rank=0 drops it
 
 
+def test_a_tp_generator_replica_trains_and_only_its_leader_scores(tmp_path):
+    """Split mode with one generator replica of TP 2 (ranks 1-2) through train_rl.py. Both ranks
+    decode the same completions, and the leader alone sends them: the follower scored every one
+    again with a reward runner of its own (a math reward's worker processes, twice the CPU)."""
+    model = make_rl_model(tmp_path / "model")
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    run_dir = tmp_path / "run"
+    proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}", f"--run.dir={run_dir}",
+                     "--trainer.max_steps=2", "--parallel.generator_ranks=2", "--parallel.gen_tp=2",
+                     "--logging.tensorboard=false", *QUICK,
+                     "--reward.fn=tests.rl_model:counted_length_reward"],
+                    extra_env={"TANDEM_TEST_REWARD_CALLS": str(calls)})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "generator mesh (dp=1, tp=2): [1, 2]" in proc.stdout
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    assert os.listdir(calls) == ["1"]  # the leader's
+    scored = len((calls / "1").read_text().split())
+    # every trained sample, and v0's and the final policy's 8 held-out prompts
+    assert scored >= 2 * 4 * 4 + 2 * 8, scored
+    evals = [json.loads(ln)["step"] for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals == [0, 2]  # written once each, by the leader
+
+
 def test_two_nodes_restart_after_a_rank_dies_and_resume(tmp_path):
     """A generator rank of the second 'node' dies after the step-2 checkpoint; with a store per
     rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/tandem.sbatch sets) both

@@ -239,10 +239,10 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     sender = WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout)
     receiver = WeightReceiver(g_model, plan, rank, meshes.weights_group, timeout)
     items, _, encode = load_items(cfg, tokenizer)
-    replica = dims.generator_coord(rank)[0]
+    replica, tp_rank = dims.generator_coord(rank)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)
-    rewards = reward_runner(cfg.reward)
+    rewards = reward_runner(cfg.reward, leader=tp_rank == 0)  # a TP leader scores for its replica
     opt = build_optimizer(t_model, cfg.trainer)
     logger = None
     if rank == 0:
