@@ -8,6 +8,7 @@ alone and mixed with gloo point-to-point peers. The CUDA tests skip without a GP
 """
 import concurrent.futures
 import functools
+import itertools
 
 import pytest
 import torch
@@ -369,7 +370,7 @@ def test_a_stuck_staging_thread_times_out_with_a_watch(monkeypatch):
     _, _, sender, _ = _pair(buffers=1, timeout_s=0.2)
     monkeypatch.setattr(sender._inflight, "JOIN_GRACE_S", 0.1)
     release = threading.Event()
-    monkeypatch.setattr(sender.memory, "run", lambda fn, after: release.wait(60))
+    monkeypatch.setattr(sender.memory, "run", lambda fn, after, *a, **k: release.wait(60))
     watch_link(sender, FakeLink(0))
     sender.push(1)
     done = concurrent.futures.ThreadPoolExecutor(1).submit(sender.wait_sent)
@@ -788,6 +789,247 @@ def test_factory_returns_plain_point_to_point_parts():
     sender = make_sender(Toy(6), p, 0, torch.float32, None, 5.0, {0: ("h", -1), 9: ("h", -1)})
     recv = make_receiver(Toy(6), p, 9, None, 5.0, None)
     assert type(sender) is WeightSender and type(recv) is WeightReceiver
+
+
+# ----- device waits: CudaIpcMemory's logic on CPU (a fake side stream and fake events) --------
+
+class FakeEvent:
+    """What `wait_done` reads of a torch.cuda.Event: query(), true from its `polls`-th call on
+    (None: never, as on a wedged GPU)."""
+
+    def __init__(self, polls=None):
+        self.polls, self.queries = polls, 0
+
+    def query(self):
+        self.queries += 1
+        return self.polls is not None and self.queries >= self.polls
+
+    @property
+    def done(self):
+        return self.polls is not None and self.queries >= self.polls
+
+
+class FakeStream:
+    """CudaIpcMemory's side stream without CUDA (`torch.cuda.stream(it)` is then a no-op): it logs
+    the calls, and its events complete after `polls` queries."""
+
+    def __init__(self, polls=None, log=None):
+        self.polls, self.log, self.events = polls, [] if log is None else log, []
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", event))
+
+    def record_event(self):
+        self.events.append(FakeEvent(self.polls))
+        self.log.append(("record_event",))
+        return self.events[-1]
+
+    def synchronize(self):  # what a wedged GPU does to it: no deadline, no message
+        raise AssertionError("stream.synchronize() waited with no deadline")
+
+
+def _fake_cuda_memory(polls=None):
+    """CudaIpcMemory whose copies run on CPU behind a FakeStream."""
+    from weights_sync.ipc import CudaIpcMemory
+    m = CudaIpcMemory(torch.device("cuda", 0))
+    m._stream = FakeStream(polls)
+    return m
+
+
+_MARKERS = itertools.count()
+
+
+class FakeCudaSharing(CpuShmMemory):
+    """The CPU stand-in's sharing (export/open) with CudaIpcMemory's ordering and waits: markers
+    are tokens naming the thread that took them, every copy is logged where it runs."""
+
+    def __init__(self, polls=None):
+        super().__init__(torch.device("cpu"))
+        self.log = []
+        self.cuda = _fake_cuda_memory(polls)
+        self.cuda._stream.log = self.log
+
+    def marker(self):
+        import threading
+        return ("marker", next(_MARKERS), threading.current_thread().name)
+
+    def run(self, fn, after, *args, **kwargs):
+        def logged():
+            self.log.append(("copy",))
+            fn()
+        self.cuda.run(logged, after, *args, **kwargs)
+        assert self.cuda.stream.events[-1].done  # run() returned: the device said done
+        self.log.append(("done",))
+
+
+def _faked(sender=None, recv=None, polls=None):
+    """Give each end a FakeCudaSharing; its log (one per end) is returned."""
+    logs = []
+    for end in (sender, recv):
+        if end is not None:
+            end.memory = FakeCudaSharing(polls)
+            logs.append(end.memory.log)
+    return logs
+
+
+def test_wait_done_polls_until_the_event_completes():
+    import time
+    from weights_sync.ipc import wait_done
+    ev = FakeEvent(polls=4)
+    wait_done(ev, time.monotonic() + 5, "a copy")
+    assert ev.queries == 4  # no query after the one that said done
+    late = FakeEvent(polls=1)
+    wait_done(late, time.monotonic() - 1, "a copy")  # done work passes even past the deadline
+
+
+def test_wait_done_times_out_naming_what_it_waited_for():
+    import time
+    from weights_sync.ipc import wait_done
+    ev = FakeEvent(polls=None)
+    with pytest.raises(TimeoutError, match=r"trainer rank 0's copy of weights version 3 had not "
+                                           r"finished on cuda:1 after 0\.[0-9]s .*Xid.*raise "
+                                           r"--parallel.timeout_s"):
+        wait_done(ev, time.monotonic() + 0.1, "trainer rank 0's copy of weights version 3",
+                  "cuda:1")
+    assert ev.queries > 1
+
+    def abandoned():
+        raise RuntimeError("abandoned")
+    with pytest.raises(RuntimeError, match="abandoned"):  # a watch ends it early, as other waits
+        wait_done(FakeEvent(None), time.monotonic() + 30, "a copy", watch=abandoned)
+
+
+def test_cuda_run_orders_its_copies_and_waits_with_a_deadline():
+    """CudaIpcMemory.run on CPU: the side stream waits for `after`, then runs the copies, then
+    records the event that the host polls. It waited with stream.synchronize(), which has no
+    deadline: a wedged GPU held the trainer (or generator) for ever without a word."""
+    import time
+    m = _fake_cuda_memory(polls=3)
+    ran = []
+    m.run(lambda: ran.append(m.stream.log[:]), "after", time.monotonic() + 5, "a copy")
+    assert ran == [[("wait_event", "after")]]  # the copies run after the wait, on the stream
+    assert m.stream.log[-1] == ("record_event",) and m.stream.events[0].done
+    stuck = _fake_cuda_memory(polls=None)
+    with pytest.raises(TimeoutError, match=r"^a copy had not finished on cuda:0 after"):
+        stuck.run(lambda: None, "after", time.monotonic() + 0.1, "a copy")
+
+
+@pytest.mark.parametrize("buffers", [1, 0])
+def test_a_wedged_gpu_under_the_sender_times_out_naming_the_copy(buffers):
+    """The trainer's fill (zero copy: the update before the announcement) never finishes on the
+    device: wait_sent() raises in timeout_s naming the copy, and nothing is announced."""
+    _, _, sender, recv = _pair(buffers=buffers, timeout_s=0.3)
+    _faked(sender, polls=None)
+    sender.push(1)
+    what = (r"trainer rank 0's update to weights version 1 \(the parameters generator rank 9 "
+            r"reads\)" if buffers == 0 else
+            r"trainer rank 0's copy of weights version 1 into CUDA IPC staging buffer 0 for "
+            r"generator rank 9")
+    with pytest.raises(TimeoutError, match=what + r" had not finished on cuda:0 after"):
+        sender.wait_sent()
+    assert not recv.ready(1)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_wedged_gpu_under_the_receiver_times_out_naming_the_copy(direct):
+    """The generator's copy out of the trainer's slot (direct: its apply) never finishes:
+    receive() (direct: apply()) raises naming it, and the slot is not released."""
+    _, _, sender, recv = _pair(buffers=1, timeout_s=0.3, direct=direct)
+    sender.push(1)
+    sender.wait_sent()
+    _faked(recv=recv, polls=None)
+    what = (r"generator rank 9's apply of weights version 1 from trainer rank\(s\) \[0\] "
+            r"\(CUDA IPC, direct\)" if direct else
+            r"generator rank 9's copy of weights version 1 out of trainer rank 0's CUDA IPC slot 0")
+    with pytest.raises(TimeoutError, match=what + " had not finished on cuda:0 after"):
+        recv.receive(1)()
+    assert recv.control.acked(0, 9, 0) is None
+
+
+def test_a_shutdown_ends_a_staging_thread_stuck_on_the_device():
+    """The generator failed while the trainer's fill sat behind a wedged GPU: wait_sent() ends
+    with the generator's cause, and the staging thread stops at its next poll of the device
+    (in stream.synchronize() it outlived the error, for ever)."""
+    from trainer.link import PeerError
+    from weights_sync.ipc import watch_link
+    _, _, sender, _ = _pair(buffers=1, timeout_s=30.0)
+    _faked(sender, polls=None)
+    link = FakeLink(0)
+    watch_link(sender, link)
+    sender.push(1)
+    link.queue = [_shutdown(9)]
+    with pytest.raises(PeerError, match="generator rank 9: RuntimeError: boom"):
+        sender.wait_sent()
+    assert _no_staging_thread()
+
+
+@pytest.mark.parametrize("buffers,direct", [(1, False), (2, False), (1, True), (0, False),
+                                            (0, True)])
+def test_no_message_before_the_device_says_its_copy_is_done(buffers, direct):
+    """The CUDA ordering, with device work that completes only after a few polls: every
+    announcement (ready) and release (ack) comes after the event behind its copies reported
+    done, and every copy waits on its stream for the marker its caller took first: push()'s on
+    the trainer's thread (the optimizer step), receive()'s (an earlier apply still reading the
+    staging), apply()'s (the engine's queued steps)."""
+    trainer, gen, sender, recv = _pair(buffers=buffers, direct=direct)
+    logs = _faked(sender, recv, polls=3)
+    for end, name in ((sender, "publish_ready"), (recv, "ack")):
+        def told(*args, _real=getattr(end.control, name), _log=end.memory.log, _name=name):
+            _log.append((_name,) + args)
+            _real(*args)
+        setattr(end.control, name, told)
+    for v in (1, 2, 3):
+        _bump(trainer, v)
+        sender.push(v)
+        recv.receive(v)()
+        sender.wait_sent()
+        assert _same(trainer, gen), v
+    sender.close()
+    for log, name in zip(logs, ("publish_ready", "ack")):
+        # each version: its copies, the device's "done", then (and only then) the message
+        steps = [e[0] for e in log if e[0] in ("copy", "done", name)]
+        assert steps == ["copy", "done", name] * 3, log
+        copies = [i for i, e in enumerate(log) if e == ("copy",)]
+        assert all(log[i - 1][0] == "wait_event" for i in copies), log
+        markers = [log[i - 1][1] for i in copies]
+        # each taken afresh, on the caller's thread (not the staging thread's)
+        assert len(set(markers)) == len(markers) == 3, log
+        assert all(m[0] == "marker" and not m[2].startswith("weights-ipc-") for m in markers)
+
+
+def test_the_shared_memory_follows_the_device_and_both_ends_must_agree():
+    """The CUDA choices, made from a device object (no GPU needed): CUDA IPC and one copy per
+    parameter on CUDA, the shared-memory file and the multi-tensor copy on CPU. A trainer
+    sharing by CUDA IPC with a CPU generator is refused naming both kinds and the fix."""
+    from weights_sync.ipc import CudaIpcMemory, _foreach_default, shared_memory_for
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert type(shared_memory_for(cuda)) is CudaIpcMemory and shared_memory_for(cuda).device == cuda
+    assert type(shared_memory_for(cpu)) is CpuShmMemory
+    assert _foreach_default(cuda) is False and _foreach_default(cpu) is True
+    _, _, sender, recv = _pair()
+    info = sender.control.handles(0, 9)
+    sender.control.publish_handles(0, 9, {**info, "kind": CudaIpcMemory.kind})
+    with pytest.raises(ValueError, match=r"generator rank 9: trainer rank 0 shares memory of kind "
+                                         r"'cuda_ipc', this rank uses 'cpu_shm' \(it runs on cpu\)"
+                                         r".*same kind of device"):
+        recv.receive(1)
+
+
+@CUDA
+def test_cuda_run_times_out_on_a_busy_device_then_completes():
+    """The real event behind wait_done: a kernel that outlasts the deadline is a TimeoutError
+    naming the work; the stream then drains, and a later run() waits for its copies."""
+    import time
+    from weights_sync.ipc import CudaIpcMemory
+    m = CudaIpcMemory(torch.device("cuda", 0))
+    with pytest.raises(TimeoutError, match=r"a long kernel had not finished on cuda:0"):
+        m.run(lambda: torch.cuda._sleep(2_000_000_000), m.marker(), time.monotonic() + 0.05,
+              "a long kernel")  # about a second on a 2 GHz clock
+    m.stream.synchronize()
+    src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    m.run(lambda: dst.copy_(src), m.marker(), time.monotonic() + 30, "a copy")
+    assert torch.equal(src, dst)
 
 
 # ----- the real CUDA path (skipped without a GPU) --------------------------------------------

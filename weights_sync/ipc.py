@@ -109,7 +109,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class CudaIpcMemory:
     """Staging buffers shared by CUDA IPC; copies run on a side stream and are waited for before
-    the other process is told (one host sync per pair and version, off the trainer thread)."""
+    the other process is told (one host wait per pair and version, off the trainer thread: an
+    event polled up to the version's deadline, `wait_done`)."""
 
     kind = "cuda_ipc"
 
@@ -145,13 +146,17 @@ class CudaIpcMemory:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def run(self, fn: Callable[[], None], after) -> None:
+    def run(self, fn: Callable[[], None], after, deadline: float, what: str,
+            watch: Callable[[], None] | None = None) -> None:
         """Run `fn`'s copies after `after` on the side stream; return once they are done, so the
-        other process may read (or overwrite) the buffer."""
-        with torch.cuda.stream(self.stream):
+        other process may read (or overwrite) the buffer. The wait polls an event recorded
+        behind the copies (`wait_done`), with `deadline`, where `stream.synchronize()` had none:
+        a wedged GPU held this rank for ever without a word. `what`: the copies, for the error."""
+        with torch.cuda.stream(self.stream):  # a no-op without CUDA (the tests' fake stream)
             self.stream.wait_event(after)
             fn()
-        self.stream.synchronize()
+            done = self.stream.record_event()
+        wait_done(done, deadline, what, str(self.device), watch=watch)
 
 
 class CpuShmMemory:
@@ -183,8 +188,9 @@ class CpuShmMemory:
     def marker(self):
         return None
 
-    def run(self, fn: Callable[[], None], after) -> None:
-        fn()  # CPU copies are synchronous
+    def run(self, fn: Callable[[], None], after, deadline: float, what: str,
+            watch: Callable[[], None] | None = None) -> None:
+        fn()  # CPU copies are synchronous: nothing to wait for
 
 
 def shared_memory_for(device: torch.device):
@@ -268,6 +274,21 @@ def poll_until(check: Callable[[], object], deadline: float, fail: Callable[[], 
             continue
         time.sleep(backoff)
         backoff = min(backoff * 2, 1e-3)
+
+
+def wait_done(done, deadline: float, what: str, device: str = "the GPU", *,
+              watch: Callable[[], None] | None = None) -> None:
+    """Wait until `done.query()` is true (a torch.cuda.Event recorded behind some device work;
+    anything with query() in the tests), polled by `poll_until`; past `deadline`, TimeoutError
+    naming `what`, `device` and the fix. query() raises by itself if the work failed."""
+    start = time.monotonic()
+    poll_until(lambda: True if done.query() else None, deadline,
+               lambda: f"{what} had not finished on {device} after "
+                       f"{time.monotonic() - start:.1f}s (its deadline, from "
+                       f"parallel.timeout_s); the device is wedged or far slower than expected: "
+                       f"check nvidia-smi and the kernel log for Xid errors, or if it is only "
+                       f"slow, raise --parallel.timeout_s",
+               watch=watch)
 
 
 def link_watch(link, errors_only: bool) -> Callable[[str], None]:
@@ -472,10 +493,15 @@ class IpcSender:
         k = self.next_slot[d]
         self._wait_released(d, k, deadline, self._abandoned)
         if self.zero_copy:  # nothing to copy: only the update that made `version` must be done
-            self.memory.run(lambda: None, after)
+            what = (f"trainer rank {self.rank}'s update to weights version {version} (the "
+                    f"parameters generator rank {d} reads)")
+            self.memory.run(lambda: None, after, deadline, what, self._abandoned)
         else:
             dsts, srcs = self.fills[d][k]
-            self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after)
+            what = (f"trainer rank {self.rank}'s copy of weights version {version} into CUDA IPC "
+                    f"staging buffer {k} for generator rank {d}")
+            self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after, deadline,
+                            what, self._abandoned)
         self.held[d][k] = version
         self.next_slot[d] = (k + 1) % len(self.held[d])
         self.control.publish_ready(self.rank, d, version, k)
@@ -575,7 +601,10 @@ class IpcReceiver:
                           watch=self._watch_for(lambda: f"trainer rank {s}'s CUDA IPC handles"))
         if info["kind"] != self.memory.kind:
             raise ValueError(f"generator rank {self.rank}: trainer rank {s} shares memory of "
-                             f"kind {info['kind']!r}, this rank uses {self.memory.kind!r}")
+                             f"kind {info['kind']!r}, this rank uses {self.memory.kind!r} (it "
+                             f"runs on {self.device}): one side is on a GPU, the other on CPU, "
+                             f"yet their placements (make_sender/make_receiver's gpu_of) paired "
+                             f"them for shared memory; put both ranks on the same kind of device")
         if info["mode"] == "params":
             self.sources[s] = [self._param_sources(s, info["params"])]
             return
@@ -629,7 +658,10 @@ class IpcReceiver:
                 slots[s] = k
                 if not self.direct:
                     dsts, srcs = self.parts[s], self.sources[s][k]
-                    self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after)
+                    what = (f"generator rank {self.rank}'s copy of weights version {version} out "
+                            f"of trainer rank {s}'s CUDA IPC slot {k}")
+                    self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after,
+                                    deadline, what, self._watch_for(lambda: what))
                     self.control.ack(s, self.rank, k, version)
                 pending.remove(s)
             return True if not pending else None
@@ -664,8 +696,12 @@ class IpcReceiver:
                                f"after a later receive() released it; apply before receiving again")
         dsts = [v for s in slots for v in self.params[s]]
         srcs = [v for s, k in slots.items() for v in self.sources[s][k]]
-        self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), self.memory.marker())  # after the
-        self._release(version, slots)  # engine's queued steps
+        what = (f"generator rank {self.rank}'s apply of weights version {version} from trainer "
+                f"rank(s) {sorted(slots)} (CUDA IPC, direct)")
+        # after the engine's queued steps (the marker); the slots are released once it is done
+        self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), self.memory.marker(),
+                        time.monotonic() + self.timeout_s, what, self._watch_for(lambda: what))
+        self._release(version, slots)
 
     def _release(self, version: int, slots: dict[int, int]) -> None:
         for s, k in slots.items():
