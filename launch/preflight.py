@@ -124,9 +124,16 @@ def _check_model_folder(cfg) -> None:
         raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
                           "(config.json + safetensors)" + missing_model_hint(cfg, empty=True))
     if not Path(path).exists():
-        raise ConfigError(f"model folder {path!r} (model.path) does not exist; point --model.path at "
+        raise ConfigError(f"model folder {path!r} (model.path) does not exist{_looked_at(path)}; "
+                          "point --model.path at "
                           "a Hugging Face model folder (config.json + safetensors)"
                           + missing_model_hint(cfg))
+
+
+def _looked_at(path: str) -> str:
+    """Where a relative path was looked for: the launch directory, which launch/run_local.sh
+    makes the repository's root."""
+    return "" if Path(path).is_absolute() else f" (looked for {Path(path).absolute()})"
 
 
 def _check_ref_folder(cfg) -> None:
@@ -135,7 +142,8 @@ def _check_ref_folder(cfg) -> None:
     ref = cfg.model.ref_path
     if cfg.algo.kl_coef > 0 and ref and ref != cfg.model.path and not Path(ref).exists():
         raise ConfigError(f"model folder {ref!r} (model.ref_path, the KL penalty's reference with "
-                          f"algo.kl_coef={cfg.algo.kl_coef}) does not exist; point --model.ref_path "
+                          f"algo.kl_coef={cfg.algo.kl_coef}) does not exist{_looked_at(ref)}; "
+                          "point --model.ref_path "
                           "at a Hugging Face model folder, or set it to '' for the starting "
                           "policy, model.path")
 

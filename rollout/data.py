@@ -79,8 +79,10 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
         raise ValueError(f"prompt file {source!r} takes no task parameters, got "
                          f"{sorted(source_kwargs)}; leave data.task_options empty for files")
     if not path.is_file():
-        raise ValueError(f"prompt file {str(path)!r} does not exist (data.source); give the path "
-                         f"of a .jsonl/.parquet file, relative to the directory you launch from")
+        where = "" if path.is_absolute() else f", looked for {path.absolute()}"
+        raise ValueError(f"prompt file {str(path)!r} does not exist (data.source{where}); give the "
+                         f"path of a .jsonl/.parquet file, absolute or relative to the directory "
+                         f"train_rl.py runs in (launch/run_local.sh: the repository's root)")
     records = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
     fields = (prompt_field, messages_field, answer_field)
     items = []

@@ -41,6 +41,7 @@ import concurrent.futures
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -456,6 +457,8 @@ def resolve_reward(spec, format_weight: float = 0.0) -> RewardFn:
 
     With `format_weight` > 0 the result adds `format_weight * format_reward`.
     """
+    if callable(spec):
+        _check_signature(spec, getattr(spec, "__name__", repr(spec)))
     fn = spec if callable(spec) else _resolve_spec(spec)
     if format_weight < 0:
         raise ValueError(f"format_weight must be >= 0, got {format_weight}")
@@ -508,7 +511,24 @@ def _resolve_spec(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable; it "
                          f"must be a function (item, completion_text, completion_ids) -> float")
+    _check_signature(fn, spec)
     return fn
+
+
+def _check_signature(fn, name: str) -> None:
+    """A reward that cannot take the runner's three arguments raised TypeError on every call:
+    each scored 0.0, and the run trained on nothing after one logged traceback."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a C callable without a readable signature: unchecked
+        return
+    try:
+        sig.bind(None, "", [])
+    except TypeError as e:
+        raise ValueError(f"reward {name!r} takes {sig}, which a call fn(item, completion_text, "
+                         f"completion_ids) does not fit ({e}); define it as "
+                         f"def {getattr(fn, '__name__', 'reward')}(item, completion_text, "
+                         f"completion_ids) -> float (item.answer is the prompt's answer)") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,3 +20,8 @@ def counted_length_reward(item, completion_text: str, completion_ids) -> float:
     with open(os.path.join(os.environ["TANDEM_TEST_REWARD_CALLS"], os.environ["RANK"]), "a") as f:
         f.write(f"{len(completion_ids)}\n")
     return length_reward(item, completion_text, completion_ids)
+
+
+def two_argument_reward(completion_text: str, answer: str) -> float:
+    """A reward written against another signature (tests/test_bad_input.py): refused at start-up."""
+    return float(completion_text == answer)

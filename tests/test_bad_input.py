@@ -81,6 +81,17 @@ def _case(name, tmp_path, good_model):
         "empty_dataset": ([m, f"--data.source={empty}"], ["empty.jsonl"]),
         "all_prompts_too_long": ([m, "--data.max_prompt_len=2"], ["max_prompt_len"]),
         "bad_reward_path": ([m, "--reward.fn=nowhere_pkg.mod:score"], ["nowhere_pkg"]),
+        # every call raised TypeError: the run trained on zero rewards, rc 0 (tests/rl_model.py)
+        "reward_signature": ([m, "--reward.fn=tests.rl_model:two_argument_reward"],
+                             ["reward 'tests.rl_model:two_argument_reward' takes (completion_text: "
+                              "str, answer: str) -> float", "def two_argument_reward(item, "
+                              "completion_text, completion_ids) -> float"]),
+        # a relative path is looked for in the launch directory (run_local.sh: the repo's root)
+        "relative_model_path": ([m[:-len(good_model)] + "no_such_model_dir"],
+                                ["'no_such_model_dir' (model.path) does not exist (looked for "
+                                 f"{ROOT / 'no_such_model_dir'})"]),
+        "relative_prompt_file": ([m, "--data.source=no_such_prompts.jsonl"],
+                                 [f"data.source, looked for {ROOT / 'no_such_prompts.jsonl'}"]),
         "run_dir_not_writable": ([m, f"--run.dir={not_dir}/run"], ["not writable", "run.dir"]),
         "flash_without_flash_attn": ([m, "--model.attn_backend=flash"],
                                      ["model.attn_backend='flash'", "--model.attn_backend=auto"]),
@@ -107,7 +118,8 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda",
          "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab",
          "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option",
-         "pack_weights_with_compile"]
+         "pack_weights_with_compile", "reward_signature", "relative_model_path",
+         "relative_prompt_file"]
 WORLDS = {"tp_vs_heads": "5", "layout_vs_heads": "4", "tp_vs_heads_and_layout": "4"}  # else 3
 # what a case's message must not say: a degree the other check refuses, a key task_options refuses
 ABSENT = {"layout_vs_heads": ["[1, 3]"], "tp_vs_heads_and_layout": ["[1, 2]"],

@@ -369,6 +369,29 @@ def test_a_reward_module_whose_import_fails_on_a_missing_dependency_says_so(tmp_
         resolve_reward("tandem_test_absent_mod:score")
 
 
+def test_a_reward_that_cannot_take_the_three_arguments_is_refused_when_resolved(tmp_path, monkeypatch):
+    """A user reward `score(completion, answer)` raised TypeError on every call: each scored 0.0,
+    and the run trained on all-zero rewards to the end (rc 0) after one logged traceback.
+    Refused when resolved (preflight), naming the signature to write; any signature that binds
+    the call resolves."""
+    (tmp_path / "tandem_test_sig_mod.py").write_text(
+        "def score(completion, answer):\n    return 1.0\n"
+        "def three(item, completion_text, completion_ids):\n    return 1.0\n"
+        "def loose(item, *rest, extra=0, **kw):\n    return 1.0\n"
+        "def too_many(item, text, ids, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_reward("tandem_test_sig_mod:three")(None, "", []) == 1.0
+    assert resolve_reward("tandem_test_sig_mod:loose", format_weight=0.5) is not None
+    for name, sig in (("score", r"\(completion, answer\)"), ("too_many", r"\(item, text, ids, answer\)")):
+        with pytest.raises(ValueError, match=rf"reward 'tandem_test_sig_mod:{name}' takes {sig}, .*"
+                                             rf"define it as def {name}\(item, completion_text, "
+                                             rf"completion_ids\) -> float"):
+            resolve_reward(f"tandem_test_sig_mod:{name}")
+    with pytest.raises(ValueError, match=r"reward '<lambda>' takes \(\)"):
+        resolve_reward(lambda: 1.0)  # library use: a callable is checked too
+    assert resolve_reward(max) is max  # a C callable without a readable signature: unchecked
+
+
 @pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
                     reason="math_verify not installed (optional; make test installs it)")
 def test_math_verify_is_not_asked_to_evaluate_huge_numbers():
