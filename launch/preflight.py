@@ -35,7 +35,10 @@ def preflight(cfg, dims):
     tok = load_tokenizer(cfg.model.path)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"tokenizer of {cfg.model.path} has {tok.vocab_size} tokens but the model's "
-                         f"vocab_size is {args.vocab_size}: they do not belong together")
+                         f"vocab_size is {args.vocab_size}: they do not belong together; put "
+                         f"the model's own tokenizer files in {cfg.model.path}, or resize the "
+                         f"model's embeddings to at least {tok.vocab_size} rows "
+                         f"(transformers' resize_token_embeddings) before training")
     bad = [t for t in cfg.generator.stop_token_ids if not 0 <= t < args.vocab_size]
     if bad:
         raise ConfigError(f"generator.stop_token_ids has {bad}, outside the model's vocabulary "
@@ -44,9 +47,12 @@ def preflight(cfg, dims):
     if dims.mode == "colocated" and cfg.checkpoint.every_steps:
         raise ConfigError("checkpoints are implemented for split mode only; with "
                           "parallel.mode='colocated' set checkpoint.every_steps=0")
-    items = load_items(cfg, tok)[0]  # raises on a missing/empty dataset or when every prompt is too long
+    # raises on a missing/empty dataset or when every prompt is too long; the first rank alone
+    # logs the prompts skipped (every rank, and then each generator again, said it)
+    first = int(os.environ.get("RANK", "0")) == 0
+    items = load_items(cfg, tok, warn=first)[0]
     if cfg.eval.every_steps:
-        load_eval_items(cfg, tok)  # the same for the held-out prompts
+        load_eval_items(cfg, tok, warn=first)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     start = check_resume(cfg)
     check_resumed(cfg, start, args, items)

@@ -112,7 +112,7 @@ def _load_synthetic(name: str, num_prompts: int, seed: int, kwargs: dict,
     return items
 
 
-def load_held_out(data, ev) -> list[PromptItem]:
+def load_held_out(data, ev, warn: bool = True) -> list[PromptItem]:
     """The prompts of an evaluation (`config.EvalConfig` ev, `config.DataConfig` data): those of
     `ev.source` in data's fields, else of `data.source`. A task's prompts (given or derived) come
     from its held-out part, items training never draws: a synthetic task's from HELD_OUT_START
@@ -133,7 +133,7 @@ def load_held_out(data, ev) -> list[PromptItem]:
                          f"{HELD_OUT_START} training prompts, or set eval.source")
     if kind == "reasoning_gym":
         seed += HELD_OUT_START
-    if not is_task and source == data.source:
+    if not is_task and source == data.source and warn:
         logger.warning("eval.source is data.source (%s): the held-out score is taken on training "
                        "prompts", source)
     # data's task options go with data's own task only (another task has its own parameters; a
@@ -335,11 +335,12 @@ def _encoded(item: PromptItem, encode_fn: Callable[[PromptItem], list[int]]) -> 
 
 
 def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], list[int]],
-                     max_prompt_len: int, what: str = "prompts") -> tuple[list[PromptItem], int]:
+                     max_prompt_len: int, what: str = "prompts",
+                     warn: bool = True) -> tuple[list[PromptItem], int]:
     """Drop prompts longer than `max_prompt_len` tokens; returns (kept, number skipped). `what`
     names the set in the messages (the training and the held-out prompts are filtered alike).
 
-    Skips are logged as one warning with the count. If nothing fits, that is a configuration
+    Skips are logged as one warning with the count (`warn`). If nothing fits, that is a configuration
     error, and the message says how long the shortest prompt is. A prompt that cannot be rendered
     (a chat template refusing its turns, text the tokenizer rejects) or renders to no tokens at
     all (an empty prompt without BOS; the engine needs one) is an error naming its record.
@@ -358,7 +359,7 @@ def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], 
             f"all {len(items)} {what} are longer than data.max_prompt_len={max_prompt_len} "
             f"tokens (the shortest has {shortest}); raise data.max_prompt_len to at least "
             f"{shortest} or use shorter prompts")
-    if n_skipped:
+    if n_skipped and warn:
         logger.warning("skipped %d of %d %s longer than data.max_prompt_len=%d tokens",
                        n_skipped, len(items), what, max_prompt_len)
     return kept, n_skipped
@@ -459,6 +460,12 @@ class PromptSource:
         for key in ("seed", "shuffle", "rank", "world", "num_items", "fingerprint"):
             if key == "fingerprint" and key not in state:  # a checkpoint from before it was kept
                 continue
+            if key == "fingerprint" and state[key] != mine[key]:
+                raise ValueError(f"the prompts changed since the checkpoint (as many as then, "
+                                 f"but other rows or another order: fingerprint {state[key]} "
+                                 f"then, {mine[key]} now); resume with "
+                                 f"the prompt file (and data config) the run started with, or "
+                                 f"start a new --run.dir")
             if state.get(key) != mine[key]:
                 raise ValueError(f"prompt cursor was saved with {key}={state.get(key)!r} but this "
                                  f"source has {key}={mine[key]!r}; resume with the same data "

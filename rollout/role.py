@@ -19,23 +19,25 @@ from weights_sync.ipc import watch_link
 from weights_sync.sync import describe_receiver, make_receiver, plan_between_meshes
 
 
-def load_items(cfg, tokenizer):
-    """Prompts that fit `data.max_prompt_len`, plus their token ids (tokens in, tokens out)."""
+def load_items(cfg, tokenizer, warn: bool = True):
+    """Prompts that fit `data.max_prompt_len`, plus their token ids (tokens in, tokens out).
+    `warn`: log the prompts skipped (train_rl.py: preflight on the first rank, the roles not)."""
     d = cfg.data
     items = load_prompts(d.source, prompt_field=d.prompt_field, messages_field=d.messages_field,
                          answer_field=d.answer_field, num_prompts=d.num_prompts, seed=d.seed,
                          **task_options(d))
-    return _fitting(items, cfg, tokenizer, f"training prompts ({d.source})")
+    return _fitting(items, cfg, tokenizer, f"training prompts ({d.source})", warn)
 
 
-def load_eval_items(cfg, tokenizer):
+def load_eval_items(cfg, tokenizer, warn: bool = True):
     """The held-out prompts of `eval` (rollout.data.load_held_out) that fit, and their encoder."""
-    return _fitting(load_held_out(cfg.data, cfg.eval), cfg, tokenizer, "held-out prompts (eval)")
+    return _fitting(load_held_out(cfg.data, cfg.eval, warn), cfg, tokenizer,
+                    "held-out prompts (eval)", warn)
 
 
-def _fitting(items, cfg, tokenizer, what: str):
+def _fitting(items, cfg, tokenizer, what: str, warn: bool):
     encode = lambda it: render_prompt(it, tokenizer, cfg.data.chat_template)  # noqa: E731
-    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len, what)
+    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len, what, warn)
     return kept, skipped, encode
 
 
@@ -46,7 +48,7 @@ def build_eval(cfg, rollout_engine: Engine, tokenizer, rewards, writer: bool,
     weight copies of the rollout engine)."""
     if not cfg.eval.every_steps:
         return None
-    items, _, encode = load_eval_items(cfg, tokenizer)
+    items, _, encode = load_eval_items(cfg, tokenizer, warn=False)  # preflight's warnings
     g, main = cfg.generator, rollout_engine
     slots, max_len = engine_shape(cfg, len(items))
     engine = Engine(main.model, num_slots=slots, max_len=max_len, seed=g.seed,
@@ -124,7 +126,7 @@ def start_generator(cfg, meshes, tokenizer, link: Link | None,
         print(f"generator: {describe_receiver(receiver)}", flush=True)
     if link is not None:  # the CUDA-IPC waits end on the trainer's failure, naming it
         watch_link(receiver, link)
-    items, skipped, encode = load_items(cfg, tokenizer)
+    items, skipped, encode = load_items(cfg, tokenizer, warn=False)  # preflight warned
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)
     engine = build_engine(model, cfg, replica, meshes.device, print_choice=rank == dims.generator_rank_list[0])

@@ -77,7 +77,8 @@ def _case(name, tmp_path, good_model):
         "unsupported_arch": (["--model.path=" + _corrupt(good_model, tmp_path / "c2", "arch")],
                              ["unsupported architecture", "LlamaForCausalLM"]),
         "vocab_mismatch": (["--model.path=" + _corrupt(good_model, tmp_path / "c3", "vocab")],
-                           ["tokenizer", "vocab_size is 17"]),
+                           ["tokenizer", "vocab_size is 17", "resize the model's embeddings to at "
+                                                 "least 104 rows"]),
         "empty_dataset": ([m, f"--data.source={empty}"], ["empty.jsonl"]),
         "all_prompts_too_long": ([m, "--data.max_prompt_len=2"], ["max_prompt_len"]),
         "bad_reward_path": ([m, "--reward.fn=nowhere_pkg.mod:score"], ["nowhere_pkg"]),
@@ -258,3 +259,31 @@ def test_a_resume_over_another_prompt_set_or_model_is_refused_before_process_gro
     assert rc == 2 and "Traceback" not in err, err
     assert f"resuming {step}: its parameters are not those of the model in {wider}" in err
     assert "model.embed_tokens.weight [" in err and "; ...);" in err, err
+
+
+def test_prompts_skipped_are_logged_once_by_the_first_rank(tmp_path, good_model, monkeypatch, caplog):
+    """Preflight runs on every rank and each generator loads the prompts again: a run on 3 ranks
+    printed "skipped N of M training prompts" 4 times. Preflight's first rank alone says it."""
+    import logging
+    from config import load_config
+    from launch.preflight import preflight
+    from parallel.dims import ParallelDims
+    from rollout.role import load_eval_items, load_items
+    cfg = load_config("configs/tiny_cpu.toml", [f"--model.path={good_model}", f"--run.dir={tmp_path}",
+                                                "--data.synthetic_digits=2", "--data.max_prompt_len=6",
+                                                "--data.num_prompts=200"]).resolve(3)
+    dims = ParallelDims.from_config(cfg.parallel, 3)
+    said = {}
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rollout.data"):
+            tok = preflight(cfg, dims)
+        said[rank] = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert said["1"] == [] and len(said["0"]) == 2, said  # the training and the held-out prompts
+    assert "training prompts (synthetic:addition) longer than data.max_prompt_len=6" in said["0"][0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollout.data"):
+        kept = load_items(cfg, tok, warn=False)[0]
+        load_eval_items(cfg, tok, warn=False)
+    assert 0 < len(kept) < 200 and not caplog.records

@@ -238,7 +238,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     plan = _PlanWithoutSelf(plan_cached(src, dst, transfer_specs(src, dst)), rank)
     sender = WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout)
     receiver = WeightReceiver(g_model, plan, rank, meshes.weights_group, timeout)
-    items, _, encode = load_items(cfg, tokenizer)
+    items, _, encode = load_items(cfg, tokenizer, warn=False)  # preflight warned
     replica, tp_rank = dims.generator_coord(rank)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
                            world=dims.gen_dp)
