@@ -5,12 +5,13 @@ forward; slot count, batching and arrival order change nothing; stop/length rule
 prefills, seeds and weight swaps; the pure sampling functions against hand-computed values.
 """
 import re
+import types
 
 import pytest
 import torch
 
 from model import load_pretrained
-from rollout.engine import Engine, Request, SamplingParams, _warm_up
+from rollout.engine import Engine, Request, SamplingParams, _DecodeGraphs, _read_length, _warm_up
 from rollout.sampling import BLOCK, hashed_uniform, mix32, process_logits, sample, stream_key
 from rollout.stacked import StackedWeights
 from tests import tiny
@@ -1033,3 +1034,61 @@ def test_generate_refuses_ids_the_engine_already_holds():
         engine.generate([Request("c", [4], sp), Request("a", [5], sp)])
     assert sorted(c.request_id for c in engine.generate([Request("c", [4], sp)])) == ["c"]
     assert sorted(c.request_id for c in engine.poll_finished()) == ["a", "b"]
+
+
+class _ReplayGraphs(_DecodeGraphs):
+    """CUDA-graph bookkeeping on CPU: the capture warms up as the real one does, and its "graph"
+    replays by running the step again for its key. Counts captures and clears."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.captures, self.clears = [], 0
+
+    def _capture(self, key):
+        _warm_up(self.decode_fn, self.state, key, runs=3)
+        self.captures.append(key)
+        self._graphs[key] = g = types.SimpleNamespace(replay=lambda: self.decode_fn(*key))
+        return g
+
+    def clear(self):
+        self.clears += 1
+        super().clear()
+
+
+def test_cuda_graph_bookkeeping_on_cpu(folders):
+    """The logic of CUDA's decode path, which CI cannot run: with CUDA's defaults (harvest every
+    8 steps, 32-key buckets, no compaction) the graphed engine samples what the eager one does,
+    captures each key once, keeps its graphs over weights copied in place, and drops them when
+    the parameters are replaced or the stop-id table grows (every graph read the old ones)."""
+    model = load(folders)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    ps = prompts([3, 9, 5])
+    kw = dict(num_slots=2, max_len=48, compact=False, pack_weights=False, sync_every=8, kv_bucket=32)
+    ref = Engine(model, **kw).generate(requests(ps, sp))
+    e = Engine(model, **kw)
+    e._use_graphs = True
+    e._graphs = g = _ReplayGraphs(e.device, e._decode_fn, e.st)
+    got = e.generate(requests(ps, sp))
+    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+    assert [c.logp for c in got] == [c.logp for c in ref]
+    assert len(g.captures) == len(set(g.captures)) < e.stats.decode_steps
+    e.load_weights(lambda: None, 1)  # copied in place: the graphs stay
+    assert g.clears == 0 and g._graphs
+
+    def replace():
+        for m in model.modules():
+            for n, p in list(m.named_parameters(recurse=False)):
+                setattr(m, n, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+    e.load_weights(replace, 2)
+    assert g.clears == 1 and not g._graphs
+    e.generate(requests(ps, SamplingParams(max_new_tokens=3, stop_token_ids=list(range(1, 20)))))
+    assert g.clears == 2
+
+
+def test_decode_reads_a_bucket_of_the_cache_on_cuda():
+    """CUDA's attention reads the live length rounded up to the bucket (no host sync); flex
+    reads the whole cache, as CPU does where the bucket would not save much."""
+    cuda = torch.device("cuda")
+    assert _read_length(65, 128, 32, cuda, "sdpa") == 96
+    assert _read_length(65, 128, 32, torch.device("cpu"), "matmul") == 128
+    assert _read_length(33, 128, 32, cuda, "flex") == 128
