@@ -21,6 +21,7 @@ What it does, in order (1024 ranks take a few seconds):
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,21 @@ def model_shape(cfg):
     if not path:
         raise ConfigError("model.path is empty; give a Hugging Face folder or a shape preset such as "
                           "model.path = \"preset:llama3-8b\"")
+    if not path.startswith("preset:") and not os.path.isdir(path):
+        raise ConfigError(f"model.path={path!r} does not exist here; to check the layouts, the weight "
+                          f"sync plan and memory where the weights are not, dry-run with a shape "
+                          f"preset instead: --model.path=preset:{_preset_like(path)}")
     return resolve_model(path), path.startswith("preset:")
+
+
+def _preset_like(path: str) -> str:
+    """The preset whose size a folder name such as 'Llama-3.1-8B-Instruct' names (llama3-8b), else
+    the list of presets."""
+    from launch.plan import PRESETS
+    name = os.path.basename(os.path.normpath(path)).lower()
+    sizes = {p: p.rpartition("-")[2] for p in PRESETS if "-" in p}
+    like = [p for p, size in sizes.items() if re.search(rf"(?<![\d.]){re.escape(size)}(?![a-z])", name)]
+    return like[0] if len(like) == 1 else "<" + "|".join(PRESETS) + ">"
 
 
 def _gb(x: float) -> str:

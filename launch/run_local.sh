@@ -32,26 +32,51 @@ LOG_DIR=${LOG_DIR:-runs/torchrun_logs}
 # The config does not store the world size: it is pinned only when the trainer's FSDP degree
 # (split) or the replica count (colocated) is set. Otherwise take the smallest world in which the
 # trainer mesh really shards (2 FSDP ranks): 1 generator + 2 trainers = 3 for the tiny demo.
-# resolve() then checks the layout, so a bad config or override fails here, before any rank starts.
-if [[ -z "${NPROC:-}" ]]; then
-  NPROC=$("$PYTHON" - "$CONFIG" "$@" <<'PY'
+# resolve() then checks the layout (for NPROC when given), so a bad config or override fails
+# here, before any rank starts.
+if [[ -n "${NPROC:-}" && ! "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_local.sh: NPROC=$NPROC must be a number of ranks (e.g. NPROC=3), or unset to derive it" \
+       "from the config" >&2
+  exit 2
+fi
+NPROC=$("$PYTHON" - "$CONFIG" "${NPROC:-}" "$@" <<'PY'
 import math, sys
 from config import ConfigError, load_config, parse_cli
 try:
-    path, overrides, _ = parse_cli(sys.argv[2:])  # a --config among the arguments wins, as in train_rl.py
+    path, overrides, _ = parse_cli(sys.argv[3:])  # a --config among the arguments wins, as in train_rl.py
     cfg = load_config(path or sys.argv[1], overrides)
     p = cfg.parallel
     trainer = p.trainer_tp * (p.trainer_fsdp or 2)
-    if p.mode == "split":
+    if sys.argv[2]:
+        world = int(sys.argv[2])
+    elif p.mode == "split":
         world = p.generator_ranks + trainer
     else:
         world = p.gen_tp * p.gen_dp if p.gen_dp else math.lcm(p.gen_tp, trainer)
     cfg.resolve(world)
 except ConfigError as e:
-    sys.exit(f"run_local.sh: {e} (or set NPROC)")
+    sys.exit(f"run_local.sh: {e}" + ("" if sys.argv[2] else " (or set NPROC)"))
 print(world)
 PY
-  )
+)
+# torchrun answers a malformed value with a traceback, and a LOG_RANK that names no rank with a
+# console that stays empty to the end of the run
+if [[ ! "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  echo "run_local.sh: MAX_RESTARTS=$MAX_RESTARTS must be a count of restarts (0 or more)" >&2
+  exit 2
+fi
+if [[ "$LOG_RANK" != all ]]; then
+  if [[ ! "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+    echo "run_local.sh: LOG_RANK=$LOG_RANK must be local ranks such as 0 or 0,2, or all" >&2
+    exit 2
+  fi
+  for r in ${LOG_RANK//,/ }; do
+    if (( 10#$r >= NPROC )); then
+      echo "run_local.sh: LOG_RANK=$LOG_RANK names local rank $r, but NPROC=$NPROC ranks are" \
+           "0..$((NPROC - 1)); pick ranks among them, or LOG_RANK=all" >&2
+      exit 2
+    fi
+  done
 fi
 
 # --standalone picks a free port and ignores --rdzv-endpoint, so a fixed port needs explicit c10d.

@@ -215,8 +215,10 @@ def test_a_later_sweep_never_rewrites_the_lines_an_earlier_ones_tasks_read(tmp_p
 @pytest.mark.parametrize("keep_going, started, rc", [(False, 1, 1), (True, 3, 1)])
 def test_local_runs_in_order_and_stops_on_failure(tmp_path, monkeypatch, capsys, keep_going, started, rc):
     log = tmp_path / "calls"
-    # A PYTHON whose "torchrun" fails for lr=1e-4: the first of three runs.
+    # A PYTHON whose "torchrun" fails for lr=1e-4: the first of three runs (run_local's config
+    # check runs on the real one).
     monkeypatch.setenv("PYTHON", _stub(tmp_path / "python", f"""\
+        if [[ "$1 $2" != "-m torch.distributed.run" ]]; then exec {sys.executable} "$@"; fi
         echo "$*" >> {log}
         [[ "$*" != *--trainer.lr=1e-4* ]]
         """))
@@ -308,12 +310,14 @@ def test_run_local_command_line(fake_python):
     assert proc.stderr.startswith(f"+ {fake_python[0]} -m torch.distributed.run --standalone")
 
 
-def test_run_local_all_ranks_fixed_port(fake_python):
-    _, args = _run_local(fake_python, NPROC="2", LOG_RANK="all", RDZV_PORT="29123", CONFIG="configs/x.toml")
+def test_run_local_all_ranks_fixed_port(fake_python, tmp_path):
+    config = tmp_path / "x.toml"  # the config is loaded (and checked for NPROC) before torchrun
+    config.write_text("[model]\npath = \"runs/_models/tiny_addition\"\n")
+    _, args = _run_local(fake_python, NPROC="2", LOG_RANK="all", RDZV_PORT="29123", CONFIG=str(config))
     assert "--local-ranks-filter" not in args and "--standalone" not in args
     assert args[2:11] == ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29123",
                           "--nproc-per-node", "2", "--max-restarts"]
-    assert args[-3:] == ["train_rl.py", "--config", "configs/x.toml"]
+    assert args[-3:] == ["train_rl.py", "--config", str(config)]
 
 
 @pytest.mark.parametrize("overrides, nproc", [
@@ -335,13 +339,32 @@ def test_run_local_bad_override_fails_before_torchrun(fake_python):
     assert "valid keys of [trainer]" in proc.stderr
 
 
+@pytest.mark.parametrize("env, args, message", [
+    ({"NPROC": "abc"}, [], "NPROC=abc must be a number of ranks"),
+    ({"MAX_RESTARTS": "-1"}, [], "MAX_RESTARTS=-1 must be a count"),
+    ({"LOG_RANK": "rank0"}, [], "LOG_RANK=rank0 must be local ranks such as 0 or 0,2, or all"),
+    # rank 5 of 3: every console line filtered out, the run silent to its end
+    ({"LOG_RANK": "0,5"}, [], "LOG_RANK=0,5 names local rank 5, but NPROC=3 ranks are 0..2"),
+    ({"LOG_RANK": "3", "NPROC": "3"}, [], "LOG_RANK=3 names local rank 3, but NPROC=3 ranks are 0..2"),
+    # NPROC given: the config was not checked, every rank failed alike
+    ({"NPROC": "4"}, ["--trainer.lrr=1"], "unknown key 'trainer.lrr'"),
+    ({"NPROC": "2"}, ["--parallel.trainer_fsdp=4"], "invalid parallel layout for world_size=2"),
+])
+def test_run_local_refuses_bad_settings_before_torchrun(fake_python, env, args, message):
+    """torchrun answered a bad NPROC or LOG_RANK with a traceback, and a LOG_RANK naming no rank
+    with a run that printed nothing."""
+    proc, torchrun = _run_local(fake_python, args, **env)
+    assert proc.returncode != 0 and torchrun is None
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
 @pytest.fixture
 def slurm(tmp_path):
     """Stub scontrol/srun/torchrun on PATH and a fake SLURM job environment."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "torchrun_args"
-    _stub(bin_dir / "scontrol", 'test "$1 $2 $3" = "show hostnames node[07-08]" && printf "node07\\nnode08\\n"\n')
+    _stub(bin_dir / "scontrol", 'test "$1 $2 $3" = "show hostnames node[07-09]" && printf "node07\\nnode08\\nnode09\\n"\n')
     _stub(bin_dir / "srun", 'test "$1" = --kill-on-bad-exit=1 && shift && exec "$@"\n')
     _stub(bin_dir / "torchrun", f"printf '%s\\n' \"$@\" > {record}\n"
                                 f"echo \"$TORCH_ELASTIC_SHUTDOWN_TIMEOUT\" > {record}.shutdown_timeout\n")
@@ -349,8 +372,12 @@ def slurm(tmp_path):
         os.symlink(shutil.which(tool), bin_dir / tool)
     os.symlink(sys.executable, bin_dir / "python3")  # what the activated virtualenv provides
     shutil.copytree(os.path.join(ROOT, "configs"), tmp_path / "configs")  # the submit dir's
+    (tmp_path / "train_rl.py").touch()  # the submit dir is the repository root
+    # 3 nodes x 8 = 24 ranks: example_multinode.toml's 16 generator + 2 x 4 trainer ranks; the job
+    # loads config.py from the submit dir (here through PYTHONPATH) to check the config first
     env = {"PATH": str(bin_dir), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "1234",
-           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[07-08]", "HOME": str(tmp_path)}
+           "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "node[07-09]", "HOME": str(tmp_path),
+           "PYTHONPATH": ROOT}
     return env, record
 
 
@@ -361,9 +388,11 @@ def _sbatch(slurm, args=(), **env):
 
 
 def test_sbatch_command_line(slurm):
+    # 12 ranks: 4 generator + 8 trainer
+    (slurm[1].parent / "configs" / "big.toml").write_text("[parallel]\ngenerator_ranks = 4\n")
     proc, args = _sbatch(slurm, ["--trainer.lr=1e-6"], CONFIG="configs/big.toml", GPUS_PER_NODE="4")
     assert proc.returncode == 0, proc.stderr
-    assert args == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+    assert args == ["--nnodes", "3", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", "node07:29500", "--rdzv-id", "1234", "--max-restarts", "3",
                     "train_rl.py", "--config", "configs/big.toml", "--run.name=big_1234", "--trainer.lr=1e-6"]
     # SIGTERM 120 s before the time limit, and torchrun gives its ranks 100 s to checkpoint
@@ -445,7 +474,7 @@ def test_sbatch_run_name_is_the_configs_own(slurm, tmp_path, config_text, env, n
     """tandem.sbatch passed --run.name=<config file>_<job id> always, so a config's run.name
     never took effect."""
     (tmp_path / "own.toml").write_text(config_text)
-    proc, args = _sbatch(slurm, ["--trainer.lr=1e-6"], CONFIG="own.toml", **env)
+    proc, args = _sbatch(slurm, ["--trainer.lr=1e-6"], CONFIG="own.toml", GPUS_PER_NODE="1", **env)
     assert proc.returncode == 0, proc.stderr
     assert args[args.index("train_rl.py"):] == [
         "train_rl.py", "--config", "own.toml", f"--run.name={name}", "--trainer.lr=1e-6"]
@@ -455,6 +484,46 @@ def test_sbatch_run_name_of_a_preset(slurm):
     proc, args = _sbatch(slurm, CONFIG="configs/example_multinode.toml")
     assert proc.returncode == 0, proc.stderr
     assert "--run.name=llama8b_math_64r" in args
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([], {"CONFIG": "configs/nope.toml"}, "config file not found: configs/nope.toml"),
+    (["--trainer.lrr=1e-6"], {}, "unknown key 'trainer.lrr' (did you mean 'lr'?)"),
+    # 16 generator ranks need more than 2 nodes x 8
+    ([], {"SLURM_NNODES": "2"}, "for SLURM_NNODES=2 x GPUS_PER_NODE=8 = 16 ranks: invalid parallel "
+                               "layout for world_size=16"),
+    ([], {"SLURM_GPUS_ON_NODE": "4"}, "GPUS_PER_NODE=4 = 12 ranks"),   # the allocation's GPUs
+])
+def test_sbatch_refuses_a_config_that_cannot_run_before_srun(slurm, args, env, message):
+    """A missing config, a typo in an override or a layout that does not fit the allocation
+    started torchrun on every node, whose ranks all failed alike, MAX_RESTARTS + 1 times."""
+    proc, torchrun = _sbatch(slurm, args, **env)
+    assert proc.returncode != 0 and torchrun is None
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_sbatch_gpus_per_node_defaults_to_the_allocations(slurm):
+    """--nproc-per-node was 8 whatever --gpus-per-node the job was submitted with."""
+    (slurm[1].parent / "configs" / "small.toml").write_text("[parallel]\ngenerator_ranks = 4\n")
+    for env, nproc in (({"SLURM_GPUS_ON_NODE": "4"}, "4"),
+                       ({"SLURM_GPUS_ON_NODE": "4", "GPUS_PER_NODE": "2"}, "2")):
+        proc, args = _sbatch(slurm, CONFIG="configs/small.toml", **env)
+        assert proc.returncode == 0, proc.stderr
+        assert args[args.index("--nproc-per-node") + 1] == nproc
+
+
+@pytest.mark.parametrize("unset, submit_dir, message", [
+    ("SLURM_JOB_NODELIST", None, "SLURM_JOB_NODELIST is not set: this script runs under sbatch"),
+    (None, "/", "no train_rl.py in / (SLURM_SUBMIT_DIR): submit from the repository root"),
+])
+def test_sbatch_outside_a_job_or_the_repository_says_so(slurm, unset, submit_dir, message):
+    env = dict(slurm[0])
+    env.pop(unset, None)
+    if submit_dir:
+        env["SLURM_SUBMIT_DIR"] = submit_dir
+    proc, args = _sbatch((env, slurm[1]))
+    assert proc.returncode != 0 and args is None
+    assert message in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
@@ -480,3 +549,17 @@ def test_the_final_export_line_names_its_seconds(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert re.fullmatch(rf"exported the final policy \(version 6\) to {tmp_path / 'hf_final'} "
                         r"\(\d+\.\ds\)\n", out), out
+
+
+# ---- dry_run.py ----------------------------------------------------------------------------------
+
+def test_dry_run_of_a_config_whose_weights_are_elsewhere_names_the_preset_fix(monkeypatch):
+    """configs/example_multinode.toml's model folder is on the cluster's storage: the dry run, meant
+    to check such a config where the weights are not, ended at 'does not exist' without saying
+    how to check the layout anyway."""
+    from launch import dry_run
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    cfg = load_config(os.path.join(ROOT, "configs", "example_multinode.toml"))
+    with pytest.raises(ConfigError, match=r"model\.path='/shared/models/Llama-3.1-8B-Instruct'.*does "
+                                          r"not exist.*--model\.path=preset:llama3-8b"):
+        dry_run.dry_run(cfg)
