@@ -466,7 +466,11 @@ def resolve_config(argv: list[str]) -> Config:
     cfg = load_config(path, overrides)
     if cfg.run.dry_run and "WORLD_SIZE" not in os.environ:
         return cfg  # launch.dry_run derives the world size from the config's degrees, then resolves
-    return cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise ConfigError(f"WORLD_SIZE={world!r} is not a number of ranks; torchrun sets it, and a "
+                          f"dry run takes it as e.g. WORLD_SIZE=64 python train_rl.py --dry-run ...")
+    return cfg.resolve(int(world))
 
 
 def int_at_least(low: int):

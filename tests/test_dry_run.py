@@ -137,6 +137,11 @@ def test_dry_run_command_lines_read_their_flags(monkeypatch, capsys):
     assert resolve_config([*tiny, "--dry-run"]).run.dry_run
     with pytest.raises(ConfigError, match="run.dry_run='maybe' has the wrong type"):
         resolve_config([*tiny, "--dry-run=maybe"])
+    for bad in ("abc", "0"):  # was int()'s "invalid literal for int() with base 10: 'abc'"
+        monkeypatch.setenv("WORLD_SIZE", bad)
+        with pytest.raises(ConfigError, match=rf"WORLD_SIZE='{bad}' is not a number of ranks; .*"
+                                              rf"WORLD_SIZE=64 python train_rl.py --dry-run"):
+            resolve_config([*tiny, "--dry-run"])
 
 
 def _llama8b_2x2(*overrides: str):
