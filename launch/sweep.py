@@ -160,11 +160,27 @@ def validate(config: str, runs: list[Run], world_size: int | None = None) -> Non
                 cfg.resolve(world_size)
         except ConfigError as e:
             raise ConfigError(f"run {run.name}: {e}") from None
-        folder = os.path.normpath(cfg.run.dir or os.path.join("runs", cfg.run.name))
+        folder = run_folder(cfg)
         if folder in folders:
             raise ConfigError(f"runs {folders[folder]} and {run.name} would share the run folder "
                               f"{folder}: leave run.dir unset (each run gets runs/<run.name>)")
         folders[folder] = run.name
+
+
+def run_folder(cfg) -> str:
+    """The run's folder as `Config.resolve` derives it (runs/<run.name> unless run.dir is set),
+    relative to the repository root that run_local.sh runs from."""
+    return os.path.normpath(cfg.run.dir or os.path.join("runs", cfg.run.name))
+
+
+def finished_line(config: str, run: Run) -> str | None:
+    """What train_rl.py would say of a run that already completed (and then do nothing), without
+    starting torchrun for it (~8 s each when a sweep is run again); None for any other run."""
+    from trainer.checkpointing import already_complete_line
+    cfg = load_config(config, run.overrides)
+    folder = run_folder(cfg)
+    cfg.run.dir = folder if os.path.isabs(folder) else os.path.join(ROOT, folder)
+    return already_complete_line(cfg)
 
 
 def shell_env(*pairs: tuple[str, str]) -> list[str]:
@@ -223,6 +239,10 @@ def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool)
     env = {**os.environ, "CONFIG": config, **({"NPROC": str(nproc)} if nproc else {})}
     failed = []
     for i, run in enumerate(runs):
+        line = finished_line(config, run)
+        if line is not None:
+            print(f"[sweep {i + 1}/{len(runs)}] {run.name}: {line}", flush=True)
+            continue
         print(f"[sweep {i + 1}/{len(runs)}] {local_command(config, run, nproc)}", flush=True)
         try:
             rc = wait_launcher(subprocess.Popen(["bash", RUN_LOCAL, *run.overrides], cwd=ROOT, env=env))

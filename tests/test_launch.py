@@ -3,12 +3,14 @@
 The shell scripts run for real with stub executables (a fake PYTHON, fake srun/scontrol/torchrun on
 PATH) that record their arguments, so nothing is launched and no SLURM is needed.
 """
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -228,6 +230,33 @@ def test_local_runs_in_order_and_stops_on_failure(tmp_path, monkeypatch, capsys,
     assert len(calls) == started and all("--nproc-per-node 3" in c for c in calls)
     assert [c.split("--trainer.lr=")[1].split()[0] for c in calls] == ["1e-4", "2e-4", "3e-4"][:started]
     assert "failed: tiny_cpu_lr-1e-4 (exit 1)" in capsys.readouterr().out
+
+
+def test_a_sweep_run_again_starts_no_launcher_for_its_finished_runs(tmp_path, monkeypatch, capsys):
+    """Each finished run took a torchrun start (~8 s) to say it was complete; the sweep now says
+    what train_rl.py would and moves on, and starts the unfinished ones as before."""
+    log = tmp_path / "calls"
+    monkeypatch.setenv("PYTHON", _stub(tmp_path / "python", f"""\
+        if [[ "$1 $2" != "-m torch.distributed.run" ]]; then exec {sys.executable} "$@"; fi
+        echo "$*" >> {log}
+        """))
+    prefix = f"sweeptest{os.getpid()}"  # the runs' folders are the repository's runs/<name>
+    folders = {lr: Path(sweep.ROOT, "runs", f"{prefix}_lr-{lr}") for lr in ("1e-4", "2e-4", "3e-4")}
+    try:
+        for lr, steps in (("1e-4", 800), ("3e-4", 5)):  # tiny_cpu's trainer.max_steps is 800
+            folders[lr].mkdir(parents=True)
+            (folders[lr] / "COMPLETE").write_text(json.dumps({"steps": steps}))
+        argv = ["--config", TINY, "--grid", "trainer.lr=1e-4,2e-4,3e-4", "--name-prefix", prefix,
+                "--local", "--nproc", "3"]
+        assert sweep.main(argv) == 0
+    finally:
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
+    assert [c.split("--trainer.lr=")[1].split()[0] for c in _args(log)] == ["2e-4", "3e-4"]
+    out = capsys.readouterr().out
+    assert (f"[sweep 1/3] {prefix}_lr-1e-4: run {folders['1e-4']} already completed 800 steps "
+            "(trainer.max_steps=800): nothing to do." in out), out
+    assert "[sweep] 3/3 runs succeeded" in out
 
 
 def test_ctrl_c_lets_the_runs_launcher_stop_and_ends_the_sweep_with_one_line(tmp_path):
