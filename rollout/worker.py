@@ -251,8 +251,11 @@ class GeneratorWorker:
                 self.stop = True
                 preemption.stopping()  # a SIGTERM here has done its part
             elif mtype == Msg.CHECKPOINT:
-                if preemption.requested():  # the stop's checkpoint: the trainer leads from here,
-                    preemption.stopping()   # and the save may outlast the grace period
+                # the stop's checkpoint (the trainer marks it; a periodic one meanwhile cancelled
+                # a lone TP follower's grace period): the trainer leads from here, and the save
+                # may outlast the grace period
+                if preemption.requested() and (payload or {}).get("stop"):
+                    preemption.stopping()
                 if self.link is not None:
                     self._send(Msg.CHECKPOINT, version, self._cut())
         if msgs:  # the same on every rank of the replica: its leader's replies, sent or failed

@@ -241,3 +241,101 @@ def test_a_raise_fault_fails_its_rank_at_its_step_only(monkeypatch):
         faults.maybe_kill(1, 0)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
     faults.maybe_kill(1, 0)
+
+
+_EXPORT_UNDER_A_HANDLER = """
+import signal, sys, torch
+sys.path.insert(0, {root!r})
+from weights_sync.ipc import CpuShmMemory
+signal.signal(signal.SIGTERM, lambda *a: None)  # a rank's (launch/preemption.py): it carries on
+CpuShmMemory(torch.device("cpu")).export(torch.zeros(1000))  # starts this process's shm manager
+print("exported", flush=True)
+"""
+
+
+def test_a_sigterm_to_the_process_group_as_cpu_shm_starts_does_not_hang_the_rank():
+    """torchrun passes its SIGTERM (and Ctrl-C) on with killpg: to each rank's process group, the
+    torch_shm_manager that a rank's first shared-memory export spawns included. A manager killed
+    as it starts left the rank spinning in `_share_filename_cpu_` with the GIL held, forever: its
+    grace period and Ctrl-C could not end it, and a SIGTERM at the end of another rank's start-up
+    (TANDEM_FAULT_KILL=rank=0,step=0,signal=TERM) stopped nothing until torchrun's SIGKILL
+    30 s later. Here the group is signalled the moment the manager exists (a race the kill wins
+    about 2 times in 3), 4 times; every export must finish."""
+    import signal
+    import time
+    for attempt in range(4):
+        child = subprocess.Popen([sys.executable, "-c", _EXPORT_UNDER_A_HANDLER.format(root=str(ROOT))],
+                                 start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 30
+        while child.poll() is None and time.monotonic() < deadline:  # busy: the manager starts fast
+            try:
+                with open(f"/proc/{child.pid}/task/{child.pid}/children") as f:
+                    kids = f.read().split()
+                if any("torch_shm" in Path(f"/proc/{k}/comm").read_text() for k in kids):
+                    os.killpg(child.pid, signal.SIGTERM)
+                    break
+            except OSError:
+                pass
+        try:
+            out, err = child.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            pytest.fail(f"attempt {attempt + 1}: the export hung after its process group's SIGTERM")
+        assert child.returncode == 0 and "exported" in out, err[-3000:]
+
+
+def test_a_fault_spec_fires_in_colocated_mode_too(tmp_path):
+    """TANDEM_FAULT_KILL was read in split mode's loops only (trainer/worker.py, rollout/worker.py,
+    their roles' start-up): a colocated run trained to its end and exited 0, as if the fault it
+    was given had been survived (a resilience test of colocated mode passed without one)."""
+    model = make_rl_model(tmp_path / "model")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "0", "train_rl.py", "--config", "configs/tiny_cpu.toml", *QUICK,
+           f"--model.path={model}", f"--run.dir={tmp_path / 'run'}", "--trainer.max_steps=3",
+           "--parallel.mode=colocated", "--logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=1,step=2,signal=RAISE"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert "RuntimeError: fault injection: a failure on rank 1 at step 2" in proc.stderr, (
+        proc.returncode, proc.stderr[-3000:])
+    assert proc.returncode != 0 and not (tmp_path / "run" / "COMPLETE").exists()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]  # failed as step 2 started
+
+
+def test_ctrl_c_before_the_first_checkpoint_does_not_ask_for_checkpoints_already_set(tmp_path):
+    """Ctrl-C before the first periodic checkpoint of a run that has them (checkpoint.every_steps
+    = 2, interrupted in step 1) said "set --checkpoint.every_steps=N to make a run resumable": a
+    fix the command already has. The line should say no checkpoint is there yet instead."""
+    from config import load_config
+    from trainer.checkpointing import interrupted_line
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.toml"),
+                      [f"--run.dir={tmp_path / 'run'}", "--checkpoint.every_steps=2"])
+    line = interrupted_line(cfg)
+    assert line.startswith(f"interrupted: {tmp_path / 'run'} has no checkpoint"), line
+    assert "set --checkpoint.every_steps" not in line, line
+    off = load_config(str(ROOT / "configs" / "tiny_cpu.toml"),
+                      [f"--run.dir={tmp_path / 'run'}", "--checkpoint.every_steps=0"])
+    assert "set --checkpoint.every_steps=N" in interrupted_line(off)  # that advice stays where it applies
+
+
+def test_a_periodic_checkpoint_does_not_cancel_a_lone_tp_followers_grace_period(monkeypatch):
+    """A generator TP follower signalled alone does not stop the run: README says its grace period
+    (parallel.timeout_s) then ends it with 143. But the next periodic checkpoint's message, which
+    its leader passes on, was taken for the stop's own (`_handle`: a checkpoint while a stop is
+    asked for) and marked the follower's stop under way: the grace period never ended, and the
+    follower ran on to the end with its SIGTERM ignored (3 ranks, gen_tp=2, every_steps=2,
+    TANDEM_FAULT_KILL=rank=2,step=3,signal=TERM_SELF, timeout_s=5: 200 steps, exit 0; with
+    every_steps=0 it exited 5 s after the signal, as documented)."""
+    from launch import preemption
+    from rollout.worker import GeneratorWorker
+    from trainer.link import Msg
+    monkeypatch.setattr(preemption, "_state", preemption._State())
+    preemption.request("SIGTERM")  # this follower's own signal, as its handler notes it
+    follower = object.__new__(GeneratorWorker)
+    follower.link, follower.tp_group = None, None  # a follower: no link; the broadcast is not needed here
+    follower._handle([(int(Msg.CHECKPOINT), 4, None)])  # the periodic checkpoint of step 4
+    assert not preemption._state.stopping.is_set(), \
+        "a periodic checkpoint cancelled the grace period of a follower signalled alone"
+    follower._handle([(int(Msg.CHECKPOINT), 6, {"stop": True})])  # the stop's own checkpoint
+    assert preemption._state.stopping.is_set()

@@ -295,18 +295,19 @@ def generator_state(extra: dict, replica: int) -> dict | None:
     return (extra.get("generators") or {}).get(str(replica))
 
 
-def gather_cut(link, leaders: list[int], step: int) -> tuple[dict[int, object], list]:
+def gather_cut(link, leaders: list[int], step: int,
+               stop: bool = False) -> tuple[dict[int, object], list]:
     """Steps 1-2 of the cut (module docstring), on trainer rank 0: send CHECKPOINT(step) to every
     generator leader, and return each one's reply payload and the messages they sent before
     their replies, in order (the groups in them belong in the checkpoint's buffer). A leader
     goes on generating after its reply; what it sends then belongs after the cut, is not
     returned, and stays queued on the link for the next poll: a group shipped after the reply is
     in that reply's in-flight list, so taking it into the buffer would train it twice after a
-    resume."""
+    resume. `stop`: this is a stop's checkpoint (its leaders' own SIGTERM is then done with)."""
     from trainer.link import Msg
 
     for leader in leaders:
-        link.send(leader, Msg.CHECKPOINT, step)
+        link.send(leader, Msg.CHECKPOINT, step, {"stop": True} if stop else None)
     replies, before, after = {}, [], []
     deadline = time.monotonic() + link.timeout_s  # one for all replies, not one per message
     while len(replies) < len(leaders):
@@ -428,6 +429,8 @@ def interrupted_line(cfg) -> str:
     if latest is None:
         how = ("colocated mode has no checkpoints: parallel.mode=split can resume"
                if cfg.parallel.mode == "colocated" else
+               f"the first is due after step {cfg.checkpoint.every_steps}; a re-run starts over"
+               if cfg.checkpoint.every_steps else
                "set --checkpoint.every_steps=N to make a run resumable")
         return f"interrupted: {cfg.run.dir} has no checkpoint to resume from ({how})"
     return (f"interrupted: run the same command again to resume {cfg.run.dir} from its latest "

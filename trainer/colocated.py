@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from config import warmup_budget_s
+from launch.faults import maybe_kill
 from parallel.mesh import is_timeout
 from rollout.engine import Request
 from rollout.role import build_engine
@@ -125,6 +126,7 @@ class ColocatedWorker:
         starting policy, then each version it asks for, after the reshard."""
         self._evaluate(evaluator)
         while self.step < self.cfg.trainer.max_steps:
+            maybe_kill(self.meshes.rank, self.step + 1)  # launch/faults.py
             t0 = time.perf_counter()
             start = t0 if self.last_stamp is None else self.last_stamp
             groups = self._exchange(self._generate())
@@ -254,6 +256,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     evaluator = None if replica else build_eval(cfg, worker.engine, tokenizer, rewards,
                                                  writer=worker.tp_rank == 0)
     try:
+        maybe_kill(rank, 0)  # launch/faults.py: a failure at the end of start-up
         worker.run(evaluator)
     finally:
         if evaluator is not None:

@@ -244,7 +244,8 @@ class TrainerWorker:
 
     def collect_generator_states(self, step: int) -> dict:
         """The generator half of a consistent cut (owner only; see trainer/checkpointing.py)."""
-        replies, before = checkpointing.gather_cut(self.link, self.leaders, step)
+        replies, before = checkpointing.gather_cut(self.link, self.leaders, step,
+                                                   stop=bool(self.stopped))
         for m in before:  # groups shipped before each reply: into the buffer
             self._on_message(m)
         return {str(i): replies[leader] for i, leader in enumerate(self.leaders)}

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import threading
 import time
 from collections import deque
@@ -168,7 +169,15 @@ class CpuShmMemory:
         self.device = device
 
     def export(self, t: torch.Tensor) -> dict:
-        manager, name, nbytes = t.untyped_storage()._share_filename_cpu_()  # moves t into shm
+        # The first share starts torch's shm manager, a child process that inherits this mask: a
+        # SIGTERM or Ctrl-C that torchrun passes to the whole process group meanwhile killed it,
+        # and this call then spun for ever with the GIL held (no grace period, no stop line;
+        # torchrun's SIGKILL ended it). Blocked, the signal arrives once the call is back.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            manager, name, nbytes = t.untyped_storage()._share_filename_cpu_()  # moves t into shm
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         return {"manager": _encode(manager), "name": _encode(name), "nbytes": nbytes,
                 "dtype": _dtype_name(t.dtype), "offset": t.storage_offset(),
                 "size": list(t.shape), "stride": list(t.stride())}
