@@ -386,6 +386,23 @@ def _grace(state: _State, grace_s: float) -> None:
     if state.stopping.wait(grace_s):
         return
     rank = os.environ.get("RANK", "0")
-    print(f"[rank {rank}] SIGTERM {grace_s:g}s ago and the run has not stopped (no trainer "
-          f"step boundary reached it): exiting", file=sys.stderr, flush=True)
+    why = (f"SIGTERM {grace_s:g}s ago and the run has not stopped (no trainer step boundary "
+           f"reached it): exiting")
+    print(f"[rank {rank}] {why}", file=sys.stderr, flush=True)
+    _leave_cause(int(rank), f"rank {rank}: {why} (its grace period, parallel.timeout_s)")
     os._exit(EXIT_CODE)
+
+
+def _leave_cause(rank: int, why: str, wait_s: float = 2.0) -> None:
+    """Leave why this rank exits where its peers look when it is gone (`trainer.link.left_error`:
+    a TP leader, the trainer), else they named only gloo's "Connection reset". From a thread
+    waited for at most `wait_s`: a store that no longer answers must not hold the exit."""
+    def leave():
+        import torch.distributed as dist
+
+        from trainer.link import leave_error
+        if dist.is_available() and dist.is_initialized():
+            leave_error(rank, why)
+    t = threading.Thread(target=leave, name="tandem-grace-cause", daemon=True)
+    t.start()
+    t.join(wait_s)

@@ -44,6 +44,26 @@ def test_a_rank_that_does_not_stop_within_the_grace_period_exits_143_and_says_wh
     assert "[rank 5] SIGTERM 0.5s ago and the run has not stopped" in proc.stderr
 
 
+def test_a_rank_cut_off_by_its_grace_period_leaves_why_for_its_peers(tmp_path):
+    """A TP follower signalled alone and ended by its grace period was named by its leader only
+    as gloo's "Connection reset": it now leaves the cause where the link's readers look."""
+    store = tmp_path / "store"
+    proc = _child(f"""
+        import torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.FileStore({str(store)!r}, 1), rank=0, world_size=1)
+        preemption.install(grace_s=0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    """)
+    assert proc.returncode == 143, proc.stderr
+    import torch.distributed as dist
+    from trainer.link import left_error
+    # the default group's store: the one given, its keys under the group's name ("0/")
+    got = left_error(5, store=dist.PrefixStore("0/", dist.FileStore(str(store), 1)))
+    assert got == ("rank 5: SIGTERM 0.5s ago and the run has not stopped (no trainer step boundary "
+                   "reached it): exiting (its grace period, parallel.timeout_s)"), got
+
+
 def test_a_rank_that_starts_stopping_in_time_is_not_cut_off():
     proc = _child("""
         preemption.install(grace_s=0.5)
