@@ -127,7 +127,7 @@ def _watch(r: socket.socket) -> None:
             return
         if signal.SIGTERM not in data:
             continue
-        gone = gone_ranks(_pid_dir) if _pid_dir is not None else []
+        gone = exited_ranks()
         if gone:
             _record_failure(gone)
             os._exit(EXIT_CODE)
@@ -202,6 +202,11 @@ def local_ranks_alive(pid_dir, env=os.environ) -> bool:
     return not gone_ranks(pid_dir, env)
 
 
+def exited_ranks() -> list[int]:
+    """`gone_ranks` of the pid directory `install` was given; none without one."""
+    return gone_ranks(_pid_dir) if _pid_dir is not None else []
+
+
 def gone_ranks(pid_dir, env=os.environ) -> list[int]:
     """The ranks of this host (torchrun numbers them RANK - LOCAL_RANK onwards) that have
     exited; none where unknown (no pid file: not written yet, or removed by a finished rank)."""
@@ -213,13 +218,25 @@ def gone_ranks(pid_dir, env=os.environ) -> list[int]:
                 pid = int(f.read())
         except (OSError, ValueError):
             continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _exited(pid):
             gone.append(r)
-        except PermissionError:
-            pass  # alive, another user's (a reused pid)
     return gone
+
+
+def _exited(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's (a reused pid)
+    # dead but not yet reaped by its torchrun agent (a zombie, Linux): a peer that a SIGKILL
+    # (the kernel's out-of-memory killer) just ended, as its closed connections wake this rank
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[:1] == ["Z"]
+    except OSError:
+        return False
 
 
 # ----- failures shared between hosts (module docstring) ---------------------------------------

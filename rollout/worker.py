@@ -96,10 +96,17 @@ def _peer_failure(tp_group) -> str | None:
     failed in a collective learns why: its peer left it before it left the collective (the
     peer's exit, which closed the connection, or the group's timeout came after)."""
     me = dist.get_rank()
-    for i, r in enumerate(dist.get_process_group_ranks(tp_group)):
+    ranks = dist.get_process_group_ranks(tp_group)
+    for i, r in enumerate(ranks):
         cause = left_error(r) if r != me else None
         if cause is not None:
             return f"generator rank {r} (tp rank {i} of this replica) failed: {cause}"
+    gone = set(preemption.exited_ranks()) - {me}  # a rank killed leaves nothing (this host's)
+    for i, r in enumerate(ranks):
+        if r in gone:
+            return (f"generator rank {r} (tp rank {i} of this replica) exited without a word: "
+                    f"killed (SIGKILL, or the kernel's out-of-memory killer: see dmesg; "
+                    f"torchrun's summary names its signal)")
     return None
 
 

@@ -202,3 +202,23 @@ def test_reward_failures_get_a_console_line_when_they_grow_at_most_once_a_minute
     assert "4 raised" in capsys.readouterr().out
     w._report_rewards()
     assert capsys.readouterr().out == ""  # no new failure
+
+
+def test_a_follower_killed_without_a_word_is_named_by_its_leader(monkeypatch):
+    """A TP follower SIGKILLed (the out-of-memory killer) leaves no cause in the store: its leader
+    and the trainer said only gloo's "Connection closed by peer". On its host the leader now
+    finds it exited (its pid file; a zombie until torchrun reaps it counts)."""
+    import torch.distributed as dist
+    from launch import preemption
+    from rollout import worker
+    monkeypatch.setattr(dist, "get_rank", lambda: 4)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [4, 5])
+    monkeypatch.setattr(worker, "left_error", lambda rank: None)
+    monkeypatch.setattr(preemption, "exited_ranks", lambda: [])
+    assert worker._peer_failure(object()) is None  # nothing known: the caller's gloo error stands
+    monkeypatch.setattr(preemption, "exited_ranks", lambda: [5])
+    assert worker._peer_failure(object()) == (
+        "generator rank 5 (tp rank 1 of this replica) exited without a word: killed (SIGKILL, or "
+        "the kernel's out-of-memory killer: see dmesg; torchrun's summary names its signal)")
+    monkeypatch.setattr(worker, "left_error", lambda rank: "RuntimeError: boom" if rank == 5 else None)
+    assert worker._peer_failure(object()).endswith("failed: RuntimeError: boom")  # a cause wins

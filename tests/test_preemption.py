@@ -104,6 +104,20 @@ def test_local_ranks_alive_reads_this_hosts_pid_files(tmp_path):
     assert preemption.local_ranks_alive(tmp_path / "none", host)  # no pid files yet: unknown
 
 
+def test_a_rank_dead_but_not_yet_reaped_counts_as_gone(tmp_path):
+    """A peer killed a moment ago is a zombie until its torchrun agent reaps it: os.kill(pid, 0)
+    still succeeds, and a TP leader woken by its closed connection found it alive."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
+        (tmp_path / "rank1.pid").write_text(f"{proc.pid}\n")
+        (tmp_path / "rank0.pid").write_text(f"{os.getpid()}\n")
+        host = {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+        assert preemption.gone_ranks(tmp_path, host) == [1]
+    finally:
+        proc.wait()
+
+
 def test_sigterm_after_a_rank_of_this_host_died_kills_at_once(tmp_path):
     """torchrun ending the survivors of a failed job: no stop that would wait for the dead rank."""
     (tmp_path / "rank0.pid").write_text(f"{_dead_pid()}\n")
