@@ -133,7 +133,7 @@ class AlgoConfig:
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference model; 0 = off.", ge=0)
     entropy_coef: float = _f(0.0, "Weight of an entropy bonus (loss -= coef * token entropy); keeps a policy exploring. 0 = off.", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator (Schulman's k1, k2 or k3) as a loss term: k1 and k2 give the gradient of KL(pi||ref), k3 (GRPO's) that of KL(ref||pi); see trainer/losses.kl_penalty.")
-    token_is: Literal["none", "truncate", "mask"] = _f("none", "Extra per-token IS correction for engine/trainer mismatch (algo.loss='ppo' only; AIPO and decoupled PPO weight by pi/mu themselves).")
+    token_is: Literal["none", "truncate", "mask"] = _f("none", "Extra per-token IS correction for engine/trainer mismatch (algo.loss='ppo' only; AIPO and decoupled PPO weight by pi/mu themselves). PPO with top-k or top-p < 1 - clip_eps sampling needs one (refused without: its clip around the truncated mu clips every negative advantage).")
     token_is_cap: float = _f(5.0, "Cap of the per-token IS ratio for token_is.", gt=0)
 
 
@@ -275,7 +275,9 @@ class Config:
         _check_dual_clip(a)
         if a.advantage == "rloo" and g.n_samples < 2:
             raise ConfigError(f"algo.advantage='rloo' needs generator.n_samples >= 2, got {g.n_samples} "
-                              "(set --generator.n_samples=4 or --algo.advantage=group_mean)")
+                              "(set --generator.n_samples=4: every algo.advantage is a group "
+                              "baseline, 0 for a group of one)")
+        _check_ppo_clip_vs_truncation(a, g)
         # The staleness gate lets the generators deliver max_staleness + 1 steps of groups before
         # the trainer takes the next batch, and trainer rank 0's own thread puts them into the
         # buffer: a smaller one waits there for room that only that thread's take() could make.
@@ -471,6 +473,23 @@ def resolve_config(argv: list[str]) -> Config:
         raise ConfigError(f"WORLD_SIZE={world!r} is not a number of ranks; torchrun sets it, and a "
                           f"dry run takes it as e.g. WORLD_SIZE=64 python train_rl.py --dry-run ...")
     return cfg.resolve(int(world))
+
+
+def _check_ppo_clip_vs_truncation(a, g) -> None:
+    """PPO without token IS clips pi/mu around the generator's mu, which top-k/top-p sampling
+    records from the truncated distribution (rollout/sampling.py): on-policy pi/mu is then the
+    kept mass, below 1 - clip_eps for any top_k (no floor) or a top_p under it, and every token
+    of negative advantage is clipped (no gradient): only positive advantages learn."""
+    if a.loss != "ppo" or a.token_is != "none" or g.greedy or g.temperature == 0:
+        return
+    if g.top_k > 0 or g.top_p < 1 - a.clip_eps:
+        raise ConfigError(
+            f"algo.loss='ppo' with algo.token_is='none' clips pi/mu around the generator's mu, "
+            f"which generator.top_k={g.top_k} / top_p={g.top_p} truncates: on policy pi/mu is the "
+            f"kept probability mass, under 1 - algo.clip_eps = {1 - a.clip_eps:g}, so every token "
+            f"with a negative advantage is clipped and only positive ones learn; set "
+            f"--algo.token_is=truncate (the clip then acts around the step's own policy), or "
+            f"--algo.loss=aipo, or sample untruncated (--generator.top_k=0 --generator.top_p=1)")
 
 
 def int_at_least(low: int):

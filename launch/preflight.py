@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 from config import ConfigError
@@ -58,7 +59,28 @@ def preflight(cfg, dims):
     check_resumed(cfg, start, args, items)
     _check_writable(Path(cfg.run.dir))
     _print_resume_changes(cfg, start)
+    _warn_no_learning_signal(cfg)
     return tok
+
+
+def _warn_no_learning_signal(cfg) -> None:
+    """Rank 0 warns of a training run whose groups cannot differ: every algo.advantage is a group
+    baseline, so each advantage is 0 and the policy loss has no gradient (only KL and entropy
+    terms move the weights). Not refused: a throughput or calibration run may want it."""
+    g, steps = cfg.generator, cfg.trainer.max_steps
+    if steps == 0 or int(os.environ.get("RANK", "0")) != 0:
+        return
+    why = None
+    if g.n_samples == 1:
+        why = "generator.n_samples=1: a group of one is its own baseline"
+    elif g.greedy or g.temperature == 0 or g.top_k == 1:
+        why = (f"greedy sampling (generator.greedy={g.greedy}, temperature={g.temperature}, "
+               f"top_k={g.top_k}): a group's {g.n_samples} completions are the same")
+    if why is not None:
+        print(f"warning: {why}, so every advantage (algo.advantage={cfg.algo.advantage!r}) is 0 "
+              f"and the policy loss has no gradient for all {steps} steps; sample with "
+              f"--generator.n_samples=4 at a temperature > 0 to learn from rewards",
+              file=sys.stderr, flush=True)
 
 
 def _print_resume_changes(cfg, path) -> None:

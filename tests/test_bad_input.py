@@ -287,3 +287,30 @@ def test_prompts_skipped_are_logged_once_by_the_first_rank(tmp_path, good_model,
         kept = load_items(cfg, tok, warn=False)[0]
         load_eval_items(cfg, tok, warn=False)
     assert 0 < len(kept) < 200 and not caplog.records
+
+
+def test_a_training_run_whose_groups_cannot_differ_gets_one_warning(tmp_path, good_model, monkeypatch, capsys):
+    """n_samples = 1, or greedy sampling: every group baseline gives advantage 0 and the run
+    trained nothing from its rewards without a word (reward_zero_std_frac 1.0, grad_norm 0).
+    Warned by rank 0 (calibration and throughput runs may want it); an evaluation-only run not."""
+    from config import load_config
+    from launch.preflight import preflight
+    from parallel.dims import ParallelDims
+    base = [f"--model.path={good_model}", f"--run.dir={tmp_path}"]
+    dims = ParallelDims.from_config(load_config("configs/tiny_cpu.toml", base).resolve(3).parallel, 3)
+    cases = {("--generator.n_samples=1",): "generator.n_samples=1: a group of one",
+             ("--generator.temperature=0",): "greedy sampling (generator.greedy=False, "
+                                             "temperature=0.0, top_k=0): a group's 8 completions",
+             ("--generator.top_k=1",): "top_k=1): a group's 8",
+             ("--generator.n_samples=1", "--trainer.max_steps=0"): None,  # evaluation only
+             (): None}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        for args, want in cases.items():
+            preflight(load_config("configs/tiny_cpu.toml", [*base, *args]).resolve(3), dims)
+            err = capsys.readouterr().err
+            if want is None or rank == "1":
+                assert "warning" not in err, (args, err)
+            else:
+                assert "warning: " in err and want in err and "every advantage (algo.advantage='group_mean') " \
+                       "is 0 and the policy loss has no gradient for all 800 steps" in err, err
