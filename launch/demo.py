@@ -23,11 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 CONFIG = "configs/tiny_cpu.toml"
+HELD_OUT = 400  # sums scored before and after; the run's evaluation takes its first eval.num_prompts
+# A line every 10 steps (the first and the last always): 800 a line each scrolled the before/after
+# figures and the eval lines off the screen; metrics.jsonl keeps every step.
+CONSOLE_EVERY = 10
 
 
 def held_out_accuracy(model_dir: Path, cfg) -> float:
-    """Greedy exact match on 400 held-out sums: the items the in-run evaluation (eval.jsonl) takes
-    its first 200 from."""
+    """Greedy exact match on HELD_OUT held-out sums: the items the in-run evaluation (eval.jsonl)
+    takes its first eval.num_prompts from."""
     import dataclasses
     from model import load_pretrained
     from model.tokenizer import load_tokenizer
@@ -36,7 +40,7 @@ def held_out_accuracy(model_dir: Path, cfg) -> float:
     from rollout.rewards import resolve_reward
     from rollout.worker import stop_token_ids
 
-    items = load_held_out(cfg.data, dataclasses.replace(cfg.eval, source="", num_prompts=400))
+    items = load_held_out(cfg.data, dataclasses.replace(cfg.eval, source="", num_prompts=HELD_OUT))
     model = load_pretrained(model_dir, dtype="float32").eval()
     tok = load_tokenizer(model_dir)
     return accuracy(model, tok, items, resolve_reward(cfg.reward.fn), cfg.generator.max_new_tokens,
@@ -72,11 +76,18 @@ def main(argv: list[str]) -> int:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(model_dir),
                         "--digits", str(cfg.data.synthetic_digits)], check=True)
     before = held_out_accuracy(model_dir, cfg)
-    print(f"== held-out greedy exact match before RL: {before:.3f}", flush=True)
+    evals = (f"; the run's eval lines score the first {cfg.eval.num_prompts}"
+             if cfg.eval.every_steps else "")
+    print(f"== held-out greedy exact match before RL: {before:.3f} ({HELD_OUT} held-out sums{evals})",
+          flush=True)
+    quiet = [] if any(a.startswith("--logging.console_every") for a in argv) else \
+        [f"--logging.console_every={CONSOLE_EVERY}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "train_rl.py", "--config", CONFIG, *argv]
+           "train_rl.py", "--config", CONFIG, *quiet, *argv]
     print("== " + " ".join(cmd), flush=True)
-    rc = subprocess.run(cmd).returncode
+    # torchrun sets OMP_NUM_THREADS=1 where it is unset, with a 4-line banner saying so on stderr:
+    # the same setting, without the banner
+    rc = subprocess.run(cmd, env={"OMP_NUM_THREADS": "1", **os.environ}).returncode
     if rc:  # train_rl.py has said why above; a traceback of this process would only bury it
         resume = " ".join(a for a in argv if not a.startswith("--run.dir")) + f" --run.dir={cfg.run.dir}"
         print(f"error: the RL run exited with {rc} (its output is above); to resume it: "
@@ -84,8 +95,11 @@ def main(argv: list[str]) -> int:
         return rc
     after = held_out_accuracy(Path(cfg.run.dir) / "hf_final", cfg)
     minutes = (time.time() - t0) / 60
-    print(f"== held-out greedy exact match: before {before:.3f} -> after {after:.3f} "
-          f"({minutes:.1f} min in all; metrics in {cfg.run.dir}/metrics.jsonl)")
+    print(f"== held-out greedy exact match on {HELD_OUT} sums: before {before:.3f} -> after "
+          f"{after:.3f} ({minutes:.1f} min in all)")
+    print(f"== outputs in {cfg.run.dir}: hf_final/ (the final policy), metrics.jsonl (every step), "
+          + ("eval.jsonl (held-out evaluations), " if cfg.eval.every_steps else "")
+          + f"tb/ (tensorboard --logdir {cfg.run.dir}/tb), config.toml")
     print(json.dumps({"demo": "tiny_cpu", "before": before, "after": after, "minutes": minutes}))
     return 0 if after > before else 1
 

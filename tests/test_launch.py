@@ -493,6 +493,60 @@ def test_demo_ends_a_failed_rl_run_with_one_line_and_its_exit_code(capsys, monke
     assert len(calls) == 1 and "train_rl.py" in calls[0]
 
 
+def _demo_run(monkeypatch, argv, env_omp=None):
+    """demo.main with the evaluations (0.25 before, 0.75 after) and torchrun faked: its stdout
+    is the demo's own lines; returns the command and environment torchrun was given."""
+    import subprocess
+    from launch import demo
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(demo, "held_out_accuracy",
+                        lambda folder, cfg: 0.75 if folder.name == "hf_final" else 0.25)
+    if env_omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env_omp)
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append((cmd, kw.get("env")))
+        return subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(demo.subprocess, "run", run)
+    monkeypatch.setattr(demo.Path, "is_file", lambda self: True)  # the tiny model "exists"
+    assert demo.main(argv) == 0
+    assert len(calls) == 1
+    return calls[0]
+
+
+def test_demo_says_how_many_prompts_it_scores_and_where_its_outputs_are(capsys, monkeypatch):
+    """The demo's 'before RL: 0.325' sat next to the run's 'eval v0 | greedy reward 0.305 on 200
+    held-out prompts' (and the warm start's 0.305): three figures of one policy, the demo's on 400
+    sums, unsaid. Its last line named metrics.jsonl but not the final policy or eval.jsonl."""
+    _demo_run(monkeypatch, ["--trainer.max_steps=3", "--run.dir=runs/x"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("== held-out greedy exact match before RL: 0.250 (400 held-out sums; the "
+                      "run's eval lines score the first 200)")
+    assert out[-3] == ("== held-out greedy exact match on 400 sums: before 0.250 -> after 0.750 "
+                       "(0.0 min in all)")
+    assert out[-2].startswith("== outputs in runs/x: hf_final/ (the final policy), metrics.jsonl "
+                              "(every step), eval.jsonl (held-out evaluations), tb/")
+    assert json.loads(out[-1]) == {"demo": "tiny_cpu", "before": 0.25, "after": 0.75,
+                                   "minutes": json.loads(out[-1])["minutes"]}  # still the last line
+
+
+def test_demo_keeps_torchruns_thread_banner_and_800_step_lines_off_the_console(capsys, monkeypatch):
+    """torchrun printed a 4-line OMP_NUM_THREADS banner on stderr (it sets 1 where the variable is
+    unset and says so); the demo now sets that 1 itself. 800 step lines scrolled the before/after
+    figures away: one line every 10 steps unless --logging.console_every is given."""
+    cmd, env = _demo_run(monkeypatch, ["--run.dir=runs/x"])
+    assert env["OMP_NUM_THREADS"] == "1" and "--logging.console_every=10" in cmd
+    assert cmd[cmd.index("train_rl.py") + 1:cmd.index("train_rl.py") + 3] == ["--config", TINY]
+    cmd, env = _demo_run(monkeypatch, ["--run.dir=runs/x", "--logging.console_every", "1"],
+                         env_omp="2")
+    assert env["OMP_NUM_THREADS"] == "2"  # the user's own setting stands
+    assert not any(a.startswith("--logging.console_every=") for a in cmd)
+    assert cmd[-2:] == ["--logging.console_every", "1"]
+
+
 @pytest.mark.parametrize("config_text, env, name", [
     ('[run]\nname = "mine"\n', {}, "mine"),              # the config's name, as torchrun would use it
     ("[trainer]\nlr = 1e-6\n", {}, "own_1234"),           # none in the config: file name + job id

@@ -310,9 +310,9 @@ def test_console_every_n_still_shows_the_first_and_the_last_step(tmp_path):
     for s in range(4, 9):
         logger.log(_row(s))
     logger.close()
-    assert [ln.split(" | ")[0] for ln in out.getvalue().splitlines()] == \
-        ["step    4", "step    6", "step    8"]
-    assert out.getvalue().splitlines()[-1].endswith("| 8/8 eta 0s")
+    *lines, summary = out.getvalue().splitlines()  # the run's summary line follows (below)
+    assert [ln.split(" | ")[0] for ln in lines] == ["step    4", "step    6", "step    8"]
+    assert lines[-1].endswith("| 8/8 eta 0s") and summary.startswith("trained steps 4-8 ")
 
 
 def test_a_non_finite_value_is_null_in_the_jsonl_and_left_out_of_tensorboard(tmp_path):
@@ -377,3 +377,59 @@ def test_generator_sync_s_is_the_slowest_replicas_swap():
         TrainerWorker._on_message(fake, SimpleNamespace(type=Msg.ACK, version=2,
                                                         payload={"seconds": seconds}))
     assert fake.acks == {2: 0.5}
+
+
+def test_the_last_step_is_followed_by_one_summary_of_the_run(tmp_path):
+    """A finished run ended on its last step line: no total time, no reward trend, and nothing
+    said where its numbers are (with LOG_RANK=0 the generator's eval lines are not shown either).
+    Rewards 0.1, 0.2, 0.6, 0.9 in steps of 1-4 s: 10 s in all, 0.15 over the first half, 0.75 over
+    the second (up to 10 steps each)."""
+    from config import load_config
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--trainer.max_steps=4",
+                                                "--logging.tensorboard=false"])
+    logger = MetricsLogger.from_config(cfg)
+    logger.stream = out = io.StringIO()
+    for s, r in zip((1, 2, 3, 4), (0.1, 0.2, 0.6, 0.9)):
+        logger.log(_row(s, reward_mean=r, time_step_s=float(s)))
+        if s < 4:
+            assert "trained" not in out.getvalue()  # only after the last step
+    logger.close()
+    *steps, last = out.getvalue().splitlines()
+    assert [ln.split(" | ")[0] for ln in steps] == ["step    1", "step    2", "step    3", "step    4"]
+    assert last == (f"trained steps 1-4 in 10s | reward 0.150 (mean of steps 1-2) -> 0.750 (steps "
+                    f"3-4) | every step in {tmp_path}/metrics.jsonl, held-out evaluations in "
+                    f"{tmp_path}/eval.jsonl")
+
+
+def test_the_summary_of_a_resumed_run_counts_its_own_steps_and_names_tensorboard(tmp_path):
+    """Steps 5-8 of 8 after a resume (rewards 0.5 and 0.7 on alternate steps): this attempt's
+    steps and times; no eval.jsonl where evaluation is off; no summary without console lines."""
+    from config import load_config
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--trainer.max_steps=8",
+                                                "--eval.every_steps=0"])
+    quiet = MetricsLogger(tmp_path / "quiet", tensorboard=False, console_every=0,
+                          stream=io.StringIO(), last_step=8)
+    logger = MetricsLogger.from_config(cfg, 4)
+    logger.stream = out = io.StringIO()
+    for s in range(5, 9):
+        for lg in (logger, quiet):
+            lg.log(_row(s, reward_mean=0.5 if s % 2 else 0.7, time_step_s=30.0))
+    logger.close()
+    quiet.close()
+    assert out.getvalue().splitlines()[-1] == (
+        f"trained steps 5-8 in 2m00s | reward 0.600 (mean of steps 5-6) -> 0.600 (steps 7-8) | "
+        f"every step in {tmp_path}/metrics.jsonl and {tmp_path}/tb")
+    assert out.getvalue().count("trained steps") == 1 and quiet.stream.getvalue() == ""
+
+
+def test_the_summary_of_a_long_run_averages_its_first_and_last_ten_steps(tmp_path):
+    """25 steps, reward step/100: 0.055 over steps 1-10, 0.205 over steps 16-25 (the logger keeps
+    those ends only, not every step of a long run)."""
+    logger = MetricsLogger(tmp_path, tensorboard=False, stream=io.StringIO(), last_step=25,
+                           console_every=100)
+    for s in range(1, 26):
+        logger.log(_row(s, reward_mean=s / 100, time_step_s=2.0))
+    logger.close()
+    assert logger.stream.getvalue().splitlines()[-1] == (
+        f"trained steps 1-25 in 50s | reward 0.055 (mean of steps 1-10) -> 0.205 (steps 16-25) | "
+        f"every step in {tmp_path}/metrics.jsonl")

@@ -21,11 +21,14 @@ class MetricsLogger:
     steps and the time left at the pace of the last 20 steps (`progress`), the first step (which
     waits for the generators' start-up) left out once there is another. A line every
     `console_every` steps, and always for this process's first step (the run is under way) and
-    the run's `last_step` (its final numbers)."""
+    the run's `last_step` (its final numbers), then one line summing the run up (`summary_line`):
+    the last step line was all a finished run said, and with LOG_RANK=0 (the generator's eval
+    lines filtered) nothing named the files that hold the numbers. `eval_file`: where the
+    generator writes its held-out evaluations, named in that line (None: evaluation is off)."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console_every: int = 1,
                  stream=None, purge_step: int | None = None, total_steps: int | None = None,
-                 last_step: int | None = None):
+                 last_step: int | None = None, eval_file: str | Path | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -38,6 +41,12 @@ class MetricsLogger:
         self.total_steps, self._step_times = total_steps, deque(maxlen=20)
         self.last_step = last_step
         self._first_s: float | None = None  # the first step's time: it waits for the start-up
+        self.eval_file = eval_file
+        # this process's steps for `summary_line`: (step, reward) of its first and last 10, and
+        # the sum of their times (bounded: a run may take 10^5 steps)
+        self._head: list[tuple[int, float]] = []
+        self._tail: deque[tuple[int, float]] = deque(maxlen=10)
+        self._run_s = 0.0
 
     @classmethod
     def from_config(cls, cfg, start_step: int = 0) -> "MetricsLogger":
@@ -48,9 +57,10 @@ class MetricsLogger:
         from trainer.checkpointing import truncate_steps
         lg = cfg.logging
         truncate_steps(Path(cfg.run.dir) / "metrics.jsonl", start_step)
+        evals = Path(cfg.run.dir) / "eval.jsonl" if cfg.eval.every_steps else None
         return cls(cfg.run.dir, lg.tensorboard, lg.console_every, purge_step=start_step + 1,
                    total_steps=cfg.trainer.max_steps if lg.progress else None,
-                   last_step=cfg.trainer.max_steps)
+                   last_step=cfg.trainer.max_steps, eval_file=evals)
 
     def log(self, metrics: dict) -> None:
         missing = [k for k in CONTRACT_KEYS if k not in metrics]
@@ -66,12 +76,34 @@ class MetricsLogger:
             self._first_s = float(metrics["time_step_s"])
         else:
             self._step_times.append(float(metrics["time_step_s"]))
+        if len(self._head) < 10:
+            self._head.append((step, float(metrics["reward_mean"])))
+        self._tail.append((step, float(metrics["reward_mean"])))
+        self._run_s += float(metrics["time_step_s"])
         every = self.console_every  # 0: no console lines
         if every and (step % every == 0 or first or step == self.last_step):
             line = console_line(metrics)
             if self.total_steps:
                 line += " | " + progress(step, self.total_steps, self._step_times or [self._first_s])
+            if step == self.last_step:
+                line += "\n" + self.summary_line()
             print(line, file=self.stream, flush=True)
+
+    def summary_line(self) -> str:
+        """'trained steps 1-800 in 1m35s | reward 0.136 (mean of steps 1-10) -> 0.771 (steps
+        791-800) | every step in <run>/metrics.jsonl and <run>/tb, ...': this process's steps
+        (a resumed run's own), their summed step times (the run's wall time, the start-up wait
+        in the first), and the sampled reward's trend over up to 10 steps at each end."""
+        n = self._tail[-1][0] - self._head[0][0] + 1  # steps of this process (consecutive)
+        k = max(1, min(10, n // 2))
+        head, tail = self._head[:k], list(self._tail)[-k:]
+        first, last = (sum(r for _, r in part) / k for part in (head, tail))
+        where = f"every step in {self.path}" + (f" and {self.path.parent / 'tb'}" if self._tb else "")
+        if self.eval_file is not None:
+            where += f", held-out evaluations in {self.eval_file}"
+        return (f"trained steps {head[0][0]}-{tail[-1][0]} in {duration(self._run_s)} | reward "
+                f"{first:.3f} (mean of steps {_span([st for st, _ in head])}) -> {last:.3f} (steps "
+                f"{_span([st for st, _ in tail])}) | {where}")
 
     def _tb_write(self, clean: dict, step: int) -> None:
         """A step's numbers as one TensorBoard event of scalar values (read back as scalars, as
@@ -174,6 +206,10 @@ def console_line(m: dict) -> str:
             f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} | IS {m['is_ratio_mean']:.3f} | "
             f"loss {m['loss']:+.4f} | {m['tokens_per_s']:.0f} tok/s | step {m['time_step_s']:.2f}s | "
             f"sync {m['time_weights_sync_s'] * 1000:.0f}ms")
+
+
+def _span(steps) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
 def progress(step: int, total: int, recent_s) -> str:
