@@ -119,10 +119,7 @@ def dry_run(cfg) -> int:
     print(f"layouts: trainer {dims.trainer_fsdp}x{dims.trainer_tp} and generator "
           f"{dims.gen_dp}x{dims.gen_tp}, {len(specs)} params ({t2 - t1:.2f}s)")
     print(f"weight sync plan: {pl.summary()} ({t3 - t2:.2f}s)")
-    busy = [v for v in send.values() if v]
-    print(f"  max sender bytes {max(send.values())} ({_gb(max(send.values()))}), mean "
-          f"{_gb(sum(busy) / max(len(busy), 1))}; generator rank {first} receives {_gb(recv)} "
-          f"from {peers} trainer ranks")
+    print(f"  generator rank {first} receives {_gb(recv)} from {peers} trainer ranks")
     for name in ("h100", "h200"):
         cl = cm.gpu_cluster(name, max(1, world // 8))
         sb = cm.SyncBytes(max(send.values()), recv, peers, "plan")

@@ -66,9 +66,10 @@ class ParallelDims:
                    trainer_tp=pcfg.trainer_tp)
 
     def describe(self) -> str:
+        same = " (the same ranks)" if self.mode == "colocated" else ""
         return (f"world_size={self.world_size} mode={self.mode} generator_ranks={self.generator_ranks} "
-                f"(gen_dp={self.gen_dp} x gen_tp={self.gen_tp}) trainer_ranks={self.trainer_ranks} "
-                f"(trainer_fsdp={self.trainer_fsdp} x trainer_tp={self.trainer_tp})")
+                f"(gen_dp={self.gen_dp} x gen_tp={self.gen_tp}) trainer_ranks={self.trainer_ranks}"
+                f"{same} (trainer_fsdp={self.trainer_fsdp} x trainer_tp={self.trainer_tp})")
 
     def _fail(self, problem: str, fix: str) -> None:
         raise ValueError(f"invalid parallel layout: {problem}. Factors: {self.describe()}. Fix: {fix}")

@@ -180,7 +180,8 @@ def _load_reasoning_gym(name: str, num_prompts: int, seed: int, kwargs: dict) ->
         import reasoning_gym
     except ImportError as e:
         raise ValueError(f"source 'reasoning_gym:{name}' needs the optional package reasoning_gym; "
-                         f"install it with `pip install reasoning-gym`") from e
+                         f"install it with `pip install reasoning-gym==0.1.25` (the version "
+                         f"requirements-test.txt pins and the tests cover)") from e
     size = num_prompts or REASONING_GYM_DEFAULT_SIZE
     try:
         dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)

@@ -133,7 +133,7 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
 def test_reasoning_gym_source_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)
     with pytest.raises(ValueError, match="'reasoning_gym:basic_arithmetic' needs the optional "
-                                         "package reasoning_gym.*`pip install reasoning-gym`"):
+                                         "package reasoning_gym.*`pip install reasoning-gym==0.1.25`"):
         load_prompts("reasoning_gym:basic_arithmetic", num_prompts=2)
 
 

@@ -17,7 +17,7 @@ CONFIG = "configs/example_1024.toml"
 KEY_LINES = ("dry run: world_size=1024", "trainer_ranks=512 (trainer_fsdp=128 x trainer_tp=4)",
              "generator mesh (dp=256, tp=2)", "layouts: trainer 128x4 and generator 256x2",
              "weight sync plan: 512 src ranks -> 512 dst ranks (256 replicas), 291 params",
-             "max sender bytes", "memory per rank", "trainer   rank:", "generator rank:",
+             "per busy sender max", "memory per rank", "trainer   rank:", "generator rank:",
              "dry run ok in")
 
 

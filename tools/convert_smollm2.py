@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the safetensors folder to write")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
     args = ap.parse_args(argv)
-    print(convert(args.out, args.dtype))
+    print(f"wrote {convert(args.out, args.dtype)}")
     return 0
 
 

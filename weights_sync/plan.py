@@ -276,10 +276,12 @@ class Plan:
     def summary(self) -> str:
         vol = self.send_volume_by_rank()
         busy = [v for v in vol.values() if v]
+        gb = 1e9
         return (f"{len(self.src.ranks)} src ranks -> {len(self.dst.ranks)} dst ranks "
                 f"({len(self.dst.replicas)} replicas), {len(self.specs)} params, "
-                f"{sum(vol.values())} bytes; per sender max {max(vol.values(), default=0)} "
-                f"mean {sum(vol.values()) / max(1, len(vol)):.0f} ({len(busy)} senders busy)")
+                f"{sum(vol.values()) / gb:.2f} GB; per busy sender max "
+                f"{max(vol.values(), default=0) / gb:.2f} GB, mean "
+                f"{sum(busy) / max(1, len(busy)) / gb:.2f} GB ({len(busy)} of {len(vol)} senders busy)")
 
 
 # ---------------------------------------------------------------------------------------------
