@@ -364,7 +364,12 @@ def test_a_resume_refuses_settings_its_state_was_not_counted_in(tmp_path):
     with pytest.raises(ValueError, match=r"buffer holds 32 samples, more than "
                                          r"algo.buffer_capacity=16 .*--algo.buffer_capacity=32"):
         check_resume(cfg("--algo.max_staleness=0"))
-    check_resume(cfg("--algo.max_staleness=0", "--algo.buffer_capacity=32"))
+    # a bigger buffer alone resumed, then dropped its 2 steps of groups as stale (or waited for
+    # groups the gates would not start): the refusal names the staleness they need
+    with pytest.raises(ValueError, match=r"with algo.max_staleness=0: its 8 buffered and in-flight "
+                                         r"groups .* Resume with --algo.max_staleness=1 or more"):
+        check_resume(cfg("--algo.max_staleness=0", "--algo.buffer_capacity=32"))
+    check_resume(cfg("--algo.max_staleness=1"))
     with pytest.raises(ValueError, match=r"parallel.mode='colocated' has no checkpoints, but this "
                                          r"run would resume from .*step_000002"):
         check_resume(load_config("configs/tiny_cpu.toml", [

@@ -166,3 +166,91 @@ def test_a_missing_kl_reference_folder_is_refused_before_process_groups(tmp_path
     cfg = _cfg(tmp_path / "run", f"--model.path={good_model}", "--algo.kl_coef=0.1",
                f"--model.ref_path={good_model}")
     preflight(cfg, ParallelDims.from_config(cfg.parallel, 3))
+
+
+def _group(made_at: int, samples: int = 4) -> dict:
+    """A buffered group as `OffPolicyBuffer.state_dict` saves it, generated at version `made_at`."""
+    return {"prompt_id": made_at, "replica": 0,
+            "trajectories": [{"token_versions": [made_at, made_at + 1]}] * samples}
+
+
+def test_a_resume_that_lowers_max_staleness_below_its_buffers_needs_is_refused(tmp_path):
+    """The checkpoint of a max_staleness=2 run buffers groups made two versions before the steps
+    that take them. Resumed with max_staleness=1 the first step dropped 4 of them as stale (their
+    prompts never trained, nothing said); with 0 it dropped all 8 at once and the trainer waited
+    for groups the generator's gate would not start, until parallel.timeout_s. Refused now,
+    naming the least max_staleness that trains them all (hand count: backlog group j is taken
+    at version 4 + j // 4; the first four were made at 2, the next four at 3: 2 behind)."""
+    import doctest
+
+    import trainer.checkpointing
+    from trainer.checkpointing import staleness_needed
+    assert doctest.testmod(trainer.checkpointing).failed == 0
+    old = _cfg(tmp_path, "--algo.max_staleness=2", "--trainer.prompts_per_step=4",
+               "--generator.n_samples=4")
+    root = tmp_path / "checkpoints"
+    groups = [_group(2)] * 4 + [_group(3)] * 4
+    _checkpoints(root, {4: {"version": 4, "settings": settings_of(old),
+                            "buffer": {"groups": groups},
+                            "generators": {"0": {"inflight": [], "started": 24}}}})
+    assert staleness_needed(read_extra(root / "step_000004"), batch_groups=4) == 2
+    for lower in (0, 1):
+        with pytest.raises(ValueError, match=(
+                rf"with algo.max_staleness={lower} \(the checkpoint's run: 2\): its 8 buffered and "
+                r"in-flight groups are trained up to 2 versions after .* Resume with "
+                r"--algo.max_staleness=2 or more")):
+            check_resume(_cfg(tmp_path, f"--algo.max_staleness={lower}",
+                              "--algo.buffer_capacity=32", "--trainer.prompts_per_step=4",
+                              "--generator.n_samples=4"))
+    with pytest.raises(ValueError, match=(  # the bigger buffer alone was a dead end
+            r"set --algo.buffer_capacity=32 or more, and --algo.max_staleness=2 or more")):
+        check_resume(_cfg(tmp_path, "--algo.max_staleness=0", "--trainer.prompts_per_step=4",
+                          "--generator.n_samples=4"))
+    for same_or_more in (2, 3):
+        check_resume(_cfg(tmp_path, f"--algo.max_staleness={same_or_more}",
+                          "--trainer.prompts_per_step=4", "--generator.n_samples=4"))
+    # in-flight groups are regenerated at the checkpoint's version, after the buffered ones:
+    # 4 buffered (made at 4) and 5 in flight take versions 4, 4, 4, 4, 5, 5, 5, 5, 6: 2 behind
+    extra = {"version": 4, "buffer": {"groups": [_group(4)] * 4},
+             "generators": {"0": {"inflight": [[1, 0]] * 3}, "1": {"inflight": [[2, 0]] * 2}}}
+    assert staleness_needed(extra, batch_groups=4) == 2
+    assert staleness_needed({"version": 4}, batch_groups=4) == 0  # an empty cut: any
+
+
+def test_a_refused_gen_dp_change_names_the_generator_ranks_that_give_it(tmp_path):
+    """gen_dp is derived (generator_ranks / gen_tp). A job requeued onto fewer generator ranks
+    was told "Resume with --parallel.gen_dp=2", which the layout check then refused (gen_tp x
+    gen_dp = 1 x 2 != 1 generator ranks). The fix names the generator ranks, and the world size."""
+    old = _cfg(tmp_path, "--parallel.generator_ranks=2")
+    _saved_by(old)
+    new = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}",
+                                                "--parallel.generator_ranks=1"]).resolve(2)
+    with pytest.raises(ValueError, match=(
+            r"with parallel.gen_dp=1 \(the checkpoint's run: 2\).* Resume with "
+            r"--parallel.generator_ranks=2 \(2 replicas x gen_tp=1; with this run's 1 trainer "
+            r"ranks, a world size of 3\)")) as e:
+        check_resume(new)
+    fixed = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}",
+                                                  "--parallel.generator_ranks=2"]).resolve(3)
+    assert "--parallel.gen_dp" not in str(e.value) and fixed.parallel.gen_dp == 2
+    check_resume(fixed)
+
+
+def test_a_finished_run_without_checkpoints_is_not_silently_started_over(tmp_path):
+    """A colocated run (no checkpoints) relaunched in split mode to resume it, or any run of
+    checkpoint.every_steps=0 relaunched with a higher trainer.max_steps: it started over at step
+    0 without a word and overwrote the finished run's metrics and hf_final."""
+    from trainer.checkpointing import already_complete_line, mark_complete
+    colocated = _cfg(tmp_path, "--parallel.mode=colocated", "--checkpoint.every_steps=0",
+                     "--trainer.max_steps=4")
+    mark_complete(colocated, 4)
+    with pytest.raises(ValueError, match=(
+            rf"run {tmp_path} already completed 4 steps and has no checkpoint to train on from "
+            r".*\(trainer.max_steps=6, parallel.mode='split'\) would start over at step 0 and "
+            r"overwrite its metrics and hf_final. Pass a new --run.dir")):
+        check_resume(_cfg(tmp_path, "--trainer.max_steps=6"))
+    check_resume(_cfg(tmp_path, "--trainer.max_steps=6", "--checkpoint.resume=never"))  # asked for
+    same = _cfg(tmp_path, "--trainer.max_steps=4")
+    check_resume(same)  # nothing to do, as already_complete_line says
+    assert "already completed 4 steps" in already_complete_line(same)
+    check_resume(_cfg(tmp_path / "new", "--trainer.max_steps=6"))  # a new folder

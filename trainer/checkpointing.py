@@ -102,6 +102,8 @@ def check_resume(cfg) -> Path | None:
     extra = {"step": 0} if start is None else read_extra(start)
     if start is not None:
         check_settings(cfg, start, extra)
+    elif cfg.checkpoint.resume == "auto":
+        _check_no_finished_run(cfg)
     step = extra["step"]
     later = [d for s, d in complete_checkpoints(checkpoint_root(cfg)) if s > step]
     if later:
@@ -111,6 +113,23 @@ def check_resume(cfg) -> Path | None:
             f"{f' and {len(later) - 1} more' if len(later) > 1 else ''}), which would outrank "
             "this run's; pass a new --run.dir, or move those checkpoints away")
     return start
+
+
+def _check_no_finished_run(cfg) -> None:
+    """A run with nothing to resume from, in a folder whose earlier run finished fewer steps
+    without checkpoints (colocated mode, or checkpoint.every_steps=0): relaunched with a higher
+    trainer.max_steps, or in split mode, it started over at step 0 without a word, overwriting
+    that run's metrics and hf_final (a colocated run relaunched as a split one, to resume it)."""
+    done = completed_steps(cfg)
+    if done is None or done >= cfg.trainer.max_steps:
+        return  # no finished run here, or one this run leaves as it is (already_complete_line)
+    raise ValueError(
+        f"run {cfg.run.dir} already completed {done} steps and has no checkpoint to train on from "
+        f"(colocated mode, or checkpoint.every_steps=0): this run (trainer.max_steps="
+        f"{cfg.trainer.max_steps}, parallel.mode={cfg.parallel.mode!r}) would start over at step "
+        f"0 and overwrite its metrics and hf_final. Pass a new --run.dir (--model.path="
+        f"{Path(cfg.run.dir) / 'hf_final'} starts from its weights), or --checkpoint.resume=never "
+        "to start over in this folder")
 
 
 def saved_settings(extra: dict) -> dict:
@@ -130,7 +149,7 @@ def check_settings(cfg, path: Path, extra: dict) -> None:
                if saved.get(k) is not None and now[k] != saved[k]}
     if changed:
         was = ", ".join(f"{k}={now[k]} (the checkpoint's run: {v})" for k, v in changed.items())
-        keep = " ".join(f"--{k}={v}" for k, v in changed.items())
+        keep = " ".join(_keep_flag(cfg, k, v) for k, v in changed.items())
         raise ValueError(
             f"resuming {path} with {was}: the generators' staleness gates, prompt "
             f"cursors and the buffer were counted in the old values, and a resume with others "
@@ -143,7 +162,72 @@ def check_settings(cfg, path: Path, extra: dict) -> None:
             f"resuming {path}: its buffer holds {samples} samples, more than algo.buffer_capacity="
             f"{cfg.algo.buffer_capacity} (derived from prompts_per_step, n_samples and "
             f"max_staleness={cfg.algo.max_staleness} unless set); set --algo.buffer_capacity="
-            f"{samples} or more")
+            f"{samples} or more" + _staleness_too(cfg, extra))
+    _check_staleness(cfg, path, extra)
+
+
+def _staleness_too(cfg, extra: dict) -> str:
+    """The end of the buffer-capacity refusal where a lower max_staleness is what shrank it: a
+    bigger buffer alone resumed, and then dropped the groups or waited (`_check_staleness`)."""
+    need = staleness_needed(extra, cfg.trainer.prompts_per_step)
+    return (f", and --algo.max_staleness={need} or more (its groups were generated up to {need} "
+            "versions before the steps that train them)" if need > cfg.algo.max_staleness else "")
+
+
+def _keep_flag(cfg, key: str, was) -> str:
+    """The flags that resume with the checkpoint's `was` of `key`. parallel.gen_dp is derived
+    from generator_ranks / gen_tp: "--parallel.gen_dp=1" alone was refused as a bad layout on a
+    job requeued with the generator ranks of the new gen_dp, so the generator ranks are named."""
+    if key != "parallel.gen_dp":
+        return f"--{key}={was}"
+    p = cfg.parallel
+    trainers = p.trainer_fsdp * p.trainer_tp
+    return (f"--parallel.generator_ranks={was * p.gen_tp} ({was} replicas x gen_tp={p.gen_tp}; "
+            f"with this run's {trainers} trainer ranks, a world size of "
+            f"{was * p.gen_tp + trainers})")
+
+
+def staleness_needed(extra: dict, batch_groups: int) -> int:
+    """The least algo.max_staleness under which a resume trains every group its checkpoint holds:
+    the buffered ones (taken in (min_version, arrival) order, as `OffPolicyBuffer.take` does, the
+    order `state_dict` saves them in) and then the in-flight ones, regenerated at the checkpoint's
+    version. Backlog group j is taken at trainer version `version + j // batch_groups`; one made
+    at an older version than that less max_staleness is dropped as stale.
+    >>> g = lambda v: {"trajectories": [{"token_versions": [v, v + 1]}]}
+    >>> staleness_needed({"version": 4, "buffer": {"groups": [g(2), g(3), g(3)]}}, batch_groups=2)
+    2
+    """
+    version = extra.get("version", extra.get("step", 0))
+    made = [min(min(t.get("token_versions") or [version]) for t in g["trajectories"])
+            for g in (extra.get("buffer") or {}).get("groups", []) if g.get("trajectories")]
+    made += [version] * inflight_groups(extra)
+    return max([0] + [version + j // batch_groups - v for j, v in enumerate(made)])
+
+
+def _check_staleness(cfg, path: Path, extra: dict) -> None:
+    """A lower algo.max_staleness than the checkpoint's groups need: the first take dropped the
+    stalest buffered groups (their prompts never trained, the resume saying nothing), and where
+    it dropped more than a step's worth at once the trainer waited for groups that the
+    generators' gates, still counting them, would not start (until parallel.timeout_s)."""
+    need = staleness_needed(extra, cfg.trainer.prompts_per_step)
+    if cfg.algo.max_staleness >= need:
+        return
+    was = saved_settings(extra).get("algo.max_staleness")
+    backlog = buffered_groups(extra) + inflight_groups(extra)
+    raise ValueError(
+        f"resuming {path} with algo.max_staleness={cfg.algo.max_staleness}"
+        + (f" (the checkpoint's run: {was})" if was is not None else "") +
+        f": its {backlog} buffered and in-flight groups are trained up to {need} version"
+        f"{'s' if need > 1 else ''} after the one they were generated with, so the first steps "
+        "would drop them as stale (their prompts never trained) and could wait for groups the "
+        "generators' gates do not start. "
+        f"Resume with --algo.max_staleness={need} or more, or start a new --run.dir (its "
+        "--model.path an HF export of this run to keep the weights)")
+
+
+def inflight_groups(extra: dict) -> int:
+    """Groups the checkpoint's generators had started and not shipped (regenerated on resume)."""
+    return sum(len(g.get("inflight") or []) for g in (extra.get("generators") or {}).values())
 
 
 def buffered_groups(extra: dict) -> int:
