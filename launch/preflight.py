@@ -45,9 +45,6 @@ def preflight(cfg, dims):
         raise ConfigError(f"generator.stop_token_ids has {bad}, outside the model's vocabulary "
                           f"[0, {args.vocab_size}): no token could ever stop on them; use ids of "
                           f"this model's tokenizer")
-    if dims.mode == "colocated" and cfg.checkpoint.every_steps:
-        raise ConfigError("checkpoints are implemented for split mode only; with "
-                          "parallel.mode='colocated' set checkpoint.every_steps=0")
     # raises on a missing/empty dataset or when every prompt is too long; the first rank alone
     # logs the prompts skipped (every rank, and then each generator again, said it)
     first = int(os.environ.get("RANK", "0")) == 0
@@ -55,7 +52,10 @@ def preflight(cfg, dims):
     if cfg.eval.every_steps:
         load_eval_items(cfg, tok, warn=first)  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
-    start = check_resume(cfg)
+    start = check_resume(cfg)  # first: a split run resumed as colocated is told so at once
+    if dims.mode == "colocated" and cfg.checkpoint.every_steps:
+        raise ConfigError("checkpoints are implemented for split mode only; with "
+                          "parallel.mode='colocated' set checkpoint.every_steps=0")
     check_resumed(cfg, start, args, items)
     _check_writable(Path(cfg.run.dir))
     _print_resume_changes(cfg, start)

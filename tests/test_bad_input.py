@@ -314,3 +314,16 @@ def test_a_training_run_whose_groups_cannot_differ_gets_one_warning(tmp_path, go
             else:
                 assert "warning: " in err and want in err and "every advantage (algo.advantage='group_mean') " \
                        "is 0 and the policy loss has no gradient for all 800 steps" in err, err
+
+
+def test_a_split_run_resumed_in_colocated_mode_is_told_so_first(tmp_path, good_model, monkeypatch, capsys):
+    """It took two refusals: first "set checkpoint.every_steps=0" (colocated has no checkpoints),
+    and only with that set the one that matters: this run would resume a split run's checkpoint."""
+    from tests.test_checkpoint_dcp import _checkpoints
+    run = tmp_path / "run"
+    _checkpoints(run / "checkpoints", {2: {}})
+    rc, err = _in_this_process(["--config", "configs/tiny_cpu.toml", f"--model.path={good_model}",
+                                f"--run.dir={run}", "--parallel.mode=colocated",
+                                "--checkpoint.every_steps=2"], "2", monkeypatch, capsys)
+    assert rc != 0 and "parallel.mode='colocated' has no checkpoints, but this run would resume " \
+                       "from" in err, err
