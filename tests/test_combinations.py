@@ -8,16 +8,15 @@ import math
 import os
 import subprocess
 import sys
-import types
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import trainer.batch
-from config import Config, ConfigError, load_config
+from config import ConfigError, load_config
 from rollout.sampling import process_logits
+from tests.test_losses import _embedding_policy, step_cfg
 from trainer.advantages import group_advantages
 from trainer.batch import Group, Trajectory
 
@@ -34,20 +33,6 @@ def test_one_sample_a_prompt_gives_every_baseline_a_zero_advantage(kind):
     assert torch.equal(group_advantages(rewards, kind), torch.zeros(4, 1))
 
 
-def _policy(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Module()
-    model.w = torch.nn.Parameter(torch.randn(6, 7, dtype=torch.float64))
-    model.forward = lambda input_ids_N, seq_lens=None, seq_parents=None: model.w[input_ids_N]
-    return model
-
-
-def _step_cfg(**algo):
-    c = Config()
-    return types.SimpleNamespace(algo=replace(c.algo, **algo), generator=c.generator,
-                                 trainer=replace(c.trainer, micro_batch_tokens=64, grad_clip=0.0))
-
-
 @pytest.mark.parametrize("loss", ["aipo", "ppo", "decoupled_ppo"])
 def test_one_sample_a_prompt_trains_nothing_without_kl_or_entropy(loss):
     """n_samples = 1, group_mean (accepted by the config today): the policy loss is 0 and its
@@ -56,11 +41,11 @@ def test_one_sample_a_prompt_trains_nothing_without_kl_or_entropy(loss):
     from trainer.step import train_step
     groups = [Group(g, [Trajectory(g, 0, [1, 2 + g], [3, 4, 5 - g], [-1.9, -0.4, -2.3],
                                    [0, 0, 0], float(3 * g + 1), "stop")]) for g in range(3)]
-    model = _policy()
+    model = _embedding_policy()
     before = model.w.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=10.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    res = train_step(model, opt, sched, groups, _step_cfg(loss=loss), None, "cpu", 0)
+    res = train_step(model, opt, sched, groups, step_cfg(loss=loss), None, "cpu", 0)
     assert res.stats["loss_sum"] == 0.0 and res.grad_norm == 0.0
     assert torch.equal(model.w.detach(), before)
 
@@ -103,7 +88,7 @@ def test_top_k_sampling_clips_naive_ppos_negative_advantages_on_policy():
     assert ratio < 0.8  # the top-2 mass: the clip's lower edge at clip_eps 0.2
     grads = {}
     for token_is in ("none", "truncate"):
-        acfg = _step_cfg(loss="ppo", token_is=token_is).algo
+        acfg = step_cfg(loss="ppo", token_is=token_is).algo
         for adv in (1.0, -1.0):
             logp = logp_pi.clone().reshape(1).requires_grad_()
             out = _loss(acfg, logp, _one_token_batch(logp_mu, adv))
