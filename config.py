@@ -486,8 +486,9 @@ def _check_ppo_clip_vs_truncation(a, g) -> None:
         raise ConfigError(
             f"algo.loss='ppo' with algo.token_is='none' clips pi/mu around the generator's mu, "
             f"which generator.top_k={g.top_k} / top_p={g.top_p} truncates: on policy pi/mu is the "
-            f"kept probability mass, under 1 - algo.clip_eps = {1 - a.clip_eps:g}, so every token "
-            f"with a negative advantage is clipped and only positive ones learn; set "
+            f"kept probability mass, which can be under 1 - algo.clip_eps = {1 - a.clip_eps:g} "
+            f"(top_k keeps no least mass; top_p keeps top_p), and then every token with a "
+            f"negative advantage is clipped and only positive ones learn; set "
             f"--algo.token_is=truncate (the clip then acts around the step's own policy), or "
             f"--algo.loss=aipo, or sample untruncated (--generator.top_k=0 --generator.top_p=1)")
 

@@ -93,6 +93,7 @@ if [[ "$LOG_RANK" != all ]]; then logs+=(--local-ranks-filter "$LOG_RANK"); fi
 cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$NPROC"
      --max-restarts "$MAX_RESTARTS" "${logs[@]}" train_rl.py --config "$CONFIG" "$@")
 echo "+ ${cmd[*]}" >&2
-# torchrun's own default, set here: where it sets it, it prints a 4-line banner saying so
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun's own default for several ranks a node, set here: it prints a 4-line banner when it
+# sets it (one rank keeps every core)
+if (( NPROC > 1 )); then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 exec "${cmd[@]}"

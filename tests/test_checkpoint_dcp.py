@@ -345,7 +345,8 @@ def test_a_resume_refuses_settings_its_state_was_not_counted_in(tmp_path):
     checkpoints, refuses to start over a run it would resume."""
     from config import load_config
     from trainer.checkpointing import check_resume
-    settings = {"trainer.prompts_per_step": 4, "generator.n_samples": 4, "parallel.gen_dp": 1}
+    settings = {"trainer.prompts_per_step": 4, "generator.n_samples": 4, "parallel.gen_dp": 1,
+                "algo.max_staleness": 1}
     group = {"prompt_id": 0, "trajectories": [{}] * 4}
     _checkpoints(tmp_path / "checkpoints", {2: {"settings": settings, "generators": {"0": {}},
                                                 "buffer": {"groups": [group] * 8}}})
@@ -366,7 +367,8 @@ def test_a_resume_refuses_settings_its_state_was_not_counted_in(tmp_path):
         check_resume(cfg("--algo.max_staleness=0"))
     # a bigger buffer alone resumed, then dropped its 2 steps of groups as stale (or waited for
     # groups the gates would not start): the refusal names the staleness they need
-    with pytest.raises(ValueError, match=r"with algo.max_staleness=0: its 8 buffered and in-flight "
+    with pytest.raises(ValueError, match=r"with algo.max_staleness=0 \(the checkpoint's run: 1\): "
+                                         r"its 8 buffered and in-flight "
                                          r"groups .* Resume with --algo.max_staleness=1 or more"):
         check_resume(cfg("--algo.max_staleness=0", "--algo.buffer_capacity=32"))
     check_resume(cfg("--algo.max_staleness=1"))

@@ -254,3 +254,21 @@ def test_a_finished_run_without_checkpoints_is_not_silently_started_over(tmp_pat
     check_resume(same)  # nothing to do, as already_complete_line says
     assert "already completed 4 steps" in already_complete_line(same)
     check_resume(_cfg(tmp_path / "new", "--trainer.max_steps=6"))  # a new folder
+
+
+def test_a_straggler_in_the_buffer_does_not_refuse_a_resume_of_the_same_staleness(tmp_path):
+    """A long completion started at version 0 arrived after steps 1-2 had taken shorter groups:
+    the run would drop it at its next take (its gates count the drop), and the resume of the
+    same config must do as it would. The staleness refusal is for a lowered max_staleness only,
+    and never asks for more than the run's own."""
+    args = ("--algo.max_staleness=1", "--trainer.prompts_per_step=2", "--generator.n_samples=4")
+    straggler = {"prompt_id": 0, "replica": 0, "trajectories": [{"token_versions": [0, 0]}] * 4}
+    _checkpoints(tmp_path / "checkpoints",
+                 {2: {"version": 2, "settings": settings_of(_cfg(tmp_path, *args)),
+                      "buffer": {"groups": [straggler]},
+                      "generators": {"0": {"inflight": [], "started": 5}}}})
+    check_resume(_cfg(tmp_path, *args))
+    check_resume(_cfg(tmp_path, *args[1:], "--algo.max_staleness=3"))
+    with pytest.raises(ValueError, match=r"max_staleness=0 \(the checkpoint's run: 1\).* Resume "
+                                         r"with --algo.max_staleness=1 or more"):
+        check_resume(_cfg(tmp_path, *args[1:], "--algo.max_staleness=0", "--algo.buffer_capacity=64"))

@@ -169,9 +169,21 @@ def check_settings(cfg, path: Path, extra: dict) -> None:
 def _staleness_too(cfg, extra: dict) -> str:
     """The end of the buffer-capacity refusal where a lower max_staleness is what shrank it: a
     bigger buffer alone resumed, and then dropped the groups or waited (`_check_staleness`)."""
-    need = staleness_needed(extra, cfg.trainer.prompts_per_step)
+    need = _staleness_lowered(cfg, extra)
     return (f", and --algo.max_staleness={need} or more (its groups were generated up to {need} "
-            "versions before the steps that train them)" if need > cfg.algo.max_staleness else "")
+            "versions before the steps that train them)" if need else "")
+
+
+def _staleness_lowered(cfg, extra: dict) -> int | None:
+    """The least max_staleness this resume needs where it lowered the checkpoint's run's below
+    what its groups need, else None. Only a lowered one: under the run's own value a buffered
+    straggler (a long completion that arrived late) is dropped as that run would have dropped
+    it, the gates counting the drop. Never more than the run's own value."""
+    was = saved_settings(extra).get("algo.max_staleness")
+    if was is None or cfg.algo.max_staleness >= was:
+        return None
+    need = min(staleness_needed(extra, cfg.trainer.prompts_per_step), was)
+    return need if need > cfg.algo.max_staleness else None
 
 
 def _keep_flag(cfg, key: str, was) -> str:
@@ -209,15 +221,14 @@ def _check_staleness(cfg, path: Path, extra: dict) -> None:
     stalest buffered groups (their prompts never trained, the resume saying nothing), and where
     it dropped more than a step's worth at once the trainer waited for groups that the
     generators' gates, still counting them, would not start (until parallel.timeout_s)."""
-    need = staleness_needed(extra, cfg.trainer.prompts_per_step)
-    if cfg.algo.max_staleness >= need:
+    need = _staleness_lowered(cfg, extra)
+    if need is None:
         return
-    was = saved_settings(extra).get("algo.max_staleness")
+    was = saved_settings(extra)["algo.max_staleness"]
     backlog = buffered_groups(extra) + inflight_groups(extra)
     raise ValueError(
-        f"resuming {path} with algo.max_staleness={cfg.algo.max_staleness}"
-        + (f" (the checkpoint's run: {was})" if was is not None else "") +
-        f": its {backlog} buffered and in-flight groups are trained up to {need} version"
+        f"resuming {path} with algo.max_staleness={cfg.algo.max_staleness} (the checkpoint's "
+        f"run: {was}): its {backlog} buffered and in-flight groups are trained up to {need} version"
         f"{'s' if need > 1 else ''} after the one they were generated with, so the first steps "
         "would drop them as stale (their prompts never trained) and could wait for groups the "
         "generators' gates do not start. "

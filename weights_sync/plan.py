@@ -276,12 +276,20 @@ class Plan:
     def summary(self) -> str:
         vol = self.send_volume_by_rank()
         busy = [v for v in vol.values() if v]
-        gb = 1e9
         return (f"{len(self.src.ranks)} src ranks -> {len(self.dst.ranks)} dst ranks "
                 f"({len(self.dst.replicas)} replicas), {len(self.specs)} params, "
-                f"{sum(vol.values()) / gb:.2f} GB; per busy sender max "
-                f"{max(vol.values(), default=0) / gb:.2f} GB, mean "
-                f"{sum(busy) / max(1, len(busy)) / gb:.2f} GB ({len(busy)} of {len(vol)} senders busy)")
+                f"{_size(sum(vol.values()))}; per busy sender max "
+                f"{_size(max(vol.values(), default=0))}, mean "
+                f"{_size(sum(busy) / max(1, len(busy)))} ({len(busy)} of {len(vol)} senders busy)")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest decimal unit that keeps a digit before the point (a tiny model's plan
+    read "0.00 GB")."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 # ---------------------------------------------------------------------------------------------
