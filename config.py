@@ -201,6 +201,10 @@ class RunConfig:
     seed: int = _f(0, "Global seed, added to data.seed, generator.seed and trainer.seed when the config is resolved (a seed sweep varies this one key); the run's saved config.toml holds the sums and run.seed = 0.")
     dry_run: bool = _f(False, "Validate the config, print the rank map, the weight-sync plan and the memory per rank, and exit: no process group is created and no model is built (what --dry-run sets; launch/dry_run.py).")
 
+    def folder(self) -> str:
+        """The run directory: `dir`, or runs/<name> where it is derived (`Config.resolve`)."""
+        return self.dir or os.path.join("runs", self.name)
+
 
 @dataclass
 class Config:
@@ -344,8 +348,7 @@ class Config:
             a.buffer_capacity = t.prompts_per_step * g.n_samples * (a.max_staleness + 1)
         if a.kl_coef > 0 and not cfg.model.ref_path:  # KL to the starting policy, as usual
             cfg.model.ref_path = cfg.model.path
-        if not cfg.run.dir:
-            cfg.run.dir = os.path.join("runs", cfg.run.name)
+        cfg.run.dir = cfg.run.folder()
         for section in (cfg.data, g, t):  # folded in once: resolving again adds nothing
             section.seed += cfg.run.seed
         cfg.run.seed = 0

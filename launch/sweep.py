@@ -170,7 +170,7 @@ def validate(config: str, runs: list[Run], world_size: int | None = None) -> Non
 def run_folder(cfg) -> str:
     """The run's folder as `Config.resolve` derives it (runs/<run.name> unless run.dir is set),
     relative to the repository root that run_local.sh runs from."""
-    return os.path.normpath(cfg.run.dir or os.path.join("runs", cfg.run.name))
+    return os.path.normpath(cfg.run.folder())
 
 
 def finished_line(config: str, run: Run) -> str | None:
