@@ -97,6 +97,12 @@ class GeneratorConfig:
     stack_weights: Literal["auto", "all", "qkv", "off"] = _f("auto", "One matmul over each layer's stacked q|k|v weights, and one over gate|up, instead of one a projection (the compiled step of a 4-layer model on CPU: 0.93x the time for q|k|v, 0.97-0.98x more for gate|up). The stacked copies cost memory beside the model's own, mostly gate|up's (2 x hidden x intermediate a layer: 1.07 GB for the 1.1B shape in bf16, 7.5 GB for Llama-3-8B). 'auto' = on CUDA and in the compiled step on CPU, q|k|v, and gate|up while its copies take at most 2 GiB; 'all' = both, wherever (eager CPU too; not with parallel.gen_tp > 1: tensor-parallel shards are not stacked); 'qkv' = q|k|v only, where 'auto' stacks (CUDA, the compiled step on CPU; the eager CPU step stacks nothing); 'off' = neither. The planner counts the choice.")
     decode_attention: Literal["auto", "sdpa", "matmul", "flex"] = _f("auto", "Attention over the KV cache in decode: 'auto' = 'flex' (FlexAttention, reading each row's cache up to its length) for the compiled step on CUDA, 'sdpa' for the CUDA graph, 'matmul' on CPU. 'flex' needs generator.decode='compile'.")
 
+    def samples_greedily(self) -> bool:
+        """Argmax decoding, whose mu is the untruncated distribution's (rollout/sampling.py):
+        `greedy` or a temperature of 0, as SamplingParams.is_greedy. (top_k=1 picks the argmax
+        too, but through the truncation: mu = 0.)"""
+        return self.greedy or self.temperature == 0
+
 
 @dataclass
 class TrainerConfig:
@@ -483,7 +489,7 @@ def _check_ppo_clip_vs_truncation(a, g) -> None:
     records from the truncated distribution (rollout/sampling.py): on-policy pi/mu is then the
     kept mass, below 1 - clip_eps for any top_k (no floor) or a top_p under it, and every token
     of negative advantage is clipped (no gradient): only positive advantages learn."""
-    if a.loss != "ppo" or a.token_is != "none" or g.greedy or g.temperature == 0:
+    if a.loss != "ppo" or a.token_is != "none" or g.samples_greedily():
         return
     if g.top_k > 0 or g.top_p < 1 - a.clip_eps:
         raise ConfigError(

@@ -47,10 +47,9 @@ def preflight(cfg, dims):
                           f"this model's tokenizer")
     # raises on a missing/empty dataset or when every prompt is too long; the first rank alone
     # logs the prompts skipped (every rank, and then each generator again, said it)
-    first = int(os.environ.get("RANK", "0")) == 0
-    items = load_items(cfg, tok, warn=first)[0]
+    items = load_items(cfg, tok, warn=_first_rank())[0]
     if cfg.eval.every_steps:
-        load_eval_items(cfg, tok, warn=first)  # the same for the held-out prompts
+        load_eval_items(cfg, tok, warn=_first_rank())  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
     start = check_resume(cfg)  # first: a split run resumed as colocated is told so at once
     if dims.mode == "colocated" and cfg.checkpoint.every_steps:
@@ -63,17 +62,22 @@ def preflight(cfg, dims):
     return tok
 
 
+def _first_rank() -> bool:
+    """Preflight runs on every rank; what it says once, the job's first rank says."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _warn_no_learning_signal(cfg) -> None:
     """Rank 0 warns of a training run whose groups cannot differ: every algo.advantage is a group
     baseline, so each advantage is 0 and the policy loss has no gradient (only KL and entropy
     terms move the weights). Not refused: a throughput or calibration run may want it."""
     g, steps = cfg.generator, cfg.trainer.max_steps
-    if steps == 0 or int(os.environ.get("RANK", "0")) != 0:
+    if steps == 0 or not _first_rank():
         return
     why = None
     if g.n_samples == 1:
         why = "generator.n_samples=1: a group of one is its own baseline"
-    elif g.greedy or g.temperature == 0 or g.top_k == 1:
+    elif g.samples_greedily() or g.top_k == 1:
         why = (f"greedy sampling (generator.greedy={g.greedy}, temperature={g.temperature}, "
                f"top_k={g.top_k}): a group's {g.n_samples} completions are the same")
     if why is not None:
@@ -89,7 +93,7 @@ def _print_resume_changes(cfg, path) -> None:
     did not tell whether the new value or the checkpoint's took effect. Not for a run that is
     already complete (it does nothing)."""
     from trainer.checkpointing import already_complete_line, read_extra, resume_changes_line
-    if path is None or int(os.environ.get("RANK", "0")) != 0 or already_complete_line(cfg):
+    if path is None or not _first_rank() or already_complete_line(cfg):
         return
     line = resume_changes_line(cfg, path, read_extra(path))
     if line is not None:

@@ -347,7 +347,7 @@ def test_a_resume_refuses_settings_its_state_was_not_counted_in(tmp_path):
     from trainer.checkpointing import check_resume
     settings = {"trainer.prompts_per_step": 4, "generator.n_samples": 4, "parallel.gen_dp": 1,
                 "algo.max_staleness": 1}
-    group = {"prompt_id": 0, "trajectories": [{}] * 4}
+    group = {"prompt_id": 0, "trajectories": [{"token_versions": [2]}] * 4}
     _checkpoints(tmp_path / "checkpoints", {2: {"settings": settings, "generators": {"0": {}},
                                                 "buffer": {"groups": [group] * 8}}})
     cfg = lambda *o: load_config("configs/tiny_cpu.toml", [  # noqa: E731

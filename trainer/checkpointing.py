@@ -210,8 +210,8 @@ def staleness_needed(extra: dict, batch_groups: int) -> int:
     2
     """
     version = extra.get("version", extra.get("step", 0))
-    made = [min(min(t.get("token_versions") or [version]) for t in g["trajectories"])
-            for g in (extra.get("buffer") or {}).get("groups", []) if g.get("trajectories")]
+    made = [min(min(t["token_versions"]) for t in g["trajectories"])  # Group.min_version
+            for g in (extra.get("buffer") or {}).get("groups", [])]
     made += [version] * inflight_groups(extra)
     return max([0] + [version + j // batch_groups - v for j, v in enumerate(made)])
 
