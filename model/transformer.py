@@ -70,7 +70,7 @@ class _Context:
     window: int | None = None
     backend: str = "auto"
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+    def attend(self, layer: int | None, q, k, v) -> torch.Tensor:
         if self.kv_cache is not None:
             self.kv_cache.write(layer, self._slots(q), self.positions, k, v)
             k, v = self.kv_cache.read(layer, self.slots)
@@ -136,7 +136,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        out = ctx.attend(self.layer, q, k, v)  # [B, T, H_local, D]
+        # The layer index picks a KV cache's layer only. Read in every forward, it made dynamo
+        # specialise a compiled attention block on it (`parallel.compile`): one graph a layer,
+        # and past its recompile limit (8) the other layers' attention blocks ran eager.
+        layer = self.layer if ctx.kv_cache is not None else None
+        out = ctx.attend(layer, q, k, v)  # [B, T, H_local, D]
         return self.o_proj(out.reshape(B, T, -1))
 
 
