@@ -65,7 +65,7 @@ class ParallelConfig:
     gen_dp: int = _f(0, "Generator replicas; 0 = derived: generator ranks / gen_tp.", ge=0)
     activation_checkpointing: bool = _f(False, "Recompute trainer activations in the backward pass to save memory.")
     fsdp_units: Literal["auto", "layer", "model"] = _f("auto", "FSDP2 units of the trainer: 'layer' = one per decoder layer, resharded after forward, gradients reduce-scattered per micro-batch (least memory); 'model' = one for the whole model, gathered once per step, gradients accumulated unsharded and reduce-scattered once (full parameters + gradients at peak; fewest collectives); 'auto' = model on CPU (gloo), layer on GPUs.")
-    compile: bool = _f(False, "torch.compile the trainer's decoder layers; attention over the packed sequences stays eager (their lengths change every step), the rest compiles once for any token count after the second (a tiny model's forward+backward on CPU: 0.92x eager's time, ~40 s to compile). Not with trainer_tp > 1 (refused: torch 2.13 fails to recompile the TP layers). The generator's decode step: generator.decode.")
+    compile: bool = _f(False, "torch.compile the trainer's decoder layers; attention over the packed sequences stays eager (their lengths change every step), the rest compiles once for any token count after the second (a tiny model's forward+backward on CPU: 0.92x eager's time, ~40 s to compile). With trainer_tp > 1 each micro-batch is padded up to a multiple of a quarter of trainer.micro_batch_tokens and the layers compile once for each such count (torch 2.13 fails to recompile tensor-parallel layers for a symbolic one). The generator's decode step: generator.decode.")
     backend: str = _f("cpu:gloo,cuda:nccl", "torch.distributed backend string for the default process group.")
     ipc_buffers: int = _f(1, "Weight sync between a trainer and a generator on the same GPU (CUDA IPC), or on the same host's CPUs (cpu_shm): staging buffers per pair (split mode; colocated mode reshards over gloo/NCCL point-to-point). 0 = zero copy: the generator applies straight from the trainer's shards (no staging memory on either side, fastest; the trainer's next update waits until the generator has applied the version); 2 = double buffering.", ge=0)
     cpu_shm: bool = _f(True, "Weight sync between CPU ranks on the same host through a shared-memory file (the protocol of ipc_buffers) instead of gloo over TCP loopback (split mode; colocated mode reshards over gloo). false = gloo, e.g. for containers on one host that do not share /dev/shm.")
@@ -307,15 +307,6 @@ class Config:
             raise ConfigError(f"model.compute_dtype='float32' cannot compute wider than the parameters "
                               f"(model.dtype={m.dtype!r}); set --model.dtype=float32 or "
                               "--model.compute_dtype=auto")
-        if self.parallel.compile and self.parallel.trainer_tp > 1:
-            # Measured with torch 2.13: compiling TP's DTensor layers fails in the backward of the
-            # first recompile with a dynamic token count (RecursionError inside dynamo's proxy
-            # tracing, at the run's second step), with or without activation checkpointing.
-            raise ConfigError(f"parallel.compile=true with parallel.trainer_tp="
-                              f"{self.parallel.trainer_tp} is not supported: torch.compile of the "
-                              "tensor-parallel layers fails on the packed batches' changing token "
-                              "counts; set --parallel.compile=false, or --parallel.trainer_tp=1 "
-                              "(shard with trainer_fsdp)")
         _check_table_values(self.data.task_options, "data.task_options")
         ranks = self.logging.log_rank.replace(" ", "")
         if ranks != "all" and not all(r.isdigit() for r in ranks.split(",")):

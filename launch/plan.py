@@ -110,14 +110,14 @@ def tp_degrees(args: ModelArgs, gpus_per_node: int, one_host: bool = False) -> l
 
 
 def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
-               modes=("split", "colocated"), one_host: bool = False, trainer_tp: bool = True,
-               updates: int = 1, gen_tp: bool = True):
-    """Every placement the runtime accepts (see the module docstring); `trainer_tp` False: the
-    trainer at TP 1 only (a config with parallel.compile, which config.py refuses with TP);
-    `gen_tp` False: the generator at TP 1 only (generator.stack_weights='all', which config.py
-    refuses with TP); no trainer layout whose vocabulary shards DCP cannot checkpoint
-    (`parallel.dims.vocab_checkpointable`); `updates`: trainer.updates_per_step, each of which deals every trainer
-    data-parallel rank a prompt group (config.py: trainer_fsdp * updates <= prompts_per_step)."""
+               modes=("split", "colocated"), one_host: bool = False, updates: int = 1,
+               gen_tp: bool = True):
+    """Every placement the runtime accepts (see the module docstring); `gen_tp` False: the
+    generator at TP 1 only (generator.stack_weights='all', which config.py refuses with TP); no
+    trainer layout whose vocabulary shards DCP cannot checkpoint
+    (`parallel.dims.vocab_checkpointable`); `updates`: trainer.updates_per_step, each of which
+    deals every trainer data-parallel rank a prompt group (config.py: trainer_fsdp * updates <=
+    prompts_per_step)."""
     unknown = set(modes) - {"split", "colocated"}
     if unknown:
         raise ValueError(f"unknown placement mode(s) {sorted(unknown)}; choose from 'split', 'colocated'")
@@ -130,7 +130,7 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
                 aligned = one_host or (world - g) % gtp == 0  # TP groups must not straddle nodes
                 if g % gtp or not aligned or g // gtp > prompts_per_step:
                     continue
-                for ttp in tps if trainer_tp else [1]:
+                for ttp in tps:
                     if (t % ttp or t // ttp * updates > prompts_per_step
                             or not vocab_checkpointable(args.vocab_size, ttp, t // ttp)):
                         continue
@@ -139,8 +139,8 @@ def placements(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step
 
 
 def no_placement_reason(args: ModelArgs, world: int, gpus_per_node: int, prompts_per_step: int,
-                        modes=("split", "colocated"), one_host: bool = False, trainer_tp: bool = True,
-                        updates: int = 1, gen_tp: bool = True) -> str:
+                        modes=("split", "colocated"), one_host: bool = False, updates: int = 1,
+                        gen_tp: bool = True) -> str:
     """Why `placements` (same arguments) yields nothing, and the fix: split mode needs two ranks;
     every generator replica and every trainer data-parallel rank needs a prompt group (one per
     update), so gen_dp and trainer_fsdp * updates are <= --prompts, and the TP degrees that
@@ -149,10 +149,10 @@ def no_placement_reason(args: ModelArgs, world: int, gpus_per_node: int, prompts
         return (f"split mode needs at least 2 ranks (a generator and a trainer), the job has "
                 f"{world}; add --modes colocated (every rank does both) or use more ranks")
     tps = tp_degrees(args, gpus_per_node, one_host)
-    trainer_tps, gen_tps = (tps if trainer_tp else [1]), (tps if gen_tp else [1])
+    gen_tps = tps if gen_tp else [1]
     enough = next((b for b in range(prompts_per_step + 1, world * updates + 1)
-                   if next(placements(args, world, gpus_per_node, b, modes, one_host, trainer_tp,
-                                      updates, gen_tp), None)), None)
+                   if next(placements(args, world, gpus_per_node, b, modes, one_host, updates,
+                                      gen_tp), None)), None)
     fix = (f"raise --prompts to at least {enough}, or use fewer ranks" if enough
            else "use fewer ranks")
     trainer = (f"trainer_fsdp * trainer.updates_per_step = trainer ranks / trainer_tp * {updates}"
@@ -161,7 +161,7 @@ def no_placement_reason(args: ModelArgs, world: int, gpus_per_node: int, prompts
             f"{prompts_per_step}: gen_dp = G / gen_tp and {trainer} must each be <= --prompts "
             f"(one prompt group at least per generator replica, and per trainer data-parallel rank "
             f"and update), and this model and config allow generator TP degrees {gen_tps} and "
-            f"trainer TP degrees {trainer_tps} only; {fix}")
+            f"trainer TP degrees {tps} only; {fix}")
 
 
 @dataclass
@@ -182,8 +182,7 @@ class PlanResult:
 
 
 def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=None,
-              modes=("split", "colocated"), refine: int = 8, keep: int = 50,
-              trainer_tp: bool = True) -> PlanResult:
+              modes=("split", "colocated"), refine: int = 8, keep: int = 50) -> PlanResult:
     """Exhaustive search; returns the `keep` best feasible placements and the best sync one."""
     t0 = time.perf_counter()
     world = cluster.world
@@ -198,7 +197,7 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
         lambda f, tp, ac: cm.trainer_memory(args, cluster, wl, f, tp, ac))
     ests, why, nearest, searched = [], {}, {}, 0
     for p in placements(args, world, cluster.gpus_per_node, wl.prompts_per_step, modes,
-                        cluster.one_cpu_host, trainer_tp, wl.updates, gen_tp_allowed(wl)):
+                        cluster.one_cpu_host, wl.updates, gen_tp_allowed(wl)):
         searched += 1
         # memory is separable in split mode: key it on the mesh, not the whole placement
         m = (cm.plan_memory(args, cluster, wl, p) if p.mode == "colocated"
@@ -467,9 +466,7 @@ def _main(a) -> int:
                   "only its link numbers are used", file=sys.stderr)
         cl = cm.with_profile(cl, prof)
     modes = tuple(a.modes.split(","))
-    # config.py refuses parallel.compile with trainer TP: search the trainer at TP 1 then
-    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine, keep=max(50, a.top),
-                    trainer_tp=not base.parallel.compile)
+    res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine, keep=max(50, a.top))
     print(f"model {spec}: {args.num_params() / 1e9:.3f}B params; {cl.world} ranks "
           f"({cl.nodes} x {cl.gpus_per_node} {cl.name}); workload {wl.prompts_per_step} prompts x "
           f"{wl.group_size} samples, {wl.prompt_len}+{wl.response_len} tokens, eta {wl.eta}")
@@ -477,8 +474,8 @@ def _main(a) -> int:
           f"feasible{'; infeasible: ' + str(res.infeasible_why) if res.infeasible_why else ''}")
     if res.searched == 0:
         raise ValueError(no_placement_reason(args, cl.world, cl.gpus_per_node, wl.prompts_per_step,
-                                             modes, cl.one_cpu_host, not base.parallel.compile,
-                                             wl.updates, gen_tp_allowed(wl)))
+                                             modes, cl.one_cpu_host, wl.updates,
+                                             gen_tp_allowed(wl)))
     if res.best is None:
         misses = "; ".join(f"{label}: {why}" for _, label, why in res.nearest_miss.values())
         plural = "es, per mesh" if len(res.nearest_miss) > 1 else ""

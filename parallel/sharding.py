@@ -76,15 +76,36 @@ def apply_ac(model: Transformer) -> None:
         layer.forward = forward
 
 
-def apply_compile(model: Transformer) -> None:
+# Compiled blocks hold one graph per input type (a TP all-reduce's output differs from a plain
+# tensor), grad mode and static token count: 2 x 2 x 4 buckets, and the counts past the budget.
+STATIC_RECOMPILE_LIMIT = 64
+
+
+def apply_compile(model: Transformer, token_bucket: int | None = None) -> None:
     """torch.compile each decoder layer's blocks (norms, attention, MLP) in place, not the layer:
     a layer checkpointed by `apply_ac` then runs them compiled, forward and recompute alike (a
     compiled layer around the checkpoint was run eager whole). Attention over packed sequences
-    stays eager inside (`model.transformer._Context._packed`). Module names do not change."""
+    stays eager inside (`model.transformer._Context._packed`). Module names do not change.
+
+    The token count becomes symbolic at the second one seen, except with `token_bucket`: then
+    the blocks compile for static counts, and the trainer pads each packed batch to a multiple
+    of the bucket (`model.token_bucket`, `trainer.step._logits`). Tensor-parallel layers need
+    that: torch 2.13 fails to recompile their DTensor code with a symbolic count (a
+    RecursionError in the backward's tracing, BENCHMARKS.md "Training step")."""
+    dynamic = None if token_bucket is None else False
     for layer in model.model.layers:
         for block in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
                       layer.mlp):
-            block.compile()
+            block.compile(dynamic=dynamic)
+    model.token_bucket = token_bucket
+    if token_bucket is not None:
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
+
+
+def token_bucket(micro_batch_tokens: int) -> int:
+    """The static token counts of compiled TP layers: multiples of a quarter of the budget."""
+    return -(-micro_batch_tokens // 4)
 
 
 class AllToAllReduceScatter:
@@ -145,11 +166,13 @@ def compute_dtype(choice: str, device_type: str, param_dtype: torch.dtype) -> to
 
 
 def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_checkpointing=False,
-                        compile=False, units: str = "auto", compute: str = "auto") -> Transformer:
+                        compile=False, units: str = "auto", compute: str = "auto",
+                        micro_batch_tokens: int | None = None) -> Transformer:
     """`mesh` is the trainer mesh (fsdp, tp). `compute` (`compute_dtype`): with FSDP it is FSDP's
     param dtype (the gathered parameters are cast); on one FSDP rank it is set as
     `model.autocast_dtype`, and the train step runs the forward under autocast. Either way the
-    parameters, gradients and optimizer state keep the parameters' dtype."""
+    parameters, gradients and optimizer state keep the parameters' dtype. Compiled TP layers
+    compile for static token counts (`apply_compile`), from the trainer's `micro_batch_tokens`."""
     param_dtype = next(model.parameters()).dtype
     want = compute_dtype(compute, mesh.device_type, param_dtype)
     cast = want if want != param_dtype else None
@@ -158,7 +181,17 @@ def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_chec
     if activation_checkpointing:
         apply_ac(model)
     if compile:
-        apply_compile(model)
+        bucket = None
+        if mesh["tp"].size() > 1:
+            if micro_batch_tokens is None:
+                raise ValueError("compiled tensor-parallel layers pad packed batches to static "
+                                 "token counts: pass micro_batch_tokens (the trainer's budget)")
+            bucket = token_bucket(micro_batch_tokens)
+            # The embedding's all-reduced output is an AsyncCollectiveTensor; a compiled first
+            # norm given one returned a wrong gradient for it (the embedding's, off by up to
+            # 0.17 in the tiny test's against eager): the blocks get a plain tensor.
+            model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.clone())
+        apply_compile(model, bucket)
     sharded = mesh["fsdp"].size() > 1
     if sharded:
         apply_fsdp(model, mesh["fsdp"], cast,  # FSDP2 composes with TP DTensors into 2-D

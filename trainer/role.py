@@ -25,7 +25,8 @@ def build_trainer_model(cfg, meshes, path: str):
                        parallelize=lambda m: parallelize_trainer(
                            m, meshes.trainer, activation_checkpointing=pcfg.activation_checkpointing,
                            compile=pcfg.compile, units=pcfg.fsdp_units,
-                           compute=cfg.model.compute_dtype),
+                           compute=cfg.model.compute_dtype,
+                           micro_batch_tokens=cfg.trainer.micro_batch_tokens),
                        path=path, attn_backend=cfg.model.attn_backend)
 
 

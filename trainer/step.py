@@ -65,8 +65,19 @@ def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int,
 
 
 def _logits(model, batch: PackedBatch) -> torch.Tensor:
+    """The batch's logits [N, V]. A model compiled for static token counts (`model.token_bucket`,
+    `parallel.sharding.apply_compile`) runs the batch with one more sequence of padding, up to
+    the next multiple of the bucket; its logits are dropped (nothing attends across sequences)."""
+    ids, lens, parents = batch.input_ids_N, batch.seq_lens_S, batch.seq_parents_S
+    n, bucket = ids.numel(), getattr(model, "token_bucket", None)
+    pad = -n % bucket if bucket else 0
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        lens = torch.cat([lens, lens.new_tensor([pad])])
+        parents = torch.cat([parents, parents.new_tensor([-1])])
     with _autocast(model):
-        return model(batch.input_ids_N, seq_lens=batch.seq_lens_S, seq_parents=batch.seq_parents_S)
+        logits = model(ids, seq_lens=lens, seq_parents=parents)
+    return logits[:n] if pad else logits
 
 
 def policy_logp(model, batch: PackedBatch, temperature: float):
