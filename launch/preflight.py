@@ -59,6 +59,7 @@ def preflight(cfg, dims):
     _check_writable(Path(cfg.run.dir))
     _print_resume_changes(cfg, start)
     _warn_no_learning_signal(cfg)
+    _warn_warmup_past_the_end(cfg.trainer)
     return tok
 
 
@@ -84,6 +85,17 @@ def _warn_no_learning_signal(cfg) -> None:
         print(f"warning: {why}, so every advantage (algo.advantage={cfg.algo.advantage!r}) is 0 "
               f"and the policy loss has no gradient for all {steps} steps; sample with "
               f"--generator.n_samples=4 at a temperature > 0 to learn from rewards",
+              file=sys.stderr, flush=True)
+
+
+def _warn_warmup_past_the_end(t) -> None:
+    """Rank 0 warns of a warm-up as long as the run or longer: the lr never reaches trainer.lr
+    (the last step's is max_steps / warmup_steps of it) and a cosine never starts to decay."""
+    if 0 < t.max_steps <= t.warmup_steps and _first_rank():
+        print(f"warning: trainer.warmup_steps={t.warmup_steps} >= trainer.max_steps="
+              f"{t.max_steps}: the learning rate rises for the whole run and ends at "
+              f"{t.max_steps / t.warmup_steps:.3g} x trainer.lr={t.lr:g}, never reaching it; set "
+              f"--trainer.warmup_steps below {t.max_steps} (e.g. {max(1, t.max_steps // 20)})",
               file=sys.stderr, flush=True)
 
 

@@ -316,6 +316,36 @@ def test_a_training_run_whose_groups_cannot_differ_gets_one_warning(tmp_path, go
                        "is 0 and the policy loss has no gradient for all 800 steps" in err, err
 
 
+def test_a_warmup_as_long_as_the_run_gets_one_warning(tmp_path, good_model, monkeypatch, capsys):
+    """trainer.warmup_steps >= max_steps: the lr rose for the whole run and never reached
+    trainer.lr, silently. Rank 0 says so; a warm-up shorter than the run, or an evaluation-only
+    run, gets nothing."""
+    from config import load_config
+    from launch.preflight import preflight
+    from parallel.dims import ParallelDims
+    base = [f"--model.path={good_model}", f"--run.dir={tmp_path}", "--trainer.max_steps=40"]
+    dims = ParallelDims.from_config(load_config("configs/tiny_cpu.toml", base).resolve(3).parallel, 3)
+    cases = {"--trainer.warmup_steps=50": "trainer.warmup_steps=50 >= trainer.max_steps=40: the "
+                                          "learning rate rises for the whole run and ends at 0.8 x "
+                                          "trainer.lr=0.0002, never reaching it; set "
+                                          "--trainer.warmup_steps below 40 (e.g. 2)",
+             "--trainer.warmup_steps=40": "ends at 1 x trainer.lr",
+             "--trainer.warmup_steps=39": None}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        for arg, want in cases.items():
+            preflight(load_config("configs/tiny_cpu.toml", [*base, arg]).resolve(3), dims)
+            err = capsys.readouterr().err
+            if want is None or rank == "1":
+                assert "warmup" not in err, (arg, err)
+            else:
+                assert "warning: " in err and want in err, err
+    monkeypatch.setenv("RANK", "0")
+    preflight(load_config("configs/tiny_cpu.toml", [*base, "--trainer.max_steps=0",
+                                                   "--trainer.warmup_steps=50"]).resolve(3), dims)
+    assert "warmup" not in capsys.readouterr().err
+
+
 def test_a_split_run_resumed_in_colocated_mode_is_told_so_first(tmp_path, good_model, monkeypatch, capsys):
     """It took two refusals: first "set checkpoint.every_steps=0" (colocated has no checkpoints),
     and only with that set the one that matters: this run would resume a split run's checkpoint."""
