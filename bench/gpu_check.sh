@@ -23,6 +23,10 @@
 #       autotuning (not yet measured: it compiles for longer), and the CUDA graph
 #       (generator.decode=auto; 23.0k), last: known, so a short budget cuts it first.
 #   c   bench/train_step.py --no-cpu --gpu --compile
+#   c2  the same on the trainer's packed input (--packed: one SDPA call per sequence length
+#       between compiled regions, as in RL steps without flash-attn); until session 39 the
+#       attention blocks of a model past 8 layers (this one has 16) ran eager there, not yet
+#       measured here
 #   d   train_rl.py with 2 processes on the one GPU (trainer + generator, weights by CUDA IPC)
 #       on SmolLM2-135M's architecture with random weights (hidden 576, 30 layers, GQA 9/3, vocab
 #       49152): async (eta=1) vs sync (eta=0), step time and tokens/s; RL_IPC_BUFFERS=0 runs it
@@ -50,8 +54,8 @@ fi
 
 PY=${PY:-$(command -v python3 || command -v python)}
 BUDGET_S=${BUDGET_S:-540}
-KNOWN=" a2 b d d2 a c e e2 m "
-SECTIONS=" ${SECTIONS:-a2 b d d2 a c e e2 m} "
+KNOWN=" a2 b d d2 a c c2 e e2 m "
+SECTIONS=" ${SECTIONS:-a2 b d d2 a c c2 e e2 m} "
 for s in $SECTIONS; do  # a misspelt (or retired) section would be skipped without a word
     if [[ $KNOWN != *" $s "* ]]; then
         echo "gpu_check: unknown section '$s' in SECTIONS; choose from:$KNOWN" >&2
@@ -108,6 +112,7 @@ run d2 240 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 1
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 110 --rl-decode compile
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
+run c2 130 "$PY" bench/train_step.py --no-cpu --gpu --compile --packed --iters 5
 
 PROFILE=${OUT:-/tmp}/profile_gpu.json
 LAST_RC=""
