@@ -103,7 +103,7 @@ def apply_compile(model: Transformer, token_bucket: int | None = None) -> None:
         torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
 
 
-def token_bucket(micro_batch_tokens: int) -> int:
+def tp_token_bucket(micro_batch_tokens: int) -> int:
     """The static token counts of compiled TP layers: multiples of a quarter of the budget."""
     return -(-micro_batch_tokens // 4)
 
@@ -186,7 +186,7 @@ def parallelize_trainer(model: Transformer, mesh: DeviceMesh, *, activation_chec
             if micro_batch_tokens is None:
                 raise ValueError("compiled tensor-parallel layers pad packed batches to static "
                                  "token counts: pass micro_batch_tokens (the trainer's budget)")
-            bucket = token_bucket(micro_batch_tokens)
+            bucket = tp_token_bucket(micro_batch_tokens)
             # The embedding's all-reduced output is an AsyncCollectiveTensor; a compiled first
             # norm given one returned a wrong gradient for it (the embedding's, off by up to
             # 0.17 in the tiny test's against eager): the blocks get a plain tensor.
