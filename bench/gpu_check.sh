@@ -18,8 +18,9 @@
 #       one is reported, the others still run), each with its top kernels, kernels a step,
 #       the device's idle time and the engine's host phases it stalled in (--profile): the compiled step with FlexAttention (the default
 #       attention of generator.decode=compile on CUDA; 36.7k on 2026-12-04 with q|k|v stacked;
-#       gate|up are stacked too since session 31, not yet measured here), the same with q|k|v
-#       stacked only (qkvonly: the A/B of gate|up), the compiled step again with inductor's GEMM
+#       gate|up are stacked too since session 31, not yet measured here), the same reading the
+#       finished flags every 64 steps instead of 8 (sync64: what the host syncs cost; the same
+#       tokens), the same with q|k|v stacked only (qkvonly: the A/B of gate|up), the compiled step again with inductor's GEMM
 #       autotuning (not yet measured: it compiles for longer), and the CUDA graph
 #       (generator.decode=auto; 23.0k), last: known, so a short budget cuts it first.
 #   c   bench/train_step.py --no-cpu --gpu --compile
@@ -105,7 +106,7 @@ fi
 
 run a2 80  "$PY" -m pytest -q -p no:cacheprovider tests/test_ipc.py tests/test_engine.py tests/test_evaluate.py -k cuda
 run b  330 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 2 \
-    --modes "${DECODE_MODES:-compile:flex,compile:flex:qkvonly,compile:flex:autotune,cudagraph}" --profile
+    --modes "${DECODE_MODES:-compile:flex,compile:flex:sync64,compile:flex:qkvonly,compile:flex:autotune,cudagraph}" --profile
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
 run d2 240 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \

@@ -77,7 +77,7 @@ def run_ours(engine: Engine, prompts, new_tokens: int) -> int:
 
 
 DECODES, ATTENTIONS, FLAGS = ("eager", "cudagraph", "compile"), ("auto", "sdpa", "matmul", "flex"), \
-    ("nostack", "qkvonly", "autotune")
+    ("nostack", "qkvonly", "autotune", "sync64")
 
 
 def parse_mode(mode: str) -> tuple[str, str, list[str]]:
@@ -96,7 +96,9 @@ def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> 
     decode of eager, cudagraph, compile; the attention kernel over the cache (Engine's
     `decode_attention`, default auto); flag `nostack`: one matmul a projection (Engine's
     stack_weights=False), `qkvonly`: q|k|v stacked, gate and up two matmuls, `autotune`: compiled
-    with inductor's GEMM autotuning (`gpu_section`)."""
+    with inductor's GEMM autotuning (`gpu_section`), `sync64`: the finished flags read every 64
+    steps, not 8 (Engine's sync_every; every completion here ends at the same step, a multiple
+    of 64, so the tokens are the same and only the device's waits for the host differ)."""
     engines = {}
     for m in modes:  # "autotune" is the bench's (gpu_section), not the engine's
         decode, attention, flags = parse_mode(m)
@@ -104,7 +106,8 @@ def engines_by_mode(model, modes, device: str, num_slots: int, max_len: int) -> 
         engines["ours_" + m.replace(":", "_").rstrip("_")] = Engine(
             model, num_slots=num_slots, max_len=max_len,
             compile_decode=decode_mode(decode, torch.device(device)),
-            decode_attention=attention or "auto", stack_weights=stacks)
+            decode_attention=attention or "auto", stack_weights=stacks,
+            sync_every=64 if "sync64" in flags else None)
     return engines
 
 
@@ -413,7 +416,8 @@ def main(argv=None) -> None:
                     help="GPU: our decode variants, each decode[:attention[:flag]]: decode of "
                          "eager, cudagraph, compile (torch.compile + CUDA graph); attention of "
                          "auto, sdpa, matmul, flex (compile only); flag nostack: one matmul a "
-                         "projection, qkvonly: q|k|v stacked, gate and up not")
+                         "projection, qkvonly: q|k|v stacked, gate and up not, autotune: inductor's "
+                         "GEMM autotuning, sync64: the finished flags read every 64 steps")
     ap.add_argument("--cpu-modes", default="eager,compile",
                     help="CPU: our decode variants, of eager and compile (torch.compile of the "
                          "decode step; ~30-40 s of compilation in the warm-up)")

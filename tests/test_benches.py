@@ -32,6 +32,23 @@ def test_rollout_gpu_section_runs_on_cpu_with_profile(monkeypatch):
     assert host["start_samples"]["calls"] >= 1 and host["decode"]["host_ms"] > 0
 
 
+def test_rollout_modes_flags_reach_the_engines(monkeypatch):
+    """`--modes` flags as Engine arguments: sync64 reads the finished flags every 64 steps (the
+    harvest's A/B on the GPU), qkvonly stacks q|k|v only, and an unknown flag is not a mode."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCH)])
+    import rollout_vs_hf
+    from model import ModelArgs, Transformer
+    model = Transformer(ModelArgs()).eval()
+    engines = rollout_vs_hf.engines_by_mode(model, ["eager", "compile::sync64", "compile::qkvonly"],
+                                            "cpu", num_slots=4, max_len=32)
+    assert sorted(engines) == ["ours_compile__qkvonly", "ours_compile__sync64", "ours_eager"]
+    assert [engines[k].sync_every for k in sorted(engines)] == [1, 64, 1]
+    assert engines["ours_compile__qkvonly"].stacked_weights.gate_up is None
+    assert engines["ours_compile__sync64"].stacked_weights.gate_up is not None
+    assert rollout_vs_hf.valid_mode("compile:flex:sync64:qkvonly")
+    assert not rollout_vs_hf.valid_mode("compile:flex:sync8")
+
+
 @pytest.mark.slow
 def test_train_step_gpu_section_runs_on_cpu():
     proc = subprocess.run([sys.executable, str(BENCH / "train_step.py"), "--no-cpu", "--gpu",
