@@ -19,6 +19,7 @@ torch.distributed is not initialised. All ranks must see the same file system at
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -269,6 +270,20 @@ def _full_tensor(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
+@contextmanager
+def _no_redistribute_advice():
+    """DTensor logs, once on every rank, that gathering a 2-D (fsdp x tp) parameter takes two
+    all-gathers ("This is suboptimal ..."): advice for torch's developers, which filled an
+    export's console with one warning per trainer rank. Errors still pass."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 @torch.no_grad()
 def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
               group: dist.ProcessGroup | None = None, dtype: str | torch.dtype | None = None,
@@ -298,7 +313,8 @@ def export_hf(model: torch.nn.Module, path: str | os.PathLike, tokenizer=None,
     for fname, shard in zip(files, plan):
         tensors = {}
         for name in shard:
-            full = _full_tensor(params[name].detach())
+            with _no_redistribute_advice():
+                full = _full_tensor(params[name].detach())
             if writer:
                 tensors[name] = full.to(device="cpu", dtype=out_dtype).contiguous()
             del full

@@ -401,6 +401,19 @@ def test_the_last_step_is_followed_by_one_summary_of_the_run(tmp_path):
                     f"{tmp_path}/eval.jsonl")
 
 
+def test_the_summary_of_a_one_or_two_step_run_names_single_steps(tmp_path):
+    """A run of one step said "trained steps 1-1 ... (mean of steps 1)"; of two, "(mean of steps
+    1) -> ... (steps 2)"."""
+    for n, want in ((1, "trained step 1 in 3s | reward 0.100 (step 1) -> 0.100 (step 1) | "),
+                    (2, "trained steps 1-2 in 6s | reward 0.100 (step 1) -> 0.200 (step 2) | ")):
+        logger = MetricsLogger(tmp_path / str(n), tensorboard=False, stream=io.StringIO(),
+                               last_step=n)
+        for s in range(1, n + 1):
+            logger.log(_row(s, reward_mean=s / 10, time_step_s=3.0))
+        logger.close()
+        assert logger.stream.getvalue().splitlines()[-1].startswith(want)
+
+
 def test_the_summary_of_a_resumed_run_counts_its_own_steps_and_names_tensorboard(tmp_path):
     """Steps 5-8 of 8 after a resume (rewards 0.5 and 0.7 on alternate steps): this attempt's
     steps and times; no eval.jsonl where evaluation is off; no summary without console lines."""

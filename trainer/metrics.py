@@ -101,9 +101,10 @@ class MetricsLogger:
         where = f"every step in {self.path}" + (f" and {self.path.parent / 'tb'}" if self._tb else "")
         if self.eval_file is not None:
             where += f", held-out evaluations in {self.eval_file}"
-        return (f"trained steps {head[0][0]}-{tail[-1][0]} in {duration(self._run_s)} | reward "
-                f"{first:.3f} (mean of steps {_span([st for st, _ in head])}) -> {last:.3f} (steps "
-                f"{_span([st for st, _ in tail])}) | {where}")
+        mean = "mean of " if k > 1 else ""
+        return (f"trained {_steps([head[0][0], tail[-1][0]])} in {duration(self._run_s)} | reward "
+                f"{first:.3f} ({mean}{_steps([st for st, _ in head])}) -> {last:.3f} "
+                f"({_steps([st for st, _ in tail])}) | {where}")
 
     def _tb_write(self, clean: dict, step: int) -> None:
         """A step's numbers as one TensorBoard event of scalar values (read back as scalars, as
@@ -208,8 +209,9 @@ def console_line(m: dict) -> str:
             f"sync {m['time_weights_sync_s'] * 1000:.0f}ms")
 
 
-def _span(steps) -> str:
-    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+def _steps(steps) -> str:
+    """"steps 1-10" from the first and last of `steps`, "step 1" where they are one."""
+    return f"steps {steps[0]}-{steps[-1]}" if steps[0] != steps[-1] else f"step {steps[0]}"
 
 
 def progress(step: int, total: int, recent_s) -> str:
