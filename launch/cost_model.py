@@ -395,6 +395,14 @@ def sync_staging_bytes(args: ModelArgs, wl: Workload, gen_tp: int) -> float:
     return weight_bytes(args, gen_tp, dtype_bytes(wl.gen_dtype))
 
 
+def colocated_send_bytes(args: ModelArgs, wl: Workload, trainer_ranks: int) -> float:
+    """A colocated rank's send buffers (weights_sync/exchange.py: a version's sends go as one
+    batch, each copied piece in a buffer of its own), at most its trainer shard in the
+    generator's dtype; pieces already contiguous in that dtype go without one, so this bounds it.
+    Llama-3-8B in bf16 on 8 ranks: 8.03e9 * 2 / 8 = 2.0 GB."""
+    return weight_bytes(args, trainer_ranks, dtype_bytes(wl.gen_dtype))
+
+
 def generator_kv_bytes(args: ModelArgs, tp: int, gen_bytes: int, slots: int, max_len: int) -> float:
     """Static KV cache: 2 * L * (kv_heads/tp) * head_dim * bytes * slots * max_len.
     Llama-3-8B bf16, tp 1, 256 slots x 2560 positions: 131072 * 256 * 2560 = 85.9 GB."""
@@ -415,7 +423,7 @@ def eval_kv_bytes(args: ModelArgs, cl: Cluster, wl: Workload, gen_tp: int, slots
 class Memory:
     trainer: float = 0.0    # bytes per trainer rank
     generator: float = 0.0  # bytes per generator rank
-    per_rank: float = 0.0   # the larger of the two, or their sum on colocated ranks
+    per_rank: float = 0.0   # the larger of the two; on colocated ranks their sum and the send buffers
     slots: int = 0
     micro_batch_tokens: int = 0
     why: str = ""           # empty when feasible
@@ -487,12 +495,13 @@ def plan_memory(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement,
     what is left."""
     if p.mode == "colocated":
         ac = p.activation_checkpointing
+        send = colocated_send_bytes(args, wl, p.trainer_fsdp * p.trainer_tp)
         state, _, why = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, 0.0,
                                        wl.longest_seq)
-        gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, state, slots)
-        tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, gen,
+        gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, state + send, slots)
+        tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, gen + send,
                                         micro_batch_tokens)
-        return Memory(tr, gen, tr + gen, slots, mbt, why_g or why_t or why)
+        return Memory(tr, gen, tr + gen + send, slots, mbt, why_g or why_t or why)
     gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, 0.0, slots)
     tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp,
                                     p.activation_checkpointing, 0.0, micro_batch_tokens)

@@ -154,7 +154,8 @@ def _print_memory(cfg, args, dims) -> None:
                                    g.num_slots, wl.slot_len)
         staging = cm.sync_staging_bytes(args, wl, dims.gen_tp)
         ev = _eval_kv_bytes(cfg, args, dims)  # replica 0's held-out evaluation engine, in `gen`
-        total = tr + gen if dims.mode == "colocated" else max(tr, gen)
+        send = cm.colocated_send_bytes(args, wl, dims.trainer_fsdp * dims.trainer_tp)
+        total = tr + gen + send if dims.mode == "colocated" else max(tr, gen)
         if name == "h100":
             print(f"  trainer   rank: {_gb(tr)} = states+gathered {_gb(state)} + activations of "
                   f"{act_tokens} tokens"
@@ -166,6 +167,8 @@ def _print_memory(cfg, args, dims) -> None:
                   f"{_gb(kv)} ({g.num_slots} slots x {wl.slot_len} positions)"
                   + (f" + weight-sync staging {_gb(staging)}" if staging else "")
                   + (f" + held-out eval KV cache {_gb(ev)} (replica 0)" if ev else ""))
+            if dims.mode == "colocated":
+                print(f"  colocated rank: both, + weight-sync send buffers of at most {_gb(send)}")
         verdict = "fits" if total <= cap else "DOES NOT FIT"
         # the cost model's reason where one mesh alone is over the cap (the colocated sum enters
         # only the total)

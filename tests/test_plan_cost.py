@@ -1075,3 +1075,14 @@ def test_placements_are_those_the_runtime_accepts():
                              args.intermediate_size, args.vocab_size)
             layouts.add((trainers // p.trainer_tp, p.trainer_tp))
         assert ((3, 2) in layouts) == (args is not odd_vocab)  # 6 trainer ranks as fsdp 3 x tp 2
+
+
+def test_colocated_memory_counts_the_exchange_send_buffers():
+    """A colocated rank sends a version as one batch (weights_sync/exchange.py), each copied
+    piece in a buffer of its own: at most its trainer shard in the generator's dtype. Llama-3-8B
+    in bf16 on 8 colocated H100s: 8.03e9 * 2 / 8 = 2.0 GB beside both meshes' own."""
+    wl = cm.Workload(64, 8, 512, 2048, gen_dtype="bfloat16")
+    send = cm.colocated_send_bytes(L8B, wl, 8)
+    assert send == pytest.approx(L8B.num_params() * 2 / 8, rel=0.01)
+    mem = cm.plan_memory(L8B, cm.gpu_cluster("h100", 1), wl, cm.Placement(8, "colocated", 8, 1, 1))
+    assert mem.per_rank == pytest.approx(mem.trainer + mem.generator + send)

@@ -8,7 +8,8 @@ The fallback when two meshes do not fit (or for small jobs on few devices). Per 
   3. train: each trainer data-parallel rank trains on groups[dp_rank::fsdp] (same step code as
      split mode);
   4. reshard: the trainer layout (FSDP x TP) is copied into the generator layout (TP x DP) with the
-     same weight-sync plan as split mode; pieces a rank sends to itself are plain local copies.
+     same weight-sync plan as split mode, all of a version's sends and receives as one batch
+     (weights_sync/exchange.py); pieces a rank sends to itself are plain local copies.
 The exchange (2) is where a rank waits for the slowest one's generation, rewards or evaluation: a
 timed-out exchange names the step and the ranks it waited for, with what each was doing
 (`_Progress`). The end (the final evaluation and export) takes the start-up budget, as in split
@@ -101,10 +102,10 @@ class _Progress:
 
 
 class ColocatedWorker:
-    def __init__(self, cfg, meshes, t_model, g_model, opt, sched, sender, receiver, local,
+    def __init__(self, cfg, meshes, t_model, g_model, opt, sched, exchange, local,
                  prompts, encode, tokenizer, rewards, logger=None, ref_model=None):
         self.cfg, self.meshes, self.t_model, self.g_model = cfg, meshes, t_model, g_model
-        self.opt, self.sched, self.sender, self.receiver = opt, sched, sender, receiver
+        self.opt, self.sched, self.exchange = opt, sched, exchange
         self.local, self.prompts, self.encode, self.tok = local, prompts, encode, tokenizer
         self.rewards, self.logger, self.ref_model = rewards, logger, ref_model
         dims = meshes.dims
@@ -210,11 +211,8 @@ class ColocatedWorker:
     @torch.no_grad()
     def _reshard(self) -> None:
         """Trainer layout -> generator layout; local pieces copied, the rest over the network."""
-        self.sender.push(self.version)
-        apply = self.receiver.receive(self.version)
-        self.sender.wait_sent()
-        apply()
-        src, dst = self.sender.tensors, self.receiver.tensors
+        self.exchange.run(self.version)()
+        src, dst = self.exchange.sender.tensors, self.exchange.receiver.tensors
         for t in self.local:
             dst[t.param][t.dst_box.slices()].copy_(src[t.param][t.src_box.slices()])
         self.engine.version = self.version
@@ -230,6 +228,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.role import build_ref_model, build_trainer_model, finish_run
     from weights_sync.plan import plan_cached
+    from weights_sync.exchange import BatchedExchange
     from weights_sync.sync import WeightReceiver, WeightSender, transfer_specs
 
     dims, rank, timeout = meshes.dims, meshes.rank, cfg.parallel.timeout_s
@@ -238,8 +237,9 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     src = Layout.from_module(t_model, group=meshes.trainer_group)
     dst = Layout.from_module(g_model, group=meshes.generator_group)
     plan = _PlanWithoutSelf(plan_cached(src, dst, transfer_specs(src, dst)), rank)
-    sender = WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout)
-    receiver = WeightReceiver(g_model, plan, rank, meshes.weights_group, timeout)
+    exchange = BatchedExchange(
+        WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout),
+        WeightReceiver(g_model, plan, rank, meshes.weights_group, timeout))
     items, _, encode = load_items(cfg, tokenizer, warn=False)  # preflight warned
     replica, tp_rank = dims.generator_coord(rank)
     prompts = PromptSource(items, seed=cfg.data.seed, shuffle=cfg.data.shuffle, rank=replica,
@@ -251,7 +251,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
         clear_complete(cfg)
         logger = MetricsLogger.from_config(cfg)
     worker = ColocatedWorker(cfg, meshes, t_model, g_model, opt, build_scheduler(opt, cfg.trainer),
-                             sender, receiver, plan.local(), prompts, encode, tokenizer, rewards, logger,
+                             exchange, plan.local(), prompts, encode, tokenizer, rewards, logger,
                              build_ref_model(cfg, meshes))
     evaluator = None if replica else build_eval(cfg, worker.engine, tokenizer, rewards,
                                                  writer=worker.tp_rank == 0)
@@ -262,7 +262,6 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
         if evaluator is not None:
             evaluator.close()
         rewards.close()
-        sender.close()
         if logger is not None:
             logger.close()
     finish_run(cfg, meshes, t_model, tokenizer, worker.version, rank == 0)

@@ -1,0 +1,91 @@
+"""Colocated weight sync: every rank sends its trainer shards and receives its generator shards
+over one process group, with all of a version's point-to-point operations posted as one batch.
+
+Split mode streams from a sender thread while the receiving ranks post their receives
+(weights_sync/sync.py); a colocated rank is both at once. Over NCCL the point-to-point operations
+between two ranks run in posting order on one stream of that pair's communicator, and a layout
+change swaps pieces both ways (a row shard of the trainer for a column block of the generator):
+a send posted before the receive of the same pair, on both ranks, waits for a receive queued
+behind it, past NCCL's buffer. One `dist.batch_isend_irecv` over all sends and receives of a
+version is one NCCL group, in which they progress together. Gloo runs the same batch (the CPU
+tests). The messages and headers are split mode's (`stream.messages`, `header`), so one plan
+serves both.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from weights_sync import stream
+from weights_sync.sync import (HEADER_NUMEL, TAG_WEIGHTS, WeightReceiver, WeightSender, _wait, header,
+                               small_numel, staged_apply)
+
+
+class BatchedExchange:
+    """One version both ways between the ranks of `sender.group`: `run(version)` returns
+    `apply()` (the receiver's staging into the generator's parameters), as `receive` does.
+
+    Sends from a shard that is contiguous and already in the wire dtype go without a copy (as in
+    split mode); the others are filled into buffers of their own, allocated once: a batch holds
+    every message at once, so split mode's two reused buckets cannot serve it."""
+
+    def __init__(self, sender: WeightSender, receiver: WeightReceiver):
+        self.sender, self.receiver = sender, receiver
+        self.group, self.timeout_s = sender.group, sender.timeout_s
+        self._bufs = {(dst, lo): torch.empty(hi - lo, dtype=sender.dtype, device=sender.device)
+                      for dst, msgs in sender.messages.items() for lo, hi, view in msgs
+                      if view is None}
+        self._started = False
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def peers(self) -> list[int]:
+        return sorted(set(self.sender.peers) | set(self.receiver.peers))
+
+    @torch.no_grad()
+    def run(self, version: int):
+        if not self._started:  # NCCL: a group's first operation must involve all its ranks
+            dist.barrier(group=self.group)
+            self._started = True
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        self.receiver.staged_version = None  # its staging is being overwritten
+        heads = {s: torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.receiver.device)
+                 for s in self.receiver.staging}
+        ops = self._sends(version) + self._receives(heads)
+        what = f"weights version {version} exchanged with ranks {self.peers()}"
+        for work in (dist.batch_isend_irecv(ops) if ops else []):
+            _wait(work, deadline, self.timeout_s, what)
+        for src, head in heads.items():
+            self.receiver._check(head, src, version)
+        nbytes = self.receiver.staging_bytes
+        dt = time.perf_counter() - t0
+        self.receiver.history.append({"version": version, "bytes": nbytes, "seconds": dt,
+                                      "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
+        self.receiver.staged_version = version
+        return staged_apply(self.receiver, version)
+
+    def _sends(self, version: int) -> list[dist.P2POp]:
+        s, ops = self.sender, []
+        for dst, segs in s.peers.items():
+            head = torch.tensor(header(version, s.dtype, segs, s.bucket_numel), dtype=torch.int64,
+                                device=s.device)
+            ops.append(dist.P2POp(dist.isend, head, dst, self.group, TAG_WEIGHTS))
+            for lo, hi, view in s.messages[dst]:
+                if view is None:
+                    view = self._bufs[(dst, lo)]
+                    stream.fill(view, lo, hi, segs, s.tensors)
+                ops.append(dist.P2POp(dist.isend, view, dst, self.group, TAG_WEIGHTS))
+        return ops
+
+    def _receives(self, heads: dict) -> list[dist.P2POp]:
+        r, ops = self.receiver, []
+        for src, flat in r.staging.items():
+            ops.append(dist.P2POp(dist.irecv, heads[src], src, self.group, TAG_WEIGHTS))
+            for lo, hi in stream.messages(r.peers[src], r.bucket_numel, small_numel(r.bucket_numel)):
+                ops.append(dist.P2POp(dist.irecv, flat[lo:hi], src, self.group, TAG_WEIGHTS))
+        return ops
