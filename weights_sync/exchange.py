@@ -37,6 +37,7 @@ class BatchedExchange:
         self._bufs = {(dst, lo): torch.empty(hi - lo, dtype=sender.dtype, device=sender.device)
                       for dst, msgs in sender.messages.items() for lo, hi, view in msgs
                       if view is None}
+        sender.pool = []  # split mode's two streaming buckets: these buffers serve instead
         self._started = False
 
     @property
