@@ -222,3 +222,29 @@ def test_a_follower_killed_without_a_word_is_named_by_its_leader(monkeypatch):
         "the kernel's out-of-memory killer: see dmesg; torchrun's summary names its signal)")
     monkeypatch.setattr(worker, "left_error", lambda rank: "RuntimeError: boom" if rank == 5 else None)
     assert worker._peer_failure(object()).endswith("failed: RuntimeError: boom")  # a cause wins
+
+
+def _broadcasts(rank, world):
+    import torch.distributed as dist
+    from rollout import worker
+    from trainer.link import Msg
+    group, pickled, real = dist.new_group([0, 1]), [], dist.broadcast_object_list
+    dist.broadcast_object_list = lambda *a, **k: pickled.append(1) or real(*a, **k)
+    msg = ns(type=Msg.WEIGHTS_READY, version=3, payload={"dropped": 1})
+    got = []
+    for news in ([], [msg], [], []):
+        got.append(worker._tp_broadcast(group, news if rank == 0 else [], None))
+    dist.broadcast_object_list = real
+    return {"got": got, "pickled": len(pickled)}
+
+
+def test_a_step_without_news_broadcasts_one_number_not_a_pickle():
+    """The leader's per-step broadcast to its TP followers pickled an empty list every engine
+    step (a size and then the bytes: two collectives and a pickle a decode step). Now a number
+    says whether there is news, and only a step with news pickles it: 4 steps, 1 pickle, and
+    the followers get the leader's message as it was."""
+    from trainer.link import Msg
+    leader, follower = run_ranks(_broadcasts, 2, timeout=60)
+    assert leader["pickled"] == follower["pickled"] == 1
+    assert follower["got"] == [[], [(int(Msg.WEIGHTS_READY), 3, {"dropped": 1})], [], []]
+    assert leader["got"][0] == leader["got"][2] == []
