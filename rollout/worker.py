@@ -77,7 +77,8 @@ def _tp_broadcast(tp_group, msgs, leader_failed: Exception | None) -> list:
     Most engine steps have nothing to pass on: a one-number broadcast says so, and only a step
     with news pickles it (`broadcast_object_list`, a size and then the bytes: 440 against 174 us
     a step on two gloo ranks of the 2-core EPYC, where a tiny model's decode step takes 2-4 ms)."""
-    news = torch.tensor([int(bool(msgs) or leader_failed is not None)], device=_flag_device(tp_group))
+    news = torch.tensor([int(bool(msgs) or leader_failed is not None)],
+                        device=_flag_device(tp_group))
     dist.broadcast(news, group_src=0, group=tp_group)
     if not int(news.item()):
         return []
