@@ -11,9 +11,9 @@ cost model (launch/cost_model.py), ReaL-style (arXiv 2406.14088), and write the 
 Search. Every placement is enumerated: mode (split or colocated), generator ranks G = 1..N-1,
 gen_tp and trainer_tp among the divisors of gpus_per_node that divide both head counts (TP stays
 inside a node), gen_dp = G/gen_tp and trainer_fsdp = (N-G)/trainer_tp (gen_dp and
-trainer_fsdp * updates_per_step <= prompts_per_step, as the runtime requires; TP 1 only where the
-base config refuses TP: parallel.compile for the trainer, generator.stack_weights='all' for the
-generator), activation checkpointing off/on. For each, memory picks the most KV
+trainer_fsdp * updates_per_step <= prompts_per_step, as the runtime requires; generator TP 1
+only where the base config refuses TP there: generator.stack_weights='all'), activation
+checkpointing off/on. For each, memory picks the most KV
 slots and the largest power-of-two micro-batch that fit; memory and phase times are cached per
 mesh (the generator's depend only on (gen_tp, gen_dp), the trainer's on (fsdp, tp, ac)), so
 1024 GPUs (~5600 placements for Llama-3-8B) take 1-4 s here. Weight sync is first costed in

@@ -89,14 +89,18 @@ def _warn_no_learning_signal(cfg) -> None:
 
 
 def _warn_warmup_past_the_end(t) -> None:
-    """Rank 0 warns of a warm-up as long as the run or longer: the lr never reaches trainer.lr
-    (the last step's is max_steps / warmup_steps of it) and a cosine never starts to decay."""
-    if 0 < t.max_steps <= t.warmup_steps and _first_rank():
-        print(f"warning: trainer.warmup_steps={t.warmup_steps} >= trainer.max_steps="
-              f"{t.max_steps}: the learning rate rises for the whole run and ends at "
-              f"{t.max_steps / t.warmup_steps:.3g} x trainer.lr={t.lr:g}, never reaching it; set "
-              f"--trainer.warmup_steps below {t.max_steps} (e.g. {max(1, t.max_steps // 20)})",
-              file=sys.stderr, flush=True)
+    """Rank 0 warns of a warm-up as long as the run or longer (`trainer.optim.lr_lambda`: step
+    k of a warm-up of W runs at (k + 1) / W x trainer.lr): the lr rises for the whole run,
+    reaching trainer.lr at its last step at best, and a cosine never starts to decay. A warm-up
+    of one step is none (its one step runs at trainer.lr)."""
+    if not (0 < t.max_steps <= t.warmup_steps and t.warmup_steps > 1) or not _first_rank():
+        return
+    end = ("reaches trainer.lr only at its last step" if t.warmup_steps == t.max_steps else
+           f"ends at {t.max_steps / t.warmup_steps:.3g} x trainer.lr={t.lr:g}, never reaching it")
+    print(f"warning: trainer.warmup_steps={t.warmup_steps} >= trainer.max_steps={t.max_steps}: "
+          f"the learning rate rises for the whole run and {end}; set --trainer.warmup_steps below "
+          f"{t.max_steps} (e.g. {t.max_steps // 20 if t.max_steps >= 40 else t.max_steps // 2})",
+          file=sys.stderr, flush=True)
 
 
 def _print_resume_changes(cfg, path) -> None:

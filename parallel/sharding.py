@@ -76,8 +76,10 @@ def apply_ac(model: Transformer) -> None:
         layer.forward = forward
 
 
-# Compiled blocks hold one graph per input type (a TP all-reduce's output differs from a plain
-# tensor), grad mode and static token count: 2 x 2 x 4 buckets, and the counts past the budget.
+# Compiled TP blocks hold a graph per static token count for each of the trainer's forward, its
+# no-grad forwards and the frozen KL reference's: 3 x 4 counts within the budget, and each count
+# of a micro-batch past it (a sequence longer than trainer.micro_batch_tokens). Dynamo's limit is
+# process-wide: a colocated rank's compiled decode step gets it too (it needs a few).
 STATIC_RECOMPILE_LIMIT = 64
 
 

@@ -325,19 +325,23 @@ def test_a_warmup_as_long_as_the_run_gets_one_warning(tmp_path, good_model, monk
     from parallel.dims import ParallelDims
     base = [f"--model.path={good_model}", f"--run.dir={tmp_path}", "--trainer.max_steps=40"]
     dims = ParallelDims.from_config(load_config("configs/tiny_cpu.toml", base).resolve(3).parallel, 3)
-    cases = {"--trainer.warmup_steps=50": "trainer.warmup_steps=50 >= trainer.max_steps=40: the "
-                                          "learning rate rises for the whole run and ends at 0.8 x "
-                                          "trainer.lr=0.0002, never reaching it; set "
-                                          "--trainer.warmup_steps below 40 (e.g. 2)",
-             "--trainer.warmup_steps=40": "ends at 1 x trainer.lr",
-             "--trainer.warmup_steps=39": None}
+    cases = {("--trainer.warmup_steps=50",): "trainer.warmup_steps=50 >= trainer.max_steps=40: "
+                                             "the learning rate rises for the whole run and ends "
+                                             "at 0.8 x trainer.lr=0.0002, never reaching it; set "
+                                             "--trainer.warmup_steps below 40 (e.g. 2)",
+             ("--trainer.warmup_steps=40",): "rises for the whole run and reaches trainer.lr only "
+                                             "at its last step; set --trainer.warmup_steps below "
+                                             "40 (e.g. 2)",
+             ("--trainer.warmup_steps=8", "--trainer.max_steps=5"): "below 5 (e.g. 2)",
+             ("--trainer.warmup_steps=39",): None,
+             ("--trainer.warmup_steps=1", "--trainer.max_steps=1"): None}  # one step at trainer.lr
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
-        for arg, want in cases.items():
-            preflight(load_config("configs/tiny_cpu.toml", [*base, arg]).resolve(3), dims)
+        for args, want in cases.items():
+            preflight(load_config("configs/tiny_cpu.toml", [*base, *args]).resolve(3), dims)
             err = capsys.readouterr().err
             if want is None or rank == "1":
-                assert "warmup" not in err, (arg, err)
+                assert "warmup" not in err, (args, err)
             else:
                 assert "warning: " in err and want in err, err
     monkeypatch.setenv("RANK", "0")

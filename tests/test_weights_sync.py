@@ -577,10 +577,11 @@ def test_a_sender_closed_after_a_timed_out_wait_does_not_wait_again(monkeypatch)
     release.set()
 
 
-def _colocated_worker(rank, world, folder, gen_dtype):
-    """Both models on each rank (trainer FSDP 2, generator TP 2: pieces go both ways between the
-    two ranks), run_colocated's plan and exchange, two versions with the trainer's weights
-    changed between; every batch of point-to-point operations counted."""
+def _colocated_worker(rank, world, folder, gen_dtype, gen_dp):
+    """Both models on each rank (trainer FSDP over all, generator gen_dp x TP: with TP, pieces go
+    both ways between two ranks; with replicas, one rank's pieces to several), run_colocated's
+    plan and exchange, two versions with the trainer's weights changed between; every batch of
+    point-to-point operations counted."""
     from torch.distributed.device_mesh import init_device_mesh
     from model.hf_io import load_model_args
     from parallel.layout import Layout
@@ -588,23 +589,24 @@ def _colocated_worker(rank, world, folder, gen_dtype):
     from trainer.colocated import _PlanWithoutSelf
     from weights_sync.exchange import BatchedExchange
     from weights_sync.plan import plan_cached
-    from weights_sync.sync import WeightReceiver, WeightSender, transfer_specs
+    from weights_sync.sync import WeightReceiver, WeightSender, local_tensors, transfer_specs
     tmesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
-    gmesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    gmesh = init_device_mesh("cpu", (gen_dp, world // gen_dp), mesh_dim_names=("dp", "tp"))
     args, cpu = load_model_args(folder), torch.device("cpu")
     t_model = build_model(args, cpu, torch.float32, path=folder,
                           parallelize=lambda m: parallelize_trainer(m, tmesh))
     g_model = build_model(args, cpu, gen_dtype, seed=5,
                           parallelize=lambda m: parallelize_generator(m, gmesh))
-    src = Layout.from_module(t_model, group=tmesh["fsdp"].get_group())
-    dst = Layout.from_module(g_model, group=gmesh["tp"].get_group())
-    plan = _PlanWithoutSelf(plan_cached(src, dst, transfer_specs(src, dst)), rank)
     group = dist.new_group(backend="gloo")
-    exchange = BatchedExchange(WeightSender(t_model, plan, rank, gen_dtype, group, 60),
+    src = Layout.from_module(t_model, group=group)
+    dst = Layout.from_module(g_model, group=group)
+    plan = _PlanWithoutSelf(plan_cached(src, dst, transfer_specs(src, dst)), rank)
+    exchange = BatchedExchange(WeightSender(t_model, plan, rank, gen_dtype, group, 60, streams=False),
                                WeightReceiver(g_model, plan, rank, group, 60))
     batches, real = [], dist.batch_isend_irecv
     dist.batch_isend_irecv = lambda ops: batches.append(len(ops)) or real(ops)
-    out = {"peers": exchange.peers(), "staging": exchange.staging_bytes}
+    shard = sum(t.numel() for t in local_tensors(t_model).values()) * gen_dtype.itemsize
+    out = {"peers": exchange.peers(), "staging": exchange.staging_bytes / shard}
     for version in (1, 2):
         with torch.no_grad():
             for p in t_model.parameters():
@@ -620,18 +622,22 @@ def _colocated_worker(rank, world, folder, gen_dtype):
     return out
 
 
-@pytest.mark.parametrize("gen_dtype", [torch.bfloat16, torch.float32])
-def test_colocated_exchange_posts_each_version_as_one_batch(tmp_path, gen_dtype):
+@pytest.mark.parametrize("gen_dtype, world, gen_dp", [(torch.bfloat16, 2, 1), (torch.float32, 2, 1),
+                                                      (torch.bfloat16, 3, 3)])
+def test_colocated_exchange_posts_each_version_as_one_batch(tmp_path, gen_dtype, world, gen_dp):
     """Colocated ranks are both sender and receiver of the same pairs. A thread of sends beside
     the main thread's receives (split mode's sender and receiver, as colocated used them) would
     queue a pair's sends and receives in some order on one NCCL stream, where a send ahead of the
     receive it waits for deadlocks both ranks; one `batch_isend_irecv` a version is one NCCL group.
     On gloo ranks: the generator's weights are the trainer's, bitwise (bf16: cast), after each of
-    two versions, every operation of a version in one batch; fp32 sends rows without a copy."""
+    two versions, every operation of a version in one batch. The copied pieces' buffers hold at
+    most the rank's trainer shard, and a piece once, not once per replica: where 3 replicas each
+    take a rank's whole shard from it, cast, one shard (2 x the shard before)."""
     tiny.save_hf("qwen2", tmp_path)
-    for res in run_ranks(_colocated_worker, 2, str(tmp_path), gen_dtype, timeout=120):
+    for res in run_ranks(_colocated_worker, world, str(tmp_path), gen_dtype, gen_dp, timeout=120):
         assert res[1] and res[2], res
         assert len(res["batches"]) == 2 and res["batches"][0] == res["batches"][1] > 2
-        assert res["peers"] in ([0], [1])
-        if gen_dtype == torch.bfloat16:
-            assert res["staging"] > 0  # every piece is cast into a buffer of its own
+        assert len(res["peers"]) == world - 1
+        assert 0 < res["staging"] <= 1.0, res  # the copied pieces of the shard, at most all
+        if gen_dp == 3:  # the whole shard goes to 2 replicas, all of it cast: one copy
+            assert res["staging"] == pytest.approx(1.0, abs=1e-6), res

@@ -238,7 +238,8 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     dst = Layout.from_module(g_model, group=meshes.generator_group)
     plan = _PlanWithoutSelf(plan_cached(src, dst, transfer_specs(src, dst)), rank)
     exchange = BatchedExchange(
-        WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout),
+        WeightSender(t_model, plan, rank, to_dtype(cfg.model.gen_dtype), meshes.weights_group, timeout,
+                     streams=False),
         WeightReceiver(g_model, plan, rank, meshes.weights_group, timeout))
     items, _, encode = load_items(cfg, tokenizer, warn=False)  # preflight warned
     replica, tp_rank = dims.generator_coord(rank)

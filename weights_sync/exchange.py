@@ -28,17 +28,29 @@ class BatchedExchange:
     `apply()` (the receiver's staging into the generator's parameters), as `receive` does.
 
     Sends from a shard that is contiguous and already in the wire dtype go without a copy (as in
-    split mode); the others are filled into buffers of their own, allocated once: a batch holds
-    every message at once, so split mode's two reused buckets cannot serve it."""
+    split mode); the others are filled into buffers allocated once (a batch holds every message
+    at once, so the `sender`'s streaming buckets cannot serve it: build it with streams=False).
+    Generator replicas hold the same shards, so the plan sends the same pieces to the ranks of
+    one TP coordinate in every replica: a buffer serves every peer whose segments are the same,
+    filled once a version, and the buffers hold at most this rank's trainer shard (one per
+    replica before: gen_dp - 1 copies of it)."""
 
     def __init__(self, sender: WeightSender, receiver: WeightReceiver):
         self.sender, self.receiver = sender, receiver
         self.group, self.timeout_s = sender.group, sender.timeout_s
-        self._bufs = {(dst, lo): torch.empty(hi - lo, dtype=sender.dtype, device=sender.device)
-                      for dst, msgs in sender.messages.items() for lo, hi, view in msgs
-                      if view is None}
-        sender.pool = []  # split mode's two streaming buckets: these buffers serve instead
+        patterns: dict[tuple, int] = {}  # the peers' segments, numbered: equal ones share
+        self._pattern = {dst: patterns.setdefault(tuple(segs), len(patterns))
+                         for dst, segs in sender.peers.items()}
+        self._bufs = {}  # (pattern, lo) -> buffer
+        for dst, msgs in sender.messages.items():
+            for lo, hi, view in msgs:
+                if view is None:
+                    self._bufs.setdefault(self._key(dst, lo), torch.empty(
+                        hi - lo, dtype=sender.dtype, device=sender.device))
         self._started = False
+
+    def _key(self, dst: int, lo: int) -> tuple[int, int]:
+        return self._pattern[dst], lo
 
     @property
     def staging_bytes(self) -> int:
@@ -50,7 +62,7 @@ class BatchedExchange:
     @torch.no_grad()
     def run(self, version: int):
         if not self._started:  # NCCL: a group's first operation must involve all its ranks
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.group)  # (under the group's own timeout)
             self._started = True
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
@@ -71,15 +83,18 @@ class BatchedExchange:
         return staged_apply(self.receiver, version)
 
     def _sends(self, version: int) -> list[dist.P2POp]:
-        s, ops = self.sender, []
+        s, ops, filled = self.sender, [], set()
         for dst, segs in s.peers.items():
             head = torch.tensor(header(version, s.dtype, segs, s.bucket_numel), dtype=torch.int64,
                                 device=s.device)
             ops.append(dist.P2POp(dist.isend, head, dst, self.group, TAG_WEIGHTS))
             for lo, hi, view in s.messages[dst]:
                 if view is None:
-                    view = self._bufs[(dst, lo)]
-                    stream.fill(view, lo, hi, segs, s.tensors)
+                    key = self._key(dst, lo)
+                    view = self._bufs[key]
+                    if key not in filled:
+                        stream.fill(view, lo, hi, segs, s.tensors)
+                        filled.add(key)
                 ops.append(dist.P2POp(dist.isend, view, dst, self.group, TAG_WEIGHTS))
         return ops
 

@@ -189,11 +189,13 @@ def check_shards(tensors: dict[str, torch.Tensor], layout, rank: int, peers: dic
 
 
 class WeightSender:
-    """`peers` restricts the plan's destinations to those this transport serves (None: all)."""
+    """`peers` restricts the plan's destinations to those this transport serves (None: all).
+    `streams` False: no streaming buckets, for a caller that sends its messages itself
+    (weights_sync/exchange.py); push() is then refused."""
 
     def __init__(self, model, plan, rank: int, dtype: torch.dtype, group, timeout_s: float,
                  bucket_bytes: int = 64 << 20, device: torch.device | None = None,
-                 peers: Collection[int] | None = None):
+                 peers: Collection[int] | None = None, streams: bool = True):
         self.rank, self.dtype, self.group, self.timeout_s = rank, dtype, group, timeout_s
         self.tensors = local_tensors(model)
         self.device = device or next(iter(self.tensors.values())).device
@@ -209,7 +211,8 @@ class WeightSender:
         longest = max((hi - lo for ms in self.messages.values() for lo, hi, view in ms
                        if view is None), default=0)
         self.pool = [torch.empty(longest, dtype=dtype, device=self.device)
-                     for _ in range(2 if longest else 0)]
+                     for _ in range(2 if longest and streams else 0)]
+        self.streams = streams
         self._inflight = VersionThread()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # bytes, seconds, GB/s per version
 
@@ -218,6 +221,10 @@ class WeightSender:
         return sum(b.numel() * b.element_size() for b in self.pool)
 
     def push(self, version: int) -> None:
+        if not self.streams:
+            raise RuntimeError("this WeightSender was built with streams=False (its messages are "
+                               "sent by weights_sync.exchange.BatchedExchange); push() cannot "
+                               "stream them")
         self.wait_sent()
         self._inflight.start(version, self._stream_all, (version,), f"weights-v{version}")
 
