@@ -289,42 +289,44 @@ def test_prompts_skipped_are_logged_once_by_the_first_rank(tmp_path, good_model,
     assert 0 < len(kept) < 200 and not caplog.records
 
 
-def test_a_training_run_whose_groups_cannot_differ_gets_one_warning(tmp_path, good_model, monkeypatch, capsys):
-    """n_samples = 1, or greedy sampling: every group baseline gives advantage 0 and the run
-    trained nothing from its rewards without a word (reward_zero_std_frac 1.0, grad_norm 0).
-    Warned by rank 0 (calibration and throughput runs may want it); an evaluation-only run not."""
+def _check_warnings(base, cases, absent, monkeypatch, capsys, also=""):
+    """preflight of configs/tiny_cpu.toml with `base` plus each case's arguments, as rank 0 and
+    as rank 1: rank 0 warns with the case's text (and `also`) where it has one; rank 1 never
+    says `absent`, nor rank 0 for a case of None."""
     from config import load_config
     from launch.preflight import preflight
     from parallel.dims import ParallelDims
-    base = [f"--model.path={good_model}", f"--run.dir={tmp_path}"]
     dims = ParallelDims.from_config(load_config("configs/tiny_cpu.toml", base).resolve(3).parallel, 3)
-    cases = {("--generator.n_samples=1",): "generator.n_samples=1: a group of one",
-             ("--generator.temperature=0",): "greedy sampling (generator.greedy=False, "
-                                             "temperature=0.0, top_k=0): a group's 8 completions",
-             ("--generator.top_k=1",): "top_k=1): a group's 8",
-             ("--generator.n_samples=1", "--trainer.max_steps=0"): None,  # evaluation only
-             (): None}
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         for args, want in cases.items():
             preflight(load_config("configs/tiny_cpu.toml", [*base, *args]).resolve(3), dims)
             err = capsys.readouterr().err
             if want is None or rank == "1":
-                assert "warning" not in err, (args, err)
+                assert absent not in err, (args, err)
             else:
-                assert "warning: " in err and want in err and "every advantage (algo.advantage='group_mean') " \
-                       "is 0 and the policy loss has no gradient for all 800 steps" in err, err
+                assert "warning: " in err and want in err and also in err, err
+
+
+def test_a_training_run_whose_groups_cannot_differ_gets_one_warning(tmp_path, good_model, monkeypatch, capsys):
+    """n_samples = 1, or greedy sampling: every group baseline gives advantage 0 and the run
+    trained nothing from its rewards without a word (reward_zero_std_frac 1.0, grad_norm 0).
+    Warned by rank 0 (calibration and throughput runs may want it); an evaluation-only run not."""
+    cases = {("--generator.n_samples=1",): "generator.n_samples=1: a group of one",
+             ("--generator.temperature=0",): "greedy sampling (generator.greedy=False, "
+                                             "temperature=0.0, top_k=0): a group's 8 completions",
+             ("--generator.top_k=1",): "top_k=1): a group's 8",
+             ("--generator.n_samples=1", "--trainer.max_steps=0"): None,  # evaluation only
+             (): None}
+    _check_warnings([f"--model.path={good_model}", f"--run.dir={tmp_path}"], cases, "warning",
+                    monkeypatch, capsys, also="every advantage (algo.advantage='group_mean') is 0 "
+                                              "and the policy loss has no gradient for all 800 steps")
 
 
 def test_a_warmup_as_long_as_the_run_gets_one_warning(tmp_path, good_model, monkeypatch, capsys):
     """trainer.warmup_steps >= max_steps: the lr rose for the whole run and never reached
-    trainer.lr, silently. Rank 0 says so; a warm-up shorter than the run, or an evaluation-only
-    run, gets nothing."""
-    from config import load_config
-    from launch.preflight import preflight
-    from parallel.dims import ParallelDims
-    base = [f"--model.path={good_model}", f"--run.dir={tmp_path}", "--trainer.max_steps=40"]
-    dims = ParallelDims.from_config(load_config("configs/tiny_cpu.toml", base).resolve(3).parallel, 3)
+    trainer.lr, silently. Rank 0 says so; a warm-up shorter than the run, a one-step warm-up (its
+    step runs at trainer.lr) or an evaluation-only run gets nothing."""
     cases = {("--trainer.warmup_steps=50",): "trainer.warmup_steps=50 >= trainer.max_steps=40: "
                                              "the learning rate rises for the whole run and ends "
                                              "at 0.8 x trainer.lr=0.0002, never reaching it; set "
@@ -334,20 +336,10 @@ def test_a_warmup_as_long_as_the_run_gets_one_warning(tmp_path, good_model, monk
                                              "40 (e.g. 2)",
              ("--trainer.warmup_steps=8", "--trainer.max_steps=5"): "below 5 (e.g. 2)",
              ("--trainer.warmup_steps=39",): None,
-             ("--trainer.warmup_steps=1", "--trainer.max_steps=1"): None}  # one step at trainer.lr
-    for rank in ("0", "1"):
-        monkeypatch.setenv("RANK", rank)
-        for args, want in cases.items():
-            preflight(load_config("configs/tiny_cpu.toml", [*base, *args]).resolve(3), dims)
-            err = capsys.readouterr().err
-            if want is None or rank == "1":
-                assert "warmup" not in err, (args, err)
-            else:
-                assert "warning: " in err and want in err, err
-    monkeypatch.setenv("RANK", "0")
-    preflight(load_config("configs/tiny_cpu.toml", [*base, "--trainer.max_steps=0",
-                                                   "--trainer.warmup_steps=50"]).resolve(3), dims)
-    assert "warmup" not in capsys.readouterr().err
+             ("--trainer.warmup_steps=1", "--trainer.max_steps=1"): None,
+             ("--trainer.warmup_steps=50", "--trainer.max_steps=0"): None}  # evaluation only
+    _check_warnings([f"--model.path={good_model}", f"--run.dir={tmp_path}", "--trainer.max_steps=40"],
+                    cases, "warmup", monkeypatch, capsys)
 
 
 def test_a_split_run_resumed_in_colocated_mode_is_told_so_first(tmp_path, good_model, monkeypatch, capsys):
