@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from tests.rl_model import make_rl_model
 from tests.test_e2e import QUICK, ROOT, read_metrics
+from trainer.checkpointing import generator_state, read_extra
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -131,6 +132,7 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
             "command again to resume") in err
     assert (ckpt / ".metadata").is_file()
     assert not (run_dir / "hf_final").exists() and not (run_dir / "COMPLETE").exists()
+    cut = generator_state(read_extra(ckpt), 0)  # the generator's half of the stop's checkpoint
     proc = launch(model, run_dir, max_restarts=0)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
@@ -138,9 +140,17 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
     rows, ref_rows = read_metrics(run_dir), read_metrics(ref_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["prompt_ids"] for r in rows] == [r["prompt_ids"] for r in ref_rows]
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in ref_rows]  # same samples
+    # A stop in mid-generation regenerates the unfinished prompts of the batch; where some of
+    # its prompts had finished, the rest run in a smaller batch, whose behaviour log-probs differ
+    # in fp32 rounding (~2e-7), and the parameters by ~1e-6 (README, "Resume"; CI saw it once)
+    partial = 0 < len(cut["inflight"]) < len(ref_rows[0]["prompt_ids"])
     ref, got = final_params(ref_dir), final_params(run_dir)
     for name in ref:
-        assert torch.equal(ref[name], got[name]), name
+        if partial:
+            torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(ref[name], got[name]), name
 
 
 def test_sigterm_to_one_trainer_rank_alone_stops_the_run_with_a_checkpoint(reference, tmp_path):
