@@ -44,9 +44,9 @@ class BatchedExchange:
         self._bufs = {}  # (pattern, lo) -> buffer
         for dst, msgs in sender.messages.items():
             for lo, hi, view in msgs:
-                if view is None:
-                    self._bufs.setdefault(self._key(dst, lo), torch.empty(
-                        hi - lo, dtype=sender.dtype, device=sender.device))
+                if view is None and self._key(dst, lo) not in self._bufs:
+                    self._bufs[self._key(dst, lo)] = torch.empty(hi - lo, dtype=sender.dtype,
+                                                                 device=sender.device)
         self._started = False
 
     def _key(self, dst: int, lo: int) -> tuple[int, int]:
