@@ -9,18 +9,16 @@ a send posted before the receive of the same pair, on both ranks, waits for a re
 behind it, past NCCL's buffer. One `dist.batch_isend_irecv` over all sends and receives of a
 version is one NCCL group, in which they progress together. Gloo runs the same batch (the CPU
 tests). The messages and headers are split mode's (`stream.messages`, `header`), so one plan
-serves both.
+serves both, and the receiver's own `begin` / `slices` / `finish` (its header checks, its
+history, the staged version) serve the batch.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 
 from weights_sync import stream
-from weights_sync.sync import (HEADER_NUMEL, TAG_WEIGHTS, WeightReceiver, WeightSender, _wait, header,
-                               small_numel, staged_apply)
+from weights_sync.sync import TAG_WEIGHTS, WeightReceiver, WeightSender
 
 
 class BatchedExchange:
@@ -64,30 +62,19 @@ class BatchedExchange:
         if not self._started:  # NCCL: a group's first operation must involve all its ranks
             dist.barrier(group=self.group)  # (under the group's own timeout)
             self._started = True
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        self.receiver.staged_version = None  # its staging is being overwritten
-        heads = {s: torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.receiver.device)
-                 for s in self.receiver.staging}
-        ops = self._sends(version) + self._receives(heads)
-        what = f"weights version {version} exchanged with ranks {self.peers()}"
-        for work in (dist.batch_isend_irecv(ops) if ops else []):
-            _wait(work, deadline, self.timeout_s, what)
-        for src, head in heads.items():
-            self.receiver._check(head, src, version)
-        nbytes = self.receiver.staging_bytes
-        dt = time.perf_counter() - t0
-        self.receiver.history.append({"version": version, "bytes": nbytes, "seconds": dt,
-                                      "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
-        self.receiver.staged_version = version
-        return staged_apply(self.receiver, version)
+        r = self.receiver
+        t0, deadline, heads = r.begin()
+        ops = self._sends(version) + [
+            dist.P2POp(dist.irecv, t, src, self.group, TAG_WEIGHTS)
+            for src, head in heads.items() for t in (head, *r.slices(src))]
+        peers = f"ranks {self.peers()} (one batch, both ways)"
+        works = [(peers, w) for w in (dist.batch_isend_irecv(ops) if ops else [])]
+        return r.finish((version, t0, deadline, heads, works))
 
     def _sends(self, version: int) -> list[dist.P2POp]:
         s, ops, filled = self.sender, [], set()
         for dst, segs in s.peers.items():
-            head = torch.tensor(header(version, s.dtype, segs, s.bucket_numel), dtype=torch.int64,
-                                device=s.device)
-            ops.append(dist.P2POp(dist.isend, head, dst, self.group, TAG_WEIGHTS))
+            ops.append(dist.P2POp(dist.isend, s.head(version, dst), dst, self.group, TAG_WEIGHTS))
             for lo, hi, view in s.messages[dst]:
                 if view is None:
                     key = self._key(dst, lo)
@@ -96,12 +83,4 @@ class BatchedExchange:
                         stream.fill(view, lo, hi, segs, s.tensors)
                         filled.add(key)
                 ops.append(dist.P2POp(dist.isend, view, dst, self.group, TAG_WEIGHTS))
-        return ops
-
-    def _receives(self, heads: dict) -> list[dist.P2POp]:
-        r, ops = self.receiver, []
-        for src, flat in r.staging.items():
-            ops.append(dist.P2POp(dist.irecv, heads[src], src, self.group, TAG_WEIGHTS))
-            for lo, hi in stream.messages(r.peers[src], r.bucket_numel, small_numel(r.bucket_numel)):
-                ops.append(dist.P2POp(dist.irecv, flat[lo:hi], src, self.group, TAG_WEIGHTS))
         return ops

@@ -241,9 +241,8 @@ class WeightSender:
         # (WeightReceiver.post), so a header held back behind another peer's data could close a
         # cycle of waits.
         heads = {}
-        for dst, segs in self.peers.items():
-            h = torch.tensor(header(version, self.dtype, segs, self.bucket_numel),
-                             dtype=torch.int64, device=self.device)
+        for dst in self.peers:
+            h = self.head(version, dst)
             heads[dst] = (h, dist.isend(h, dst, group=self.group, tag=TAG_WEIGHTS))
         with torch.no_grad():
             for dst, segs in self.peers.items():
@@ -251,6 +250,11 @@ class WeightSender:
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
                              "gbps": nbytes / dt / 1e9 if dt > 0 else 0.0})
+
+    def head(self, version: int, dst: int) -> torch.Tensor:
+        """The header of `version` to peer `dst` (`header`), as the tensor sent."""
+        return torch.tensor(header(version, self.dtype, self.peers[dst], self.bucket_numel),
+                            dtype=torch.int64, device=self.device)
 
     def _messages(self, segs) -> list[tuple[int, int, torch.Tensor | None]]:
         out, starts = [], [s.start for s in segs]
@@ -347,35 +351,46 @@ class WeightReceiver:
         another pair's bytes (no cycle of waits). Both ends fix the format at construction, so
         later versions post everything at once (waiting for a header first cost the CPU sync
         5-10%) and `finish` checks their headers before anything can be applied."""
-        t0 = time.perf_counter()
-        self.staged_version = None  # the staging is being overwritten: no earlier apply() may run
-        deadline = time.monotonic() + self.timeout_s  # one budget for all sources of the version
-        heads = {s: torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
-                 for s in self.staging}
+        t0, deadline, heads = self.begin()
         head_works = {s: dist.irecv(h, s, group=self.group, tag=TAG_WEIGHTS)
                       for s, h in heads.items()}
         works = []  # (source, work) of what `finish` waits for (a gloo work is waited once)
-        for src, flat in self.staging.items():
+        for src in self.staging:
             if self._format_checked:
                 works.append((src, head_works[src]))
             else:
                 _wait(head_works[src], deadline, self.timeout_s,
                       f"weights version {version} from trainer rank {src}")
                 self._check(heads[src], src, version)
-            for lo, hi in stream.messages(self.peers[src], self.bucket_numel,
-                                          small_numel(self.bucket_numel)):
-                works.append((src, dist.irecv(flat[lo:hi], src, group=self.group, tag=TAG_WEIGHTS)))
+            for view in self.slices(src):
+                works.append((src, dist.irecv(view, src, group=self.group, tag=TAG_WEIGHTS)))
         self._format_checked = True
         return version, t0, deadline, heads, works
+
+    def begin(self) -> tuple[float, float, dict[int, torch.Tensor]]:
+        """A version's start: no earlier apply() may run (the staging is being overwritten); its
+        clock, its one deadline for all sources, and a header buffer per source."""
+        self.staged_version = None
+        heads = {s: torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+                 for s in self.staging}
+        return time.perf_counter(), time.monotonic() + self.timeout_s, heads
+
+    def slices(self, src: int) -> list[torch.Tensor]:
+        """Where source `src`'s messages land in its staging, in the order it sends them."""
+        flat = self.staging[src]
+        return [flat[lo:hi] for lo, hi in stream.messages(self.peers[src], self.bucket_numel,
+                                                          small_numel(self.bucket_numel))]
 
     def _check(self, head: torch.Tensor, src: int, version: int) -> None:
         want = header(version, self.dtype, self.peers[src], self.bucket_numel)
         check_header(head.tolist(), want, self.rank, src)
 
     def finish(self, ticket):
+        """`ticket`: `post`'s, or one whose works name their peers in words (a batch's)."""
         version, t0, deadline, heads, works = ticket
         for src, w in works:
-            _wait(w, deadline, self.timeout_s, f"weights version {version} from trainer rank {src}")
+            peer = f"trainer rank {src}" if isinstance(src, int) else src
+            _wait(w, deadline, self.timeout_s, f"weights version {version} from {peer}")
         for src, h in heads.items():
             self._check(h, src, version)
         nbytes = self.staging_bytes
