@@ -27,9 +27,12 @@ move changes no draw; the row count does change the matmuls' rounding (fp32: mu 
 Without it (CUDA, where each (R, Lb) would be a graph of its own) R = num_slots.
 
 **One engine iteration (`step`).**
-1. Harvest, at most every `sync_every` steps (1 on CPU, where a sync is free; 8 on CUDA) or when
-   queued work could use free slots: one device->host read of the live flags, then the finished
-   rows. A slot that finishes between two harvests idles until the next: that is the tradeoff.
+1. Harvest, at most every `sync_every` steps (1 on CPU, where a sync is free; 8 on CUDA), when
+   queued work could use free slots, or when a sample has certainly finished (the host counts the
+   step of its last possible token: max_new_tokens or the cache's end): one device->host read of
+   the live flags, then the finished rows. A slot that finishes on a stop id between two harvests
+   idles until the next: that is the tradeoff. (Without the last rule a batch whose samples all
+   ran to max_new_tokens decoded up to `sync_every` - 1 steps of nothing after its end.)
 2. Admit queued requests into free slots at once (continuous batching). The n samples of a request
    share ONE prompt prefill: the prompt is prefilled into one slot (several new prompts are batched
    right-padded, sorted by length, `slots=` their slots), its cache prefix [0, P) is copied to the
@@ -61,6 +64,7 @@ Sampling and mu conventions: rollout/sampling.py.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from collections import Counter, deque
@@ -552,6 +556,7 @@ class Engine:
         self._finished: list[Completion] = []
         self._n_requests = self._steps = self._since_sync = 0
         self._bound_base = 0  # max over owned slots of (length at admission - admission step)
+        self._last_step = math.inf  # min over owned slots of the step of their last possible token
         self._needs = _Needs()  # over the owned slots
         self._body = _compiled(self._decode_body, model, device, use_compile)
         self._use_graphs = device.type == "cuda" and compile_decode is not False
@@ -609,7 +614,8 @@ class Engine:
     def step(self) -> None:  # CPU decode (BENCHMARKS.md, "Generation")
         """One engine iteration: harvest (when due), admit + prefill, one decode step."""
         self._since_sync += 1
-        if self._since_sync >= self.sync_every or (self._queue and self._free):
+        due = self._since_sync >= self.sync_every or self._steps >= self._last_step
+        if due or (self._queue and self._free):
             self._harvest()
         with self._copies.active():
             if self._queue and self._free:
@@ -700,6 +706,7 @@ class Engine:
     def _settle(self) -> None:
         """After slots were freed: the live bound, compaction, and the idle restart."""
         self._bound_base = max((i["bound"] for i in self._slot if i is not None), default=0)
+        self._last_step = min((i["last"] for i in self._slot if i is not None), default=math.inf)
         if self.compact:
             self._compact()
         if len(self._free) == self.num_slots:
@@ -751,13 +758,13 @@ class Engine:
     def _admit(self) -> None:
         """Admit queued samples into the free slots. If that raises (an out-of-memory prefill),
         it is undone: the samples are queued again, their slots free, the error says which."""
-        free, bound = list(self._free), self._bound_base
+        free, bounds = list(self._free), (self._bound_base, self._last_step)
         plan, to_prefill = _take_queued(self._queue, self._free)
         try:
             self._start_plan(plan, to_prefill)
         except BaseException as e:
             self._release([s for s, _, _ in plan])
-            self._free, self._bound_base = free, bound
+            self._free, (self._bound_base, self._last_step) = free, bounds
             _requeue(self._queue, plan, to_prefill)
             names = _names(g.request.request_id for _, g, _ in plan)
             e.add_note(f"Engine: admitting requests {names} failed and was undone: their samples "
@@ -794,8 +801,11 @@ class Engine:
         table = _sample_table(plan, stop_sets, self.max_len, self.st.stop_ids.shape[1])
         for s, g, i in plan:
             P = len(g.request.prompt_ids)
-            self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit,
+            # its first token is drawn now, its last by decode step `last` at the latest
+            last = self._steps + min(g.request.params.max_new_tokens, self.max_len - P) - 1
+            self._slot[s] = dict(group=g, sample_idx=i, P=P, admitted=t_admit, last=last,
                                  bound=P + 1 - self._steps, needs=_needs(g.request.params))
+            self._last_step = min(self._last_step, last)
             self._needs.add(self._slot[s]["needs"])
             g.live_slots.add(s)
         flags = _Needs(self._slot[s]["needs"] for s, _, _ in plan).flags(len(plan))

@@ -211,12 +211,17 @@ def test_mixed_temperatures_share_a_batch(folders):
 
 def test_sync_every_only_delays_harvest(folders):
     model = load(folders)
-    sp = SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True)
     ps = prompts()
-    ref, _ = run(model, 3, sp, ps)
-    got, engine = run(model, 3, sp, ps, sync_every=4)
-    assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
-    assert engine.stats.harvests < engine.stats.decode_steps
+    # 7 tokens each, then up to the cache's end (48 positions): either way the host knows the
+    # step of each sample's last token, and no step decodes after the batch's end (harvested
+    # every 4 steps only, 1-3 idle steps followed each end)
+    for sp in (SamplingParams(max_new_tokens=7, greedy=True, ignore_eos=True),
+               SamplingParams(max_new_tokens=60, greedy=True, ignore_eos=True)):
+        ref, ref_engine = run(model, 3, sp, ps)
+        got, engine = run(model, 3, sp, ps, sync_every=4)
+        assert [c.completion_ids for c in got] == [c.completion_ids for c in ref]
+        assert engine.stats.harvests < engine.stats.decode_steps
+        assert engine.stats.decode_steps == ref_engine.stats.decode_steps
 
 
 def staggered(ps, n=2, seed=5):
