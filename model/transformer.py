@@ -217,11 +217,13 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                 seq_lens: torch.Tensor | None = None, seq_parents: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for every input token; see the module docstring for the three modes."""
-        return self.lm_head(self.hidden_states(
-            input_ids, positions=positions, seq_lens=seq_lens, seq_parents=seq_parents,
-            kv_cache=kv_cache, slots=slots))
+                kv_cache: KVCache | None = None, slots: torch.Tensor | None = None,
+                logits_tokens: int | None = None) -> torch.Tensor:
+        """Logits for every input token; see the module docstring for the three modes. Packed,
+        `logits_tokens` = n: for the first n tokens only (the rest are padding nobody reads)."""
+        h = self.hidden_states(input_ids, positions=positions, seq_lens=seq_lens,
+                               seq_parents=seq_parents, kv_cache=kv_cache, slots=slots)
+        return self.lm_head(h if logits_tokens is None else h[:logits_tokens])
 
     def hidden_states(self, input_ids, *, positions=None, seq_lens=None, seq_parents=None,
                       kv_cache=None, slots=None) -> torch.Tensor:

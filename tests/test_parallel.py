@@ -598,6 +598,8 @@ def _compiled_tp_worker(rank, world, folder, checkpointed):
                             micro_batch_tokens=32))
     eager = load_pretrained(folder, dtype="float32")
     g, out = torch.Generator().manual_seed(0), {"bucket": model.token_bucket, "graphs": []}
+    head_rows = []  # the LM head computes the batch's tokens, not its padding
+    model.lm_head.register_forward_hook(lambda mod, inp, o: head_rows.append(inp[0].shape[0]))
     packings = [([9, 5, 7], None), ([6, 12, 4, 3], None), ([3, 4, 4], [-1, 0, 0]),
                 ([8, 8, 2, 5], None), ([10, 4, 4, 9], None), ([6, 7], None)]
     for lens, parents in packings:
@@ -613,6 +615,8 @@ def _compiled_tp_worker(rank, world, folder, checkpointed):
                 again = _logits(m, batch)
             res.append((logits.detach(), again, [_full(p.grad) for p in m.parameters()]))
         out["graphs"].append(counters["stats"]["unique_graphs"])
+        assert head_rows == [sum(lens)] * 2, (head_rows, lens)
+        head_rows.clear()
         _close(res[0][0], res[1][0])
         _close(res[0][1], res[1][1])
         for a, b in zip(res[0][2], res[1][2]):  # the embedding's too (an all-reduce's output)

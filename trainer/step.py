@@ -67,17 +67,19 @@ def micro_batches(groups: list[Group], adv_kind: str, max_tokens: int,
 def _logits(model, batch: PackedBatch) -> torch.Tensor:
     """The batch's logits [N, V]. A model compiled for static token counts (`model.token_bucket`,
     `parallel.sharding.apply_compile`) runs the batch with one more sequence of padding, up to
-    the next multiple of the bucket; its logits are dropped (nothing attends across sequences)."""
+    the next multiple of the bucket, through the layers only (nothing attends across sequences;
+    the LM head computes the batch's n tokens)."""
     ids, lens, parents = batch.input_ids_N, batch.seq_lens_S, batch.seq_parents_S
     n, bucket = ids.numel(), getattr(model, "token_bucket", None)
     pad = -n % bucket if bucket else 0
+    cut = {}
     if pad:
         ids = torch.cat([ids, ids.new_zeros(pad)])
         lens = torch.cat([lens, lens.new_tensor([pad])])
         parents = torch.cat([parents, parents.new_tensor([-1])])
+        cut = {"logits_tokens": n}
     with _autocast(model):
-        logits = model(ids, seq_lens=lens, seq_parents=parents)
-    return logits[:n] if pad else logits
+        return model(ids, seq_lens=lens, seq_parents=parents, **cut)
 
 
 def policy_logp(model, batch: PackedBatch, temperature: float):
