@@ -193,7 +193,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     """Console, progress and TensorBoard output (metrics.jsonl is always written)."""
-    console_every: int = _f(1, "Print a metrics line every N trainer steps.", ge=1)
+    console_every: int = _f(1, "Print a metrics line every N trainer steps (also the first and the last); 0: none, only the run's summary line at the end (metrics.jsonl and TensorBoard have every step).", ge=0)
     tensorboard: bool = _f(True, "Write TensorBoard events under <run.dir>/tb/.")
     progress: bool = _f(True, "Progress on the console: each step line ends with step/max_steps and the time left at the recent pace, and a wait for a batch of more than 10 s prints a line every 10 s saying what it waits for (at start-up: the generators' weights, engine and compilation).")
     log_rank: str = _f("all", "Ranks whose stdout is shown: 'all' (each rank prints only its role's few lines: rank 0 the rank map, the trainer's first rank the step lines, the first generator rank its set-up) or a comma-separated list of global ranks such as '0,3'; the others' stdout is dropped, their stderr (errors, tracebacks) kept. launch/run_local.sh filters by local rank instead (LOG_RANK).")

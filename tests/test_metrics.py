@@ -315,6 +315,20 @@ def test_console_every_n_still_shows_the_first_and_the_last_step(tmp_path):
     assert lines[-1].endswith("| 8/8 eta 0s") and summary.startswith("trained steps 4-8 ")
 
 
+def test_console_every_0_prints_only_the_summary(tmp_path):
+    """logging.console_every = 0 (a sweep's quiet runs): no step line, the run's summary line
+    at its last step, and metrics.jsonl has every step."""
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, tensorboard=False, console_every=0, stream=out,
+                           total_steps=3, last_step=3)
+    for s in (1, 2, 3):
+        logger.log(_row(s))
+    logger.close()
+    assert out.getvalue().splitlines()[0].startswith("trained steps 1-3 ")
+    assert len(out.getvalue().splitlines()) == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
 def test_a_non_finite_value_is_null_in_the_jsonl_and_left_out_of_tensorboard(tmp_path):
     """A step with a NaN loss and an infinite IS max: metrics.jsonl stays strict JSON (null there,
     no NaN token that other JSON readers reject), TensorBoard leaves just those two out of that
@@ -416,7 +430,8 @@ def test_the_summary_of_a_one_or_two_step_run_names_single_steps(tmp_path):
 
 def test_the_summary_of_a_resumed_run_counts_its_own_steps_and_names_tensorboard(tmp_path):
     """Steps 5-8 of 8 after a resume (rewards 0.5 and 0.7 on alternate steps): this attempt's
-    steps and times; no eval.jsonl where evaluation is off; no summary without console lines."""
+    steps and times; no eval.jsonl where evaluation is off; without step lines
+    (console_every=0) the summary alone."""
     from config import load_config
     cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--trainer.max_steps=8",
                                                 "--eval.every_steps=0"])
@@ -432,7 +447,9 @@ def test_the_summary_of_a_resumed_run_counts_its_own_steps_and_names_tensorboard
     assert out.getvalue().splitlines()[-1] == (
         f"trained steps 5-8 in 2m00s | reward 0.600 (mean of steps 5-6) -> 0.600 (steps 7-8) | "
         f"every step in {tmp_path}/metrics.jsonl and {tmp_path}/tb")
-    assert out.getvalue().count("trained steps") == 1 and quiet.stream.getvalue() == ""
+    assert out.getvalue().count("trained steps") == 1
+    assert quiet.stream.getvalue() == out.getvalue().splitlines()[-1].replace(
+        f" and {tmp_path}/tb", "").replace(f"{tmp_path}/", f"{tmp_path}/quiet/") + "\n"
 
 
 def test_the_summary_of_a_long_run_averages_its_first_and_last_ten_steps(tmp_path):

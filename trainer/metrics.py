@@ -20,7 +20,7 @@ class MetricsLogger:
     """`total_steps` (logging.progress): each console line also shows the step out of the run's
     steps and the time left at the pace of the last 20 steps (`progress`), the first step (which
     waits for the generators' start-up) left out once there is another. A line every
-    `console_every` steps, and always for this process's first step (the run is under way) and
+    `console_every` steps (0: none but the summary), and always for this process's first step (the run is under way) and
     the run's `last_step` (its final numbers), then one line summing the run up (`summary_line`):
     the last step line was all a finished run said, and with LOG_RANK=0 (the generator's eval
     lines filtered) nothing named the files that hold the numbers. `eval_file`: where the
@@ -80,8 +80,10 @@ class MetricsLogger:
             self._head.append((step, float(metrics["reward_mean"])))
         self._tail.append((step, float(metrics["reward_mean"])))
         self._run_s += float(metrics["time_step_s"])
-        every = self.console_every  # 0: no console lines
-        if every and (step % every == 0 or first or step == self.last_step):
+        every = self.console_every  # 0: no step lines, the summary line only
+        if not every and step == self.last_step:
+            print(self.summary_line(), file=self.stream, flush=True)
+        elif every and (step % every == 0 or first or step == self.last_step):
             line = console_line(metrics)
             if self.total_steps:
                 line += " | " + progress(step, self.total_steps, self._step_times or [self._first_s])
