@@ -135,6 +135,24 @@ class _Pending:
     index: int  # this replica's start index of the group: its sampling seed derives from it
     completions: list[Completion] = field(default_factory=list)
     futures: list = field(default_factory=list)
+    # regenerated after a resume only so that the engine runs the cut's whole batch again (it was
+    # trained before the cut): its completions are dropped (`_redo_list`)
+    replay: bool = False
+
+
+def _redo_list(prompts, inflight: list, wave: list, max_staleness: int, share: int) -> list:
+    """What a resumed replica generates first, as (item, start index, replay): the groups in
+    flight at the cut, each with its start index (so its seed). In a synchronous run whose cut
+    fell inside a batch (`wave`, the `share` groups of the cut's version, some already trained)
+    the whole batch, in its order, those trained before as replays whose completions are
+    dropped: the engine then computes what the uninterrupted run computed, where the in-flight
+    groups alone ran as a smaller batch, whose rounding differs (log-probs by ~2e-7)."""
+    todo = {index for _, index in inflight}
+    whole = (max_staleness == 0 and todo and len(wave) <= share
+             and todo <= {index for _, index in wave})
+    order = wave if whole else inflight
+    items = prompts.lookup([pid for pid, _ in order])
+    return [(item, index, index not in todo) for item, (_, index) in zip(items, order)]
 
 
 class GeneratorWorker:
@@ -161,7 +179,10 @@ class GeneratorWorker:
         # trainer's first step (compile, model load): parallel.warmup_timeout_s
         self.cold_swaps = 1
         self.evaluator = None  # rollout.evaluate.PeriodicEval on replica 0 with eval.every_steps
-        self._redo: list = []  # (item, start index) of in-flight prompts to regenerate on resume
+        self._redo: list = []  # (item, start index, replay) to generate first on resume
+        # synchronous runs: [item id, start index] of the groups admitted since nothing was in
+        # flight, i.e. this version's batch, for a cut's resume to run it again whole
+        self._wave: list = []
         self.awaiting = 0  # generate nothing until weights of this version are applied
         self.stop_passed = False  # this rank's SIGTERM was passed on to the trainer
         # a TP leader's own failure (a send to the trainer, its poll, its paused wait), kept until
@@ -183,7 +204,9 @@ class GeneratorWorker:
         inflight = state["inflight"]
         self.gate = GenerationGate(self.share, self.cfg.algo.max_staleness,
                                    n_started=state["started"] - len(inflight))
-        self._redo = [(self.prompts.lookup([pid])[0], idx) for pid, idx in inflight]
+        self._wave = list(state.get("wave") or [])
+        self._redo = _redo_list(self.prompts, inflight, self._wave, self.cfg.algo.max_staleness,
+                                self.share)
         self.awaiting = version
 
     # ----- the loop ---------------------------------------------------------------------------
@@ -299,10 +322,12 @@ class GeneratorWorker:
         """This replica's half of a consistent checkpoint: everything it shipped is already on its
         way (sent before this reply), the rest is the cursor and the prompts in flight, those
         still waiting to be regenerated after a resume included (a cut before they are admitted
-        again would otherwise lose them, and a run resumed from it reuse their start indices)."""
-        inflight = [[p.item.id, p.index] for p in self.pending.values()]
-        return {"cursor": self.prompts.state_dict(), "started": self.gate.n_started + len(self._redo),
-                "inflight": inflight + [[item.id, index] for item, index in self._redo]}
+        again would otherwise lose them, and a run resumed from it reuse their start indices),
+        and in a synchronous run the batch the cut fell in (`wave`, for `_redo_list`)."""
+        inflight = [[p.item.id, p.index] for p in self.pending.values() if not p.replay]
+        redo = [[item.id, index] for item, index, replay in self._redo if not replay]
+        return {"cursor": self.prompts.state_dict(), "started": self.gate.n_started + len(redo),
+                "inflight": inflight + redo, "wave": self._wave}
 
     def _swap(self, version: int, dropped: int = 0) -> None:
         """Apply weights `version`; `dropped`: this replica's groups dropped as stale so far."""
@@ -354,24 +379,38 @@ class GeneratorWorker:
     def _admit(self) -> None:
         if self.version < self.awaiting:
             return  # resuming: the checkpoint's weights have not arrived yet
-        while self.gate.try_acquire():
-            start = self.gate.n_started - 1  # this group's start index
-            item, index = self._redo.pop(0) if self._redo else (self.prompts.next_batch(1)[0], start)
-            # Seed by (replica, start index): a resumed run regenerates exactly the same samples.
-            seed = mix32(self.cfg.generator.seed * 1_000_003 + self.replica) << 32 | mix32(index)
-            params = dataclasses.replace(self.params, seed=seed)
-            self.engine.add_requests([Request(index, self.encode(item), params)])
-            self.pending[index] = _Pending(item, index)
+        # a resume's groups first, in their order: replays pass the gate (they were counted)
+        while self._redo and (self._redo[0][2] or self.gate.try_acquire()):
+            self._start(*self._redo.pop(0))
+        while not self._redo and self.gate.try_acquire():
+            index = self.gate.n_started - 1  # this group's start index
+            item = self.prompts.next_batch(1)[0]
+            if self.cfg.algo.max_staleness == 0:
+                if not self.pending and not self.engine.has_work():
+                    self._wave = []  # a new batch
+                self._wave.append([item.id, index])
+            self._start(item, index)
+
+    def _start(self, item, index: int, replay: bool = False) -> None:
+        # Seed by (replica, start index): a resumed run regenerates exactly the same samples.
+        seed = mix32(self.cfg.generator.seed * 1_000_003 + self.replica) << 32 | mix32(index)
+        params = dataclasses.replace(self.params, seed=seed)
+        self.engine.add_requests([Request(index, self.encode(item), params)])
+        self.pending[index] = _Pending(item, index, replay=replay)
 
     def _collect(self) -> None:
         for c in self.engine.poll_finished():
             p = self.pending[c.request_id]
             p.completions.append(c)
+            self.stats["gen_tokens"] += len(c.completion_ids)
+            if p.replay:  # trained before the cut
+                if len(p.completions) == self.params.n:
+                    del self.pending[c.request_id]
+                continue
             text = self.tok.decode(c.completion_ids)
             p.futures.append(self.rewards.submit(p.item, text, c.completion_ids))
             if len(p.futures) == self.params.n:
                 self.generated.append(c.request_id)
-            self.stats["gen_tokens"] += len(c.completion_ids)
 
     def _await_rewards(self, timeout_s: float = 0.002) -> None:
         """Nothing to decode, groups still being scored: block on their rewards for a moment

@@ -89,6 +89,55 @@ def test_a_cut_before_the_resumed_prompts_are_admitted_keeps_them(model):
     assert third.gate.n_started == 4  # then new prompts from start index 4 on
 
 
+def _sync_worker(model, link, stop_ids):
+    """A synchronous replica (max_staleness 0) of 4 groups of 2 samples a step, all 8 at once in
+    the engine; `stop_ids` end its samples at different lengths."""
+    cfg = generator_cfg(max_staleness=0, max_new_tokens=12, warmup_timeout_s=100.0)
+    cfg.trainer.prompts_per_step, cfg.generator.stop_token_ids = 4, stop_ids
+    items = [PromptItem(id=i, prompt=f"p{i}", messages=None, answer="") for i in range(10)]
+    engine = Engine(model, num_slots=8, max_len=32, pack_weights=False)
+    return GeneratorWorker(cfg, engine, PromptSource(items, seed=0), ns(decode=str),
+                           scored(0.0), link, ns(receive=lambda v: None), 0, 0,
+                           encode=lambda it: [1, 5 + it.id, 7, 2 + it.id % 3][: 2 + it.id % 3])
+
+
+def _shipped(link) -> list[dict]:
+    return [g for kind, _, groups in link.sent if kind == Msg.TRAJECTORIES for g in groups]
+
+
+def _generate(w, until=lambda w: False) -> None:
+    w._admit()
+    while w.pending and not until(w):
+        w.engine.step()
+        w._collect()
+        w._ship_scored()
+
+
+def test_a_synchronous_cut_inside_a_batch_resumes_bitwise(model):
+    """SIGTERM's cut falls inside a synchronous batch: some groups were trained, the rest are in
+    flight. The resumed replica runs the whole batch again (the trained groups as replays, not
+    shipped), so the in-flight groups' tokens and log-probs are bitwise the uninterrupted run's:
+    generated alone they ran as a smaller batch, with other rounding."""
+    stop_ids = [0, 5, 10]  # 3 of the 17 ids: lengths from 1 to 12
+    ref_link = _Link()
+    _generate(_sync_worker(model, ref_link, stop_ids))
+    ref = _shipped(ref_link)
+    assert len(ref) == 4
+    link = _Link()
+    first = _sync_worker(model, link, stop_ids)
+    _generate(first, until=lambda w: _shipped(link))  # the first group shipped, 3 in flight
+    cut = first._cut()
+    before = _shipped(link)
+    assert len(before) == 1 and len(cut["inflight"]) == 3 and len(cut["wave"]) == 4
+    link2 = _Link()
+    second = _sync_worker(model, link2, stop_ids)
+    second.resume(cut, 0)
+    _generate(second)
+    assert second.engine.stats.prefill_prompts == 4  # the whole batch, the trained group too
+    assert before + _shipped(link2) == ref  # and only the rest shipped, bitwise
+    assert second._cut()["inflight"] == [] and not second.pending
+
+
 def test_groups_dropped_as_stale_come_back_to_the_gate_with_the_weights(model):
     """The trainer's weights message carries how many of this replica's groups its buffer
     dropped as stale (a running total); each frees its place in the staleness window."""
