@@ -411,6 +411,19 @@ class GeneratorWorker:
             p.futures.append(self.rewards.submit(p.item, text, c.completion_ids))
             if len(p.futures) == self.params.n:
                 self.generated.append(c.request_id)
+        self._drop_spent_replays()
+
+    def _drop_spent_replays(self) -> None:
+        """Replays only recreate the batch the in-flight groups ran in: once every sample of those
+        is in, the replays still running are cancelled. (They finish first where the resumed
+        engine computes what the first run did; a resume with other generator settings, stop
+        ids say, could leave them running on into the next batch.)"""
+        replays = [i for i, p in self.pending.items() if p.replay]
+        if replays and not self._redo and all(p.replay or len(p.completions) == self.params.n
+                                              for p in self.pending.values()):
+            self.engine.cancel(replays)
+            for i in replays:
+                del self.pending[i]
 
     def _await_rewards(self, timeout_s: float = 0.002) -> None:
         """Nothing to decode, groups still being scored: block on their rewards for a moment

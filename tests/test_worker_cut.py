@@ -136,6 +136,16 @@ def test_a_synchronous_cut_inside_a_batch_resumes_bitwise(model):
     assert second.engine.stats.prefill_prompts == 4  # the whole batch, the trained group too
     assert before + _shipped(link2) == ref  # and only the rest shipped, bitwise
     assert second._cut()["inflight"] == [] and not second.pending
+    # resumed with other stop ids (a setting a resume may change), the shipped group's replay
+    # outlasts the in-flight groups; it is cancelled then, not left running into the next batch
+    third = _sync_worker(model, _Link(), [0, 1, 5])
+    third.resume(cut, 0)
+    third._admit()
+    while any(not p.replay for p in third.pending.values()):
+        third.engine.step()
+        third._collect()
+        third._ship_scored()
+    assert not third.pending and not third.engine.has_work()
 
 
 def test_groups_dropped_as_stale_come_back_to_the_gate_with_the_weights(model):

@@ -20,8 +20,9 @@ class MetricsLogger:
     """`total_steps` (logging.progress): each console line also shows the step out of the run's
     steps and the time left at the pace of the last 20 steps (`progress`), the first step (which
     waits for the generators' start-up) left out once there is another. A line every
-    `console_every` steps (0: none but the summary), and always for this process's first step (the run is under way) and
-    the run's `last_step` (its final numbers), then one line summing the run up (`summary_line`):
+    `console_every` steps (0: none but the summary), and always for this process's first step
+    (the run is under way) and the run's `last_step` (its final numbers), then one line summing
+    the run up (`summary_line`):
     the last step line was all a finished run said, and with LOG_RANK=0 (the generator's eval
     lines filtered) nothing named the files that hold the numbers. `eval_file`: where the
     generator writes its held-out evaluations, named in that line (None: evaluation is off)."""
