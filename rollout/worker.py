@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from config import warmup_budget_s
 from launch import preemption
-from launch.faults import maybe_kill
+from launch.faults import groups_cap, maybe_kill
 from rollout.engine import Completion, Engine, Request, SamplingParams
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
@@ -183,6 +183,7 @@ class GeneratorWorker:
         # synchronous runs: [item id, start index] of the groups admitted since nothing was in
         # flight, i.e. this version's batch, for a cut's resume to run it again whole
         self._wave: list = []
+        self._sent_at_swap = 0  # groups_sent when the weights of `version` came (launch/faults.py)
         self.awaiting = 0  # generate nothing until weights of this version are applied
         self.stop_passed = False  # this rank's SIGTERM was passed on to the trainer
         # a TP leader's own failure (a send to the trainer, its poll, its paused wait), kept until
@@ -314,7 +315,7 @@ class GeneratorWorker:
         (launch/preemption.py), and this rank goes on until it says SHUTDOWN."""
         reason = preemption.requested()
         if reason and not self.stop_passed and self.link is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank = self._rank()
             self._send(Msg.STOP, self.version, {"reason": f"{reason} on generator rank {rank}"})
             self.stop_passed = True
 
@@ -331,7 +332,7 @@ class GeneratorWorker:
 
     def _swap(self, version: int, dropped: int = 0) -> None:
         """Apply weights `version`; `dropped`: this replica's groups dropped as stale so far."""
-        maybe_kill(dist.get_rank() if dist.is_initialized() else 0, version)
+        maybe_kill(self._rank(), version)
         t0 = time.perf_counter()
         apply = self.receiver.receive(version)  # blocking (with timeout) into staging
         self.engine.load_weights(apply, version)  # atomic: between two engine steps
@@ -340,6 +341,7 @@ class GeneratorWorker:
             self.on_first_swap()  # warm-up is over: e.g. shorten collective timeouts
             self.on_first_swap = None
         self.version = version
+        self._sent_at_swap = self.stats["groups_sent"]
         self.gate.update(version, dropped)
         dt = time.perf_counter() - t0
         self.stats["sync_s"] += dt
@@ -439,10 +441,12 @@ class GeneratorWorker:
         receive (a hand-shake with this process's I/O thread, ~1 ms on busy cores) and 3 store
         round trips, so 8 groups sent one by one kept it waiting 17-25 ms per step."""
         # only the generated groups, not every pending one: this runs after every decode step
-        done = {key for key in self.generated if all(f.done() for f in self.pending[key].futures)}
+        done = sorted(key for key in self.generated  # in the order admitted
+                      if all(f.done() for f in self.pending[key].futures))
+        done = done[:groups_cap(self._rank(), self.version, self._sent_since_swap(), len(done))]
         self.generated = [key for key in self.generated if key not in done]
         groups = []
-        for index in sorted(done):  # in the order admitted
+        for index in done:
             p = self.pending.pop(index)
             # samples in the order they finished, not sorted as Group.of_completions sorts them:
             # the trainer packs in this order, and sorting changed every run's rounding (the
@@ -455,6 +459,19 @@ class GeneratorWorker:
                        [g.to_dict() for g in groups])
             self._report_rewards()
         self.stats["groups_sent"] += len(groups)
+        # launch/faults.py's groups=G: a signal inside this version's batch, whose stop is to cut
+        # the batch with groups in flight: nothing more until the trainer asks for the cut
+        if (groups and maybe_kill(self._rank(), self.version, groups=self._sent_since_swap())
+                and self.link is not None):
+            self.link.wait_for({Msg.CHECKPOINT, Msg.SHUTDOWN}, "the stop's checkpoint request "
+                               "(launch/faults.py, groups=G)", consume=False)
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def _sent_since_swap(self) -> int:
+        """Groups shipped since the weights of `version` came (launch/faults.py's groups=G)."""
+        return self.stats["groups_sent"] - self._sent_at_swap
 
     REWARD_REPORT_EVERY_S = 60.0
 

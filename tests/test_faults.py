@@ -118,14 +118,17 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
     again resumes from it and trains every prompt once, as the uninterrupted run did."""
     model, ref_dir = reference
     run_dir = tmp_path / "run"
-    # trainer rank 1 signals the launcher as step 4 starts; periodic checkpoints are at 2, 4, 6
-    proc = launch(model, run_dir, max_restarts=0, kill="rank=1,step=4,signal=TERM")
+    # the generator (rank 2) signals the launcher once it has shipped the first group of the
+    # batch weights v3 sample (step 4's), and generates nothing more until the trainer asks for
+    # the stop's cut, which then has that batch's other groups in flight; periodic checkpoints
+    # are at 2, 4, 6
+    proc = launch(model, run_dir, max_restarts=0, kill="rank=2,step=3,signal=TERM,groups=1")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "fault injection: SIGTERM" in out, out[-3000:] + err[-3000:]
     assert "[rank" not in err, err[-5000:]  # no rank's traceback (torchrun prints its own)
     rows = read_metrics(run_dir)
     last = rows[-1]["step"]
-    assert last in (3, 4) and [r["step"] for r in rows] == list(range(1, last + 1))
+    assert last == 3 and [r["step"] for r in rows] == list(range(1, last + 1))
     ckpt = run_dir / "checkpoints" / f"step_{last:06d}"
     assert err.count("SIGTERM: stopped after step") == 1, err[-5000:]
     assert (f"SIGTERM: stopped after step {last} of {STEPS}, checkpoint {ckpt}; run the same "
@@ -144,7 +147,7 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_the_rerun_resume
     # A stop in mid-generation: the resumed generator runs the cut's whole batch again, the
     # groups trained before the cut as replays (rollout/worker.py `_redo_list`; the in-flight
     # ones alone, a smaller batch, rounded differently: parameters off by ~1e-6, seen in CI)
-    assert len(cut["wave"]) == len(ref_rows[0]["prompt_ids"]) or not cut["inflight"], cut
+    assert len(cut["wave"]) == len(ref_rows[0]["prompt_ids"]) > len(cut["inflight"]) > 0, cut
     ref, got = final_params(ref_dir), final_params(run_dir)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
@@ -204,7 +207,8 @@ def test_a_finished_run_trains_on_from_its_last_step(reference, tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["rank=1", "rank=1;step=3", "rank=one,step=3", "rank=1,step=3,signal=SIGTERM",
-                                  "rank=1,step=3,signal=term", "rank=1,step=3,sig=TERM"])
+                                  "rank=1,step=3,signal=term", "rank=1,step=3,sig=TERM",
+                                  "rank=1,step=3,groups=0", "rank=1,step=3,groups=two"])
 def test_a_malformed_fault_spec_is_refused_naming_its_form(spec, monkeypatch):
     """A spec without a step was a KeyError traceback on every rank, and an unknown signal name
     (SIGTERM for TERM) SIGKILLed the rank: another fault than the one the test asked for."""
@@ -234,6 +238,28 @@ def test_a_fault_spec_sends_its_signal_at_its_rank_and_step_only(spec, sent, mon
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
     faults.maybe_kill(1, 3)
     assert calls == [sent]
+
+
+def test_a_groups_fault_acts_once_inside_its_versions_batch(monkeypatch):
+    """groups=G: the generator rank acts on the first of its shipments that brings version S's
+    groups to G or more, once; the step-only calls (a version's arrival) do not act."""
+    from launch import faults
+    monkeypatch.setenv("TANDEM_FAULT_KILL", "rank=2,step=3,signal=TERM_SELF,groups=2")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(faults, "_fired", set())
+    calls = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: calls.append((pid == os.getpid(), sig)))
+    # before it acts, that rank ships at most G of the version's groups in all (4 ready each time)
+    assert [faults.groups_cap(r, st, sent, 4) for r, st, sent in ((2, 3, 0), (2, 3, 1), (1, 3, 0),
+                                                                   (2, 2, 0))] == [2, 1, 4, 4]
+    seen = []
+    for rank, step, groups in ((2, 3, None), (2, 3, 1), (1, 3, 3), (2, 2, 3), (2, 3, 3), (2, 3, 4)):
+        faults.maybe_kill(rank, step, groups=groups)
+        seen.append(len(calls))
+    assert seen == [0, 0, 0, 0, 1, 1]
+    assert faults.groups_cap(2, 3, 2, 4) == 4  # acted: no cap
+    faults.maybe_kill(2, 3)  # the spec's rank and step, no groups: a version's arrival
+    assert len(calls) == 1
 
 
 def test_a_raise_fault_fails_its_rank_at_its_step_only(monkeypatch):
