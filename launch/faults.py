@@ -8,10 +8,10 @@ through. `signal=INT` sends SIGINT to its launcher (the torchrun agent) instead,
 every rank as Ctrl-C in a terminal does; `signal=TERM` sends SIGTERM, as SLURM or `kill` of the
 launcher does (launch/preemption.py); `signal=TERM_SELF` sends it to rank R alone (one node of
 several preempted); `signal=RAISE` raises a RuntimeError, a failure of the rank's own (a corrupt
-file, a full disk, out of memory). With `groups=G` a generator rank acts once it has shipped G
-groups sampled by weights version S instead (inside that version's batch), and then generates
-nothing more until the trainer asks for a checkpoint or shuts down: a stop cuts that batch with
-groups in flight. A value not of that form is a ValueError at the first step, not another
+file, a full disk, out of memory). With `groups=G` a generator rank (of a replica without
+generator TP) acts once it has shipped G groups sampled by weights version S instead (inside
+that version's batch), and then generates nothing more until the trainer asks for a checkpoint
+or shuts down: a stop cuts that batch with groups in flight. A value not of that form is a ValueError at the first step, not another
 fault than the one asked for. Unset, it costs one dict lookup per step."""
 from __future__ import annotations
 

@@ -443,7 +443,9 @@ class GeneratorWorker:
         # only the generated groups, not every pending one: this runs after every decode step
         done = sorted(key for key in self.generated  # in the order admitted
                       if all(f.done() for f in self.pending[key].futures))
-        done = done[:groups_cap(self._rank(), self.version, self._sent_since_swap(), len(done))]
+        if self.tp_group is None:  # launch/faults.py's groups=G (ranks of a TP replica must
+            # keep the same books: a cap on its leader alone would part them)
+            done = done[:groups_cap(self._rank(), self.version, self._sent_since_swap(), len(done))]
         self.generated = [key for key in self.generated if key not in done]
         groups = []
         for index in done:
@@ -461,8 +463,8 @@ class GeneratorWorker:
         self.stats["groups_sent"] += len(groups)
         # launch/faults.py's groups=G: a signal inside this version's batch, whose stop is to cut
         # the batch with groups in flight: nothing more until the trainer asks for the cut
-        if (groups and maybe_kill(self._rank(), self.version, groups=self._sent_since_swap())
-                and self.link is not None):
+        if (groups and self.tp_group is None and self.link is not None
+                and maybe_kill(self._rank(), self.version, groups=self._sent_since_swap())):
             self.link.wait_for({Msg.CHECKPOINT, Msg.SHUTDOWN}, "the stop's checkpoint request "
                                "(launch/faults.py, groups=G)", consume=False)
 
