@@ -9,10 +9,12 @@ every rank as Ctrl-C in a terminal does; `signal=TERM` sends SIGTERM, as SLURM o
 launcher does (launch/preemption.py); `signal=TERM_SELF` sends it to rank R alone (one node of
 several preempted); `signal=RAISE` raises a RuntimeError, a failure of the rank's own (a corrupt
 file, a full disk, out of memory). With `groups=G` a generator rank (of a replica without
-generator TP) acts once it has shipped G groups sampled by weights version S instead (inside
-that version's batch), and then generates nothing more until the trainer asks for a checkpoint
-or shuts down: a stop cuts that batch with groups in flight. A value not of that form is a ValueError at the first step, not another
-fault than the one asked for. Unset, it costs one dict lookup per step."""
+generator TP) acts instead once it has shipped G groups since weights version S arrived (in a
+synchronous run: inside that version's batch, so G below the replica's share of
+trainer.prompts_per_step), shipping no more before, and then generates nothing more until the
+trainer asks for a checkpoint or shuts down: a stop cuts that batch with groups in flight. A
+value not of that form is a ValueError at the first step, not another fault than the one asked
+for. Unset, it costs an environment lookup per step and per shipment of groups."""
 from __future__ import annotations
 
 import functools

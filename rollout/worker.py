@@ -465,8 +465,9 @@ class GeneratorWorker:
         # the batch with groups in flight: nothing more until the trainer asks for the cut
         if (groups and self.tp_group is None and self.link is not None
                 and maybe_kill(self._rank(), self.version, groups=self._sent_since_swap())):
-            self.link.wait_for({Msg.CHECKPOINT, Msg.SHUTDOWN}, "the stop's checkpoint request "
-                               "(launch/faults.py, groups=G)", consume=False)
+            with preemption.acting_on_request(self._pass_on_stop):  # signal=TERM_SELF's STOP
+                self.link.wait_for({Msg.CHECKPOINT, Msg.SHUTDOWN}, "the stop's checkpoint "
+                                   "request (launch/faults.py, groups=G)", consume=False)
 
     def _rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0

@@ -232,6 +232,7 @@ def test_a_fault_spec_sends_its_signal_at_its_rank_and_step_only(spec, sent, mon
     calls = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: calls.append(
         ("self" if pid == os.getpid() else "launcher", signal.Signals(sig).name)))
+    faults.maybe_kill(1, 3, groups=1)  # a generator's shipment: only specs with groups=G act
     for rank, step in ((0, 3), (1, 2), (1, 4), (1, 3)):
         faults.maybe_kill(rank, step)
     assert calls == [sent]
