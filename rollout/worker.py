@@ -443,8 +443,8 @@ class GeneratorWorker:
         # only the generated groups, not every pending one: this runs after every decode step
         done = sorted(key for key in self.generated  # in the order admitted
                       if all(f.done() for f in self.pending[key].futures))
-        if self.tp_group is None:  # launch/faults.py's groups=G (ranks of a TP replica must
-            # keep the same books: a cap on its leader alone would part them)
+        # launch/faults.py's groups=G (not on a TP replica: its ranks must keep the same books)
+        if done and self.tp_group is None:
             done = done[:groups_cap(self._rank(), self.version, self._sent_since_swap(), len(done))]
         self.generated = [key for key in self.generated if key not in done]
         groups = []

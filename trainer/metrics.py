@@ -22,10 +22,10 @@ class MetricsLogger:
     waits for the generators' start-up) left out once there is another. A line every
     `console_every` steps (0: none but the summary), and always for this process's first step
     (the run is under way) and the run's `last_step` (its final numbers), then one line summing
-    the run up (`summary_line`):
-    the last step line was all a finished run said, and with LOG_RANK=0 (the generator's eval
-    lines filtered) nothing named the files that hold the numbers. `eval_file`: where the
-    generator writes its held-out evaluations, named in that line (None: evaluation is off)."""
+    the run up (`summary_line`): the last step line was all a finished run said, and with
+    LOG_RANK=0 (the generator's eval lines filtered) nothing named the files that hold the
+    numbers. `eval_file`: where the generator writes its held-out evaluations, named in that line
+    (None: evaluation is off)."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, console_every: int = 1,
                  stream=None, purge_step: int | None = None, total_steps: int | None = None,
