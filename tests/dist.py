@@ -1,5 +1,46 @@
-"""The distributed tests' harness: real gloo ranks on CPU (see parallel/spawn.py)."""
+"""The distributed tests' harness: real gloo ranks on CPU (see parallel/spawn.py), and torchrun
+launches whose output is captured in files."""
+import subprocess
+import tempfile
+
 from parallel.spawn import free_port, run_ranks  # noqa: F401
+
+
+class Captured(subprocess.Popen):
+    """A text-mode Popen whose stdout and stderr go to temporary files, not pipes: communicate()
+    returns once the process has ended. Through pipes it waited for their last writer too, and
+    torch's shm manager (the child that a rank's first shared-memory export starts, the CPU weight
+    sync's) keeps the rank's stderr open for its 2 s shut-down delay after the run has ended."""
+
+    def __init__(self, cmd, **kwargs):
+        self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        super().__init__(cmd, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
+
+    def communicate(self, input=None, timeout=None):
+        assert input is None, "Captured takes no input"
+        self.wait(timeout)  # TimeoutExpired as Popen's: the process still runs
+        texts = []
+        for f in self._files:
+            f.seek(0)
+            texts.append(f.read())
+        return tuple(texts)
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        for f in self._files:
+            f.close()
+
+
+def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) through Captured."""
+    with Captured(cmd, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def two_nodes(args: list, env: dict, nproc_per_node: int, run_dir, timeout: float):
@@ -10,16 +51,14 @@ def two_nodes(args: list, env: dict, nproc_per_node: int, run_dir, timeout: floa
     import contextlib
     import os
     import signal
-    import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     port = free_port()
-    agents = [subprocess.Popen(
+    agents = [Captured(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node",
-         str(nproc_per_node), "train_rl.py", *args], cwd=root, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+         str(nproc_per_node), "train_rl.py", *args], cwd=root, env=env) for node in (0, 1)]
     try:
         return [a.communicate(timeout=timeout)[1] for a in agents], agents
     except subprocess.TimeoutExpired:

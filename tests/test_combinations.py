@@ -6,7 +6,6 @@ that cannot differ, n_samples = 1 or greedy sampling (preflight warns: tests/tes
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 import trainer.batch
 from config import ConfigError, load_config
 from rollout.sampling import process_logits
+from tests.dist import run_captured
 from tests.test_losses import _embedding_policy, step_cfg
 from trainer.advantages import group_advantages
 from trainer.batch import Group, Trajectory
@@ -135,10 +135,9 @@ def test_rare_options_together_end_to_end(tmp_path):
             "--parallel.fsdp_units=layer", "--algo.kl_estimator=k2", "--algo.entropy_coef=0.02",
             "--algo.advantage=grpo", "--checkpoint.every_steps=1", "--checkpoint.hf_export_every=1",
             "--eval.every_steps=1", "--logging.tensorboard=false"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "3", "train_rl.py", *args], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_captured([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "3", "train_rl.py", *args], 120, cwd=ROOT,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

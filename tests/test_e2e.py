@@ -2,14 +2,13 @@
 both meshes, the HF export, on-policy exactness at eta = 0, and a two-node launch on one machine."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dist import free_port
+from tests.dist import Captured, free_port, run_captured
 from tests.rl_model import make_rl_model
 from trainer.metrics import CONTRACT_KEYS
 
@@ -26,7 +25,7 @@ def torchrun(args, nproc=3, timeout=240, extra_env=None, torchrun_args=("--stand
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--nproc-per-node",
            str(nproc), "train_rl.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_captured(cmd, timeout, cwd=ROOT, env=env)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -180,8 +179,7 @@ def test_two_nodes_on_one_machine(tmp_path):
             "--rdzv-id", "twonode"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "2", "train_rl.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True) for _ in range(2)]
+    agents = [Captured(cmd, cwd=ROOT, env=env) for _ in range(2)]
     outs = [a.communicate(timeout=300) for a in agents]
     for a, (out, err) in zip(agents, outs):
         assert a.returncode == 0, err[-5000:]
@@ -233,8 +231,7 @@ def test_two_nodes_restart_after_a_rank_dies_and_resume(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "2", "train_rl.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=3,step=3",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True) for _ in range(2)]
+    agents = [Captured(cmd, cwd=ROOT, env=env) for _ in range(2)]
     outs = [a.communicate(timeout=300) for a in agents]
     for a, (out, err) in zip(agents, outs):
         assert a.returncode == 0, err[-5000:]

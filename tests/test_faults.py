@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.dist import Captured, run_captured
 from tests.rl_model import make_rl_model
 from tests.test_e2e import QUICK, ROOT, read_metrics
 from trainer.checkpointing import generator_state, read_extra
@@ -30,8 +31,7 @@ def launch(model, run_dir, max_restarts, kill=None, extra=()):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kill:
         env["TANDEM_FAULT_KILL"] = kill  # launch/faults.py: SIGKILL at a given step, 1st attempt
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return Captured(cmd, cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +317,7 @@ def test_a_fault_spec_fires_in_colocated_mode_too(tmp_path):
            f"--model.path={model}", f"--run.dir={tmp_path / 'run'}", "--trainer.max_steps=3",
            "--parallel.mode=colocated", "--logging.tensorboard=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_FAULT_KILL": "rank=1,step=2,signal=RAISE"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_captured(cmd, 240, cwd=ROOT, env=env)
     assert "RuntimeError: fault injection: a failure on rank 1 at step 2" in proc.stderr, (
         proc.returncode, proc.stderr[-3000:])
     assert proc.returncode != 0 and not (tmp_path / "run" / "COMPLETE").exists()
