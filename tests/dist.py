@@ -3,7 +3,14 @@ launches whose output is captured in files."""
 import subprocess
 import tempfile
 
-from parallel.spawn import free_port, run_ranks  # noqa: F401
+from parallel import spawn
+from parallel.spawn import free_port  # noqa: F401
+
+
+def run_ranks(fn, world: int, *args, **kwargs) -> list[dict]:
+    """parallel.spawn.run_ranks with the ranks forked from its fork server (torch imported once
+    for the whole session, not once per rank: ~3.5 s less a call of three ranks on 2 cores)."""
+    return spawn.run_ranks(fn, world, *args, start_method="forkserver", **kwargs)
 
 
 class Captured(subprocess.Popen):

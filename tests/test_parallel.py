@@ -1,5 +1,6 @@
 """Meshes and sharded models: ParallelDims validation, and FSDP2/TP training on real gloo ranks
 against a single-process reference."""
+import os
 import re
 
 import pytest
@@ -402,6 +403,30 @@ def test_a_hang_fails_with_every_ranks_stack():
     was (the sleeping function, the barrier the other waits in)."""
     with pytest.raises(TimeoutError, match=r"(?s)did not finish in 14s.*rank1\.stacks.*_hung_worker"):
         run_ranks(_hung_worker, 2, timeout=14)
+
+
+def _caller_state_worker(rank, world):
+    import sys
+    print(f"rank {rank} says hello", flush=True)
+    print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
+    return {"env": os.environ.get("TANDEM_TEST_CALLER", ""), "cwd": os.getcwd()}
+
+
+def test_forked_ranks_take_the_callers_environment_directory_and_output(tmp_path, monkeypatch,
+                                                                         capfd):
+    """The fork server of tests/dist.py's run_ranks keeps the environment, working directory and
+    output files it started with (an earlier test's): its ranks take the caller's at each call, as
+    spawned ranks do, so a test's variables reach them and their output lands in its report."""
+    run_ranks(_caller_state_worker, 1)  # the server is up before the changes below
+    monkeypatch.setenv("TANDEM_TEST_CALLER", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    ranks = run_ranks(_caller_state_worker, 2)
+    assert [r["env"] for r in ranks] == ["set after the server started"] * 2
+    assert {r["cwd"] for r in ranks} == {str(tmp_path)}
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    assert "rank 1 on stderr" in err, err
 
 
 def _shutdown_worker(rank, world):
