@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -80,7 +79,7 @@ def matmul_peak_flops(device="cpu", dtype=torch.float32, n: int = 2048, iters: i
 
 # ----- N ranks on one machine: parallel/spawn.py (gloo, spawn, timeout) ----------------------
 from launch.calibrate import wall_times  # noqa: E402
-from parallel.spawn import run_ranks  # noqa: E402,F401  (re-exported for the benches)
+from parallel.spawn import run_captured, run_ranks  # noqa: E402,F401  (run_ranks re-exported)
 
 
 # ----- train_rl.py runs -------------------------------------------------------------------------
@@ -116,16 +115,9 @@ def run_train_rl(world: int, args: list[str], timeout: float,
 
 def run_in_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """subprocess.run from the repository root in its own process group, so that a time-out
-    (re-raised as subprocess.TimeoutExpired) also ends the command's children."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    (re-raised as subprocess.TimeoutExpired) also ends the command's children; the output is
+    captured in files (parallel.spawn.Captured: a pipe's reader waited 2 s more a run)."""
+    return run_captured(cmd, timeout, cwd=REPO, env=env, start_new_session=True)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,5 +1,6 @@
 """Run a function on N local ranks (torch.multiprocessing spawn) with a timeout: the harness of
-the distributed tests, the benchmarks and the profiler.
+the distributed tests, the benchmarks and the profiler; and run a command (torchrun) with its
+output captured in files (Captured, run_captured).
 
 Each rank returns a dict of tensors / numbers / strings; it comes back through a torch.save file
 read with `weights_only=True` (no arbitrary unpickling). A rank's exception fails the call with
@@ -17,7 +18,9 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,6 +124,48 @@ def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1,
                 if p.is_alive():
                     p.kill()
         return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+class Captured(subprocess.Popen):
+    """A text-mode Popen whose stdout and stderr go to temporary files, not pipes: communicate()
+    returns once the process has ended. Through pipes it waited for their last writer too, and
+    torch's shm manager (the child that a rank's first shared-memory export starts, the CPU weight
+    sync's) keeps the rank's stderr open for its 2 s shut-down delay after the run has ended."""
+
+    def __init__(self, cmd, **kwargs):
+        self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        super().__init__(cmd, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
+
+    def communicate(self, input=None, timeout=None):
+        assert input is None, "Captured takes no input"
+        self.wait(timeout)  # TimeoutExpired as Popen's: the process still runs
+        texts = []
+        for f in self._files:
+            f.seek(0)
+            texts.append(f.read())
+        return tuple(texts)
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        for f in self._files:
+            f.close()
+
+
+def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) through Captured. A
+    time-out kills the command, and with start_new_session=True its whole process group (a
+    torchrun's ranks too)."""
+    with Captured(cmd, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if kwargs.get("start_new_session"):
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _reports(outdir: Path) -> str:

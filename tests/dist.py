@@ -1,53 +1,15 @@
 """The distributed tests' harness: real gloo ranks on CPU (see parallel/spawn.py), and torchrun
 launches whose output is captured in files."""
 import subprocess
-import tempfile
 
 from parallel import spawn
-from parallel.spawn import free_port  # noqa: F401
+from parallel.spawn import Captured, free_port, run_captured  # noqa: F401
 
 
 def run_ranks(fn, world: int, *args, **kwargs) -> list[dict]:
     """parallel.spawn.run_ranks with the ranks forked from its fork server (torch imported once
     for the whole session, not once per rank: ~3.5 s less a call of three ranks on 2 cores)."""
     return spawn.run_ranks(fn, world, *args, start_method="forkserver", **kwargs)
-
-
-class Captured(subprocess.Popen):
-    """A text-mode Popen whose stdout and stderr go to temporary files, not pipes: communicate()
-    returns once the process has ended. Through pipes it waited for their last writer too, and
-    torch's shm manager (the child that a rank's first shared-memory export starts, the CPU weight
-    sync's) keeps the rank's stderr open for its 2 s shut-down delay after the run has ended."""
-
-    def __init__(self, cmd, **kwargs):
-        self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
-        super().__init__(cmd, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
-
-    def communicate(self, input=None, timeout=None):
-        assert input is None, "Captured takes no input"
-        self.wait(timeout)  # TimeoutExpired as Popen's: the process still runs
-        texts = []
-        for f in self._files:
-            f.seek(0)
-            texts.append(f.read())
-        return tuple(texts)
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        for f in self._files:
-            f.close()
-
-
-def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) through Captured."""
-    with Captured(cmd, **kwargs) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def two_nodes(args: list, env: dict, nproc_per_node: int, run_dir, timeout: float):

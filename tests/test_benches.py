@@ -353,3 +353,31 @@ def test_train_step_refuses_a_batch_fsdp_cannot_halve(capsys, rows, words):
     with pytest.raises(SystemExit) as e:
         main(["--cpu-batch", rows, "--cpu-seq", "8", "--iters", "1", "--warmup", "0"])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_benchs_command_returns_its_output_and_its_time_out_ends_its_children(tmp_path):
+    """bench.common.run_in_group (the benches' torchrun runs): the output comes back through
+    files (parallel.spawn.Captured), and a time-out kills the command's whole process group, a
+    child it started in the background too, instead of leaving it running."""
+    import os
+    import time
+    from bench.common import run_in_group
+    proc = run_in_group(["bash", "-c", "echo out; echo err >&2; exit 3"], dict(os.environ), 30)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out\n", "err\n")
+    pid_file = tmp_path / "child"
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_in_group(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], dict(os.environ), 2)
+    assert time.monotonic() - t0 < 10
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # killed: gone, or a zombie until init reaps it
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the background child {pid} outlived its command's time-out")
