@@ -171,7 +171,7 @@ class GeneratorWorker:
         self.generated: list[int] = []  # pending groups whose n completions are all in, being scored
         self.stop = False
         self.params = sampling_params(cfg, tokenizer)
-        self.stats = {"groups_sent": 0, "gen_tokens": 0, "paused_s": 0.0, "sync_s": 0.0}
+        self.groups_sent = 0  # groups shipped to the trainer, by this process
         self.replica = replica
         self.on_first_swap = None
         # swaps until the warm-up is over: the first version a trainer step of this process made
@@ -341,11 +341,9 @@ class GeneratorWorker:
             self.on_first_swap()  # warm-up is over: e.g. shorten collective timeouts
             self.on_first_swap = None
         self.version = version
-        self._sent_at_swap = self.stats["groups_sent"]
+        self._sent_at_swap = self.groups_sent
         self.gate.update(version, dropped)
-        dt = time.perf_counter() - t0
-        self.stats["sync_s"] += dt
-        self._send(Msg.ACK, version, {"seconds": dt})
+        self._send(Msg.ACK, version, {"seconds": time.perf_counter() - t0})
         # after the ack: the trainer's sync time excludes the evaluation
         if self.evaluator is not None and self.evaluator.due(version):
             self.evaluate(version)
@@ -364,7 +362,6 @@ class GeneratorWorker:
 
     def _pause(self) -> None:
         """Gate closed and nothing running: block until the trainer moves on (with timeout)."""
-        t0 = time.perf_counter()
         if self.link is not None:
             timeout = warmup_budget_s(self.cfg.parallel) if self.cold_swaps > 0 else None
             try:
@@ -375,8 +372,6 @@ class GeneratorWorker:
                 if self.tp_group is None:
                     raise
                 self.failed = e  # raised after that broadcast (`_poll`)
-                return
-        self.stats["paused_s"] += time.perf_counter() - t0
 
     def _admit(self) -> None:
         if self.version < self.awaiting:
@@ -404,7 +399,6 @@ class GeneratorWorker:
         for c in self.engine.poll_finished():
             p = self.pending[c.request_id]
             p.completions.append(c)
-            self.stats["gen_tokens"] += len(c.completion_ids)
             if p.replay:  # trained before the cut
                 if len(p.completions) == self.params.n:
                     del self.pending[c.request_id]
@@ -460,7 +454,7 @@ class GeneratorWorker:
             self._send(Msg.TRAJECTORIES, min(g.min_version for g in groups),
                        [g.to_dict() for g in groups])
             self._report_rewards()
-        self.stats["groups_sent"] += len(groups)
+        self.groups_sent += len(groups)
         # launch/faults.py's groups=G: a signal inside this version's batch, whose stop is to cut
         # the batch with groups in flight: nothing more until the trainer asks for the cut
         if (groups and self.tp_group is None and self.link is not None
@@ -474,7 +468,7 @@ class GeneratorWorker:
 
     def _sent_since_swap(self) -> int:
         """Groups shipped since the weights of `version` came (launch/faults.py's groups=G)."""
-        return self.stats["groups_sent"] - self._sent_at_swap
+        return self.groups_sent - self._sent_at_swap
 
     REWARD_REPORT_EVERY_S = 60.0
 

@@ -378,7 +378,7 @@ def test_a_prompt_in_flight_twice_makes_two_whole_groups(tmp_path):
     groups = [Group.from_dict(d) for d in sent]
     assert sorted(g.prompt_id for g in groups) == sorted(drawn)
     assert all(sorted(t.sample_idx for t in g.trajectories) == [0, 1] for g in groups)
-    assert not worker.pending and worker.stats["groups_sent"] == 4
+    assert not worker.pending and worker.groups_sent == 4
 
 
 def test_stale_drops_are_counted_per_replica_and_survive_a_checkpoint():
