@@ -11,7 +11,8 @@ every rank's thread stacks as they were STACKS_BEFORE_S earlier (where each one 
 once (the first call starts it): a spawned rank imports torch afresh, ~3.5 s of a 2-core machine
 for three ranks, against ~0.1 s forked. Each rank then takes the caller's environment, working
 directory, stdout and stderr as they are at the call (not as the server found them), as a spawned
-one does.
+one does. START_METHOD is the default: "spawn", and "forkserver" in the test suite
+(tests/conftest.py), whose hundreds of calls each paid for the imports.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+START_METHOD = "spawn"
 STACKS_BEFORE_S = 10.0  # a hung rank writes every thread's stack this long before the time-out
 # what the fork server imports before it forks ranks: what nearly every rank imports, and no CUDA
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
@@ -102,9 +104,10 @@ def _worker(rank, world, port, outdir, threads, backend, fn, args, timeout=None,
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1,
-              backend: str = "gloo", start_method: str = "spawn") -> list[dict]:
+              backend: str = "gloo", start_method: str | None = None) -> list[dict]:
     """Run `fn(rank, world, *args)` on `world` new ranks, spawned or forked from the fork server
-    (`start_method`, see above); return each rank's result."""
+    (`start_method`, None: START_METHOD; see above); return each rank's result."""
+    start_method = start_method or START_METHOD
     caller = None
     if start_method == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)

@@ -2,14 +2,7 @@
 launches whose output is captured in files."""
 import subprocess
 
-from parallel import spawn
-from parallel.spawn import Captured, free_port, run_captured  # noqa: F401
-
-
-def run_ranks(fn, world: int, *args, **kwargs) -> list[dict]:
-    """parallel.spawn.run_ranks with the ranks forked from its fork server (torch imported once
-    for the whole session, not once per rank: ~3.5 s less a call of three ranks on 2 cores)."""
-    return spawn.run_ranks(fn, world, *args, start_method="forkserver", **kwargs)
+from parallel.spawn import Captured, free_port, run_captured, run_ranks  # noqa: F401
 
 
 def two_nodes(args: list, env: dict, nproc_per_node: int, run_dir, timeout: float):

@@ -414,9 +414,10 @@ def _caller_state_worker(rank, world):
 
 def test_forked_ranks_take_the_callers_environment_directory_and_output(tmp_path, monkeypatch,
                                                                          capfd):
-    """The fork server of tests/dist.py's run_ranks keeps the environment, working directory and
-    output files it started with (an earlier test's): its ranks take the caller's at each call, as
-    spawned ranks do, so a test's variables reach them and their output lands in its report."""
+    """The fork server of the suite's run_ranks (tests/conftest.py) keeps the environment, working
+    directory and output files it started with (an earlier test's): its ranks take the caller's at
+    each call, as spawned ranks do, so a test's variables reach them and their output lands in its
+    report."""
     run_ranks(_caller_state_worker, 1)  # the server is up before the changes below
     monkeypatch.setenv("TANDEM_TEST_CALLER", "set after the server started")
     monkeypatch.chdir(tmp_path)
