@@ -9,14 +9,16 @@ every rank's thread stacks as they were STACKS_BEFORE_S earlier (where each one 
 
 `start_method="forkserver"` forks the ranks from a server process that imported FORKSERVER_PRELOAD
 once (the first call starts it): a spawned rank imports torch afresh, ~3.5 s of a 2-core machine
-for three ranks, against ~0.1 s forked. Each rank then takes the caller's environment, working
-directory, stdout and stderr as they are at the call (not as the server found them), as a spawned
-one does. START_METHOD is the default: "spawn", and "forkserver" in the test suite
+for three ranks, against ~0.1 s forked. Each rank then takes the caller's environment, stdout and
+stderr as they are at the call (multiprocessing sets its working directory and sys.path), not as
+the server found them; what the preloaded modules read from the environment on import stays as
+the server saw it. START_METHOD is the default: "spawn", and "forkserver" in the test suite
 (tests/conftest.py), whose hundreds of calls each paid for the imports.
 """
 from __future__ import annotations
 
 import faulthandler
+import fcntl
 import multiprocessing
 import os
 import signal
@@ -48,24 +50,50 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
                       "safetensors.torch", "transformers"]
 
 
+class _CallerOutput:
+    """The caller's stdout and stderr as they travel to a forked rank: pickled as file descriptors
+    that the fork server passes on (multiprocessing's DupFd), so that the rank writes to the
+    caller's open files, offsets shared, as a spawned rank (which inherits them) does."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return _Fds, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+class _Fds:
+    def __init__(self, *dups):
+        self.dups = dups
+
+    def install(self) -> None:
+        for fd, dup, stream in zip((1, 2), self.dups, (sys.stdout, sys.stderr)):
+            if dup is None:  # closed in the caller: the server's stays
+                continue
+            stream.flush()
+            new = dup.detach()
+            os.dup2(new, fd)
+            os.close(new)
+            if hasattr(stream, "reconfigure"):  # buffered as the caller's: by line on a terminal
+                stream.reconfigure(line_buffering=stream.isatty())
+
+
 def _caller_state() -> dict:
-    return {"env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
+    return {"env": dict(os.environ), "output": _CallerOutput()}
 
 
 def _take_caller_state(state: dict) -> None:
-    """A forked rank's environment, working directory and stdout/stderr are the fork server's,
-    from when it started: take the caller's (the same as a spawned rank's). The output files are
-    reopened through /proc for appending, so that a capture file is written at its end."""
+    """A forked rank's environment and stdout/stderr are the fork server's, from when it started:
+    take the caller's."""
     os.environ.clear()
     os.environ.update(state["env"])
-    os.chdir(state["cwd"])
-    for fd in (1, 2):
-        try:
-            new = os.open(f"/proc/{state['pid']}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
-        except OSError:  # not Linux, or closed: keep the server's
-            continue
-        os.dup2(new, fd)
-        os.close(new)
+    state["output"].install()
 
 
 def _worker(rank, world, port, outdir, threads, backend, fn, args, timeout=None, caller=None):
@@ -137,6 +165,9 @@ class Captured(subprocess.Popen):
 
     def __init__(self, cmd, **kwargs):
         self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        for f in self._files:  # a writer that outlives the command (the shm manager) appends, not
+            # overwrites what communicate() reads from the start
+            fcntl.fcntl(f.fileno(), fcntl.F_SETFL, fcntl.fcntl(f.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         super().__init__(cmd, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
 
     def communicate(self, input=None, timeout=None):
@@ -149,19 +180,22 @@ class Captured(subprocess.Popen):
         return tuple(texts)
 
     def __exit__(self, *exc):
-        super().__exit__(*exc)
-        for f in self._files:
-            f.close()
+        try:
+            super().__exit__(*exc)
+        finally:
+            for f in self._files:
+                f.close()
 
 
 def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) through Captured. A
-    time-out kills the command, and with start_new_session=True its whole process group (a
-    torchrun's ranks too)."""
+    time-out (or Ctrl-C) kills the command, and with start_new_session=True its whole process
+    group: the children left in it too (a torchrun's ranks are each in a session of their own,
+    and end once their agent, which holds their store, is gone)."""
     with Captured(cmd, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException:
             if kwargs.get("start_new_session"):
                 os.killpg(proc.pid, signal.SIGKILL)
             else:

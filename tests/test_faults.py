@@ -5,7 +5,6 @@ every rank with one line; SIGTERM stops the run at a step boundary with a checkp
 failure in start-up ends the ranks of another node at once, naming it."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -300,9 +299,8 @@ def test_the_shm_manager_a_rank_starts_does_not_die_of_a_signal_to_the_process_g
     stopped nothing until torchrun's SIGKILL 30 s later, in 4 of 8 runs). The export now starts
     the manager with SIGTERM and SIGINT blocked (it inherits the mask; the rank gets its signal
     once the call is back): read from the manager's /proc status, and the rank's mask restored."""
-    proc = subprocess.run([sys.executable, "-c", _FIRST_EXPORT.format(root=str(ROOT))],
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_captured([sys.executable, "-c", _FIRST_EXPORT.format(root=str(ROOT))], 60,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "True", "True"], (proc.stdout, proc.stderr[-2000:])
 

@@ -1057,10 +1057,9 @@ def test_cuda_ipc_two_processes_one_gpu(tmp_path, buffers):
 
 def _bench(*args, check: bool = True) -> dict:
     import json
-    import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "bench/weights_sync.py", *args], capture_output=True,
-                          text=True, timeout=300)
+    from tests.dist import run_captured
+    proc = run_captured([sys.executable, "bench/weights_sync.py", *args], 300)
     assert proc.returncode == (0 if check else 1), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -406,9 +406,8 @@ def test_a_hang_fails_with_every_ranks_stack():
 
 
 def _caller_state_worker(rank, world):
-    import sys
-    print(f"rank {rank} says hello", flush=True)
-    print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
+    os.write(1, f"rank {rank} says hello\n".encode())  # one write each: whole lines
+    os.write(2, f"rank {rank} on stderr\n".encode())
     return {"env": os.environ.get("TANDEM_TEST_CALLER", ""), "cwd": os.getcwd()}
 
 
@@ -417,16 +416,21 @@ def test_forked_ranks_take_the_callers_environment_directory_and_output(tmp_path
     """The fork server of the suite's run_ranks (tests/conftest.py) keeps the environment, working
     directory and output files it started with (an earlier test's): its ranks take the caller's at
     each call, as spawned ranks do, so a test's variables reach them and their output lands in its
-    report."""
+    report, between what the test wrote before and after (the same open file, not a reopened
+    one whose writes the caller's next ones overwrite)."""
     run_ranks(_caller_state_worker, 1)  # the server is up before the changes below
     monkeypatch.setenv("TANDEM_TEST_CALLER", "set after the server started")
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
+    os.write(1, b"caller before\n")
     ranks = run_ranks(_caller_state_worker, 2)
+    os.write(1, b"caller after\n")  # at the end of what the ranks wrote: one file offset
     assert [r["env"] for r in ranks] == ["set after the server started"] * 2
     assert {r["cwd"] for r in ranks} == {str(tmp_path)}
     out, err = capfd.readouterr()
-    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    lines = out.splitlines()
+    assert lines[0] == "caller before" and lines[-1] == "caller after", out
+    assert sorted(lines[1:-1]) == ["rank 0 says hello", "rank 1 says hello"], out
     assert "rank 1 on stderr" in err, err
 
 

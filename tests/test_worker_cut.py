@@ -511,7 +511,7 @@ def _leader_fails(rank, world):
     gen_link = ns(wait_for=lambda *a, **k: (_ for _ in ()).throw(
         TimeoutError("rank 0 timed out after 10s waiting for a new weight version")))
     gen = ns(link=gen_link if rank == 0 else None, tp_group=dist.group.WORLD, cold_swaps=0,
-             cfg=ns(parallel=ns(timeout_s=10.0, warmup_timeout_s=20.0)), stats={"paused_s": 0.0},
+             cfg=ns(parallel=ns(timeout_s=10.0, warmup_timeout_s=20.0)),
              version=3)
     for name, call in (("trainer", lambda: TrainerWorker._take_batch(trainer)),
                        ("generator", lambda: (GeneratorWorker._pause(gen),
