@@ -17,6 +17,7 @@ the server saw it. START_METHOD is the default: "spawn", and "forkserver" in the
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import fcntl
 import multiprocessing
@@ -57,14 +58,15 @@ class _CallerOutput:
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
-        return _Fds, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return _Fds, tuple(DupFd(fd) if _inheritable(fd) else None for fd in (1, 2))
 
 
-def _is_open(fd: int) -> bool:
+def _inheritable(fd: int) -> bool:
+    """What a spawned rank would inherit: an open fd without close-on-exec (a closed stdout's
+    number reused by one of Python's own files, a pipe say, is close-on-exec)."""
     try:
-        os.fstat(fd)
-        return True
-    except OSError:
+        return os.get_inheritable(fd)
+    except OSError:  # closed
         return False
 
 
@@ -73,10 +75,15 @@ class _Fds:
         self.dups = dups
 
     def install(self) -> None:
-        for fd, dup, stream in zip((1, 2), self.dups, (sys.stdout, sys.stderr)):
-            if dup is None:  # closed in the caller: the server's stays
+        for fd, dup, name in zip((1, 2), self.dups, ("stdout", "stderr")):
+            stream = getattr(sys, name)
+            if stream is not None:  # None: the server started without it
+                stream.flush()
+            if dup is None:  # closed in the caller: closed here too, and no stream (print is a
+                with contextlib.suppress(OSError):  # no-op), as in a spawned rank
+                    os.close(fd)
+                setattr(sys, name, None)
                 continue
-            stream.flush()
             new = dup.detach()
             os.dup2(new, fd)
             os.close(new)
@@ -126,8 +133,9 @@ def _worker(rank, world, port, outdir, threads, backend, fn, args, timeout=None,
     # would abort the process, the likeliest source of a "terminate called without an active
     # exception" SIGABRT that still hit rank 3 of test_pair_probes_run_real_pairs once in CI
     # (2026-11-30), with the barrier in place (0 of 20 runs of that test alone repeated it).
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: the caller's was closed
+            stream.flush()
     os._exit(0)
 
 

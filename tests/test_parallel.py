@@ -434,6 +434,35 @@ def test_forked_ranks_take_the_callers_environment_directory_and_output(tmp_path
     assert "rank 1 on stderr" in err, err
 
 
+_CLOSED_STDOUT = """
+import sys
+from parallel import spawn
+from tests.test_parallel import _printing_worker
+for method in ("spawn", "forkserver"):
+    assert spawn.run_ranks(_printing_worker, 2, start_method=method) == [{"rank": 0}, {"rank": 1}]
+    print(method, "ok", file=sys.stderr, flush=True)
+"""
+
+
+def _printing_worker(rank, world):
+    print(f"rank {rank} prints to a closed stdout: nothing", flush=True)
+    return {"rank": rank}
+
+
+def test_ranks_of_a_caller_without_stdout_print_nothing_and_finish():
+    """A caller whose stdout is closed (a job started with `>&-`): its ranks have none either,
+    print is a no-op in them, and they finish. Spawned, each rank failed at its end flushing a
+    stdout that was None; forked, it wrote into a pipe of the caller's own that took fd 1's
+    number (not inheritable, so not what a spawned rank gets)."""
+    import subprocess
+    import sys
+    proc = subprocess.run(["bash", "-c", f'exec "{sys.executable}" -c "$0" >&-', _CLOSED_STDOUT],
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr.split() == ["spawn", "ok", "forkserver", "ok"], (
+        proc.stderr[-3000:])
+
+
 def _shutdown_worker(rank, world):
     import torch.distributed as dist
     from parallel.mesh import shutdown_barrier
