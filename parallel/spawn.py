@@ -57,7 +57,9 @@ class _CallerOutput:
     caller's open files, offsets shared, as a spawned rank (which inherits them) does."""
 
     def __reduce__(self):
+        from multiprocessing.context import assert_spawning
         from multiprocessing.reduction import DupFd
+        assert_spawning(self)  # DupFd passes fds only while a process is being started
         return _Fds, tuple(DupFd(fd) if _inheritable(fd) else None for fd in (1, 2))
 
 
@@ -71,24 +73,28 @@ def _inheritable(fd: int) -> bool:
 
 
 class _Fds:
+    """_CallerOutput in the rank: the caller's fd 1 and 2, each None where a spawned rank would
+    not have inherited it."""
+
     def __init__(self, *dups):
         self.dups = dups
 
     def install(self) -> None:
         for fd, dup, name in zip((1, 2), self.dups, ("stdout", "stderr")):
             stream = getattr(sys, name)
-            if stream is not None:  # None: the server started without it
-                stream.flush()
-            if dup is None:  # closed in the caller: closed here too, and no stream (print is a
-                with contextlib.suppress(OSError):  # no-op), as in a spawned rank
-                    os.close(fd)
-                setattr(sys, name, None)
-                continue
-            new = dup.detach()
+            if stream is not None:  # None: the server started without it (a print is dropped)
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            # closed in the caller: /dev/null (not closed, so that no file the rank opens takes
+            # the number) and no stream (print is a no-op), as in a spawned rank
+            new = os.open(os.devnull, os.O_WRONLY) if dup is None else dup.detach()
             os.dup2(new, fd)
             os.close(new)
-            if hasattr(stream, "reconfigure"):  # buffered as the caller's: by line on a terminal
-                stream.reconfigure(line_buffering=stream.isatty())
+            if dup is None:
+                setattr(sys, name, None)
+            elif hasattr(stream, "reconfigure"):
+                # buffered as a new process's: stderr and a terminal by line, else by block
+                stream.reconfigure(line_buffering=name == "stderr" or stream.isatty())
 
 
 def _caller_state() -> dict:
@@ -173,9 +179,11 @@ class Captured(subprocess.Popen):
 
     def __init__(self, cmd, **kwargs):
         self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
-        for f in self._files:  # a writer that outlives the command (the shm manager) appends, not
-            # overwrites what communicate() reads from the start
-            fcntl.fcntl(f.fileno(), fcntl.F_SETFL, fcntl.fcntl(f.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+        for f in self._files:
+            # a writer that outlives the command (the shm manager) appends, and does not overwrite
+            # what communicate() reads from the start
+            flags = fcntl.fcntl(f.fileno(), fcntl.F_GETFL)
+            fcntl.fcntl(f.fileno(), fcntl.F_SETFL, flags | os.O_APPEND)
         super().__init__(cmd, stdout=self._files[0], stderr=self._files[1], text=True, **kwargs)
 
     def communicate(self, input=None, timeout=None):
@@ -197,17 +205,19 @@ class Captured(subprocess.Popen):
 
 def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) through Captured. A
-    time-out (or Ctrl-C) kills the command, and with start_new_session=True its whole process
-    group: the children left in it too (a torchrun's ranks are each in a session of their own,
-    and end once their agent, which holds their store, is gone)."""
+    time-out (or any exception: Ctrl-C) kills the command, and with start_new_session=True its
+    whole process group: the children left in it too (a torchrun's ranks are each in a session of
+    their own, and end once their agent, which holds their store, is gone)."""
     with Captured(cmd, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:
-            if kwargs.get("start_new_session"):
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                proc.kill()
+            # (the group may be gone already: an error reading the output after the end)
+            with contextlib.suppress(ProcessLookupError):
+                if kwargs.get("start_new_session"):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
             proc.wait()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

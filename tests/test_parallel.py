@@ -418,7 +418,8 @@ def test_forked_ranks_take_the_callers_environment_directory_and_output(tmp_path
     each call, as spawned ranks do, so a test's variables reach them and their output lands in its
     report, between what the test wrote before and after (the same open file, not a reopened
     one whose writes the caller's next ones overwrite)."""
-    run_ranks(_caller_state_worker, 1)  # the server is up before the changes below
+    with capfd.disabled():  # the server is up before the changes below, its output elsewhere
+        run_ranks(_caller_state_worker, 1)
     monkeypatch.setenv("TANDEM_TEST_CALLER", "set after the server started")
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
@@ -439,14 +440,16 @@ import sys
 from parallel import spawn
 from tests.test_parallel import _printing_worker
 for method in ("spawn", "forkserver"):
-    assert spawn.run_ranks(_printing_worker, 2, start_method=method) == [{"rank": 0}, {"rank": 1}]
+    ranks = spawn.run_ranks(_printing_worker, 2, start_method=method)
+    assert ranks == [{"rank": 0, "stdout": False}, {"rank": 1, "stdout": False}], ranks
     print(method, "ok", file=sys.stderr, flush=True)
 """
 
 
 def _printing_worker(rank, world):
+    import sys
     print(f"rank {rank} prints to a closed stdout: nothing", flush=True)
-    return {"rank": rank}
+    return {"rank": rank, "stdout": sys.stdout is not None}
 
 
 def test_ranks_of_a_caller_without_stdout_print_nothing_and_finish():
@@ -459,8 +462,8 @@ def test_ranks_of_a_caller_without_stdout_print_nothing_and_finish():
     proc = subprocess.run(["bash", "-c", f'exec "{sys.executable}" -c "$0" >&-', _CLOSED_STDOUT],
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stderr.split() == ["spawn", "ok", "forkserver", "ok"], (
-        proc.stderr[-3000:])
+    oks = [line for line in proc.stderr.splitlines() if line.endswith(" ok")]
+    assert proc.returncode == 0 and oks == ["spawn ok", "forkserver ok"], proc.stderr[-3000:]
 
 
 def _shutdown_worker(rank, world):
