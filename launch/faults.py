@@ -14,7 +14,10 @@ synchronous run: inside that version's batch, so G below the replica's share of
 trainer.prompts_per_step), shipping no more before, and then generates nothing more until the
 trainer asks for a checkpoint or shuts down: a stop cuts that batch with groups in flight. A
 value not of that form is a ValueError at the first step, not another fault than the one asked
-for. Unset, it costs an environment lookup per step and per shipment of groups."""
+for. A spec that cannot act in this job's layout (a rank it does not have, a step past
+trainer.max_steps, groups=G where no rank ships groups that way) is refused by preflight
+(`check_spec`) rather than running a job that never sees the fault. Unset, it costs an
+environment lookup per step and per shipment of groups."""
 from __future__ import annotations
 
 import functools
@@ -43,6 +46,43 @@ def parse_spec(spec: str) -> tuple[int, int, str, int | None]:
                          f"{', '.join(SIGNALS)} (e.g. TANDEM_FAULT_KILL=rank=1,step=3,signal=TERM); "
                          "unset it for no fault")
     return rank, step, name, groups
+
+
+def check_spec(dims, max_steps: int, max_staleness: int, batch_groups: int) -> None:
+    """Preflight: TANDEM_FAULT_KILL (on a job's first attempt) names a fault this job can reach,
+    in the layout `dims` (parallel.dims.ParallelDims); a malformed one is refused here too."""
+    spec = _spec()
+    if spec is None:
+        return
+    rank, step, _, groups = parse_spec(spec)
+    why = _unreachable(dims, rank, step, groups, max_steps, max_staleness, batch_groups)
+    if why:
+        raise ValueError(f"TANDEM_FAULT_KILL={spec!r} would never act in this job: {why}; "
+                         "name a fault this job reaches, or unset it")
+
+
+def _unreachable(dims, rank: int, step: int, groups: int | None, max_steps: int,
+                 max_staleness: int, batch_groups: int) -> str | None:
+    """Why rank `rank` never reaches `step` (with `groups`) in this job, else None."""
+    if not 0 <= rank < dims.world_size:
+        return f"rank {rank} is not one of its ranks 0..{dims.world_size - 1}"
+    if not 0 <= step <= max_steps:
+        return f"step {step} is not one of its steps 0..{max_steps} (trainer.max_steps)"
+    if groups is None:
+        return None
+    if dims.mode == "colocated" or not dims.is_generator(rank):
+        return (f"groups={groups} acts on a generator rank of a split run, and rank {rank} is "
+                f"{'a colocated rank' if dims.mode == 'colocated' else 'a trainer rank'}")
+    if dims.gen_tp > 1:
+        return (f"groups={groups} acts on a replica without generator TP, and this job has "
+                f"gen_tp={dims.gen_tp}")
+    from rollout.worker import replica_share
+    share = replica_share(batch_groups, dims.gen_dp, dims.generator_coord(rank)[0])
+    if max_staleness == 0 and groups > share:
+        return (f"a synchronous run's generator rank {rank} ships {share} groups per version "
+                f"(its share of trainer.prompts_per_step={batch_groups}), fewer than groups="
+                f"{groups}")
+    return None
 
 
 _fired: set[str] = set()  # the specs with `groups` that have acted (once each)

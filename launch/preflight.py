@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from config import ConfigError
+from launch.faults import check_spec
 
 # where tools/make_tiny_model.py writes by default (its --out), the tiny preset's model.path
 TINY_MODEL = Path("runs/_models/tiny_addition")
@@ -33,6 +34,7 @@ def preflight(cfg, dims):
     dims.check_model(args.num_heads, args.num_kv_heads, args.tie_word_embeddings,
                      args.intermediate_size, args.vocab_size)
     _check_device_choices(cfg)
+    check_spec(dims, cfg.trainer.max_steps, cfg.algo.max_staleness, cfg.trainer.prompts_per_step)
     tok = load_tokenizer(cfg.model.path)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"tokenizer of {cfg.model.path} has {tok.vocab_size} tokens but the model's "

@@ -107,6 +107,14 @@ def _case(name, tmp_path, good_model):
                                        "--generator.pack_weights=auto"]),
         "stop_ids_outside_vocab": ([m, "--generator.stop_token_ids=[-5, 999999]"],
                                    ["generator.stop_token_ids has [-5, 999999]", "vocabulary"]),
+        # TANDEM_FAULT_KILL (FAULTS below) that no rank of this job reaches ran without the fault
+        "fault_rank_outside_the_job": ([m], ["TANDEM_FAULT_KILL='rank=3,step=2'",
+                                             "would never act in this job",
+                                             "rank 3 is not one of its ranks 0..2"]),
+        "fault_groups_on_a_trainer_rank": ([m], ["'rank=1,step=2,groups=1'",
+                                                 "rank 1 is a trainer rank"]),
+        # refused at the first step before, after the model load and process groups
+        "fault_malformed": ([m], ["TANDEM_FAULT_KILL='rank=1' is not of the form"]),
         # the preset evaluates every 100 steps: a file dataset has no held-out part of its own
         "eval_without_held_out": ([m, f"--data.source={prompts}"],
                                   ["eval.every_steps=100", "prompts.jsonl", "set eval.source"]),
@@ -120,7 +128,10 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab",
          "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option",
          "pack_weights_with_compile", "reward_signature", "relative_model_path",
-         "relative_prompt_file"]
+         "relative_prompt_file", "fault_rank_outside_the_job", "fault_groups_on_a_trainer_rank",
+         "fault_malformed"]
+FAULTS = {"fault_rank_outside_the_job": "rank=3,step=2",  # TANDEM_FAULT_KILL (launch/faults.py)
+          "fault_groups_on_a_trainer_rank": "rank=1,step=2,groups=1", "fault_malformed": "rank=1"}
 WORLDS = {"tp_vs_heads": "5", "layout_vs_heads": "4", "tp_vs_heads_and_layout": "4"}  # else 3
 # what a case's message must not say: a degree the other check refuses, a key task_options refuses
 ABSENT = {"layout_vs_heads": ["[1, 3]"], "tp_vs_heads_and_layout": ["[1, 2]"],
@@ -167,6 +178,9 @@ def test_bad_input_fails_fast_with_one_message(name, tmp_path, good_model, monke
         argv = ["--config", "configs/tiny_cpu.toml", f"--run.dir={tmp_path / 'run'}", *argv]
     # As rank 0 of a job: every check here runs before any process group exists.
     world = WORLDS.get(name, "3")
+    if name in FAULTS:
+        monkeypatch.setenv("TANDEM_FAULT_KILL", FAULTS[name])
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     t0 = time.monotonic()
     if name in IN_A_PROCESS:
         rc, err = _in_a_process(argv, world)

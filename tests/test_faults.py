@@ -5,6 +5,7 @@ every rank with one line; SIGTERM stops the run at a step boundary with a checkp
 failure in start-up ends the ranks of another node at once, naming it."""
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -238,6 +239,42 @@ def test_a_fault_spec_sends_its_signal_at_its_rank_and_step_only(spec, sent, mon
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs through
     faults.maybe_kill(1, 3)
     assert calls == [sent]
+
+
+@pytest.mark.parametrize("layout, spec, why", [
+    ({}, "rank=4,step=2", "rank 4 is not one of its ranks 0..3"),
+    ({}, "rank=-1,step=2", "rank -1 is not one of its ranks 0..3"),
+    ({}, "rank=0,step=7", "step 7 is not one of its steps 0..6 (trainer.max_steps)"),
+    ({}, "rank=1,step=2,groups=1", "rank 1 is a trainer rank"),
+    ({"mode": "colocated", "generator_ranks": 4, "gen_dp": 4, "trainer_fsdp": 4}, "rank=1,step=2,groups=1",
+     "rank 1 is a colocated rank"),
+    ({"generator_ranks": 2, "gen_tp": 2, "gen_dp": 1, "trainer_fsdp": 2}, "rank=3,step=2,groups=1",
+     "this job has gen_tp=2"),
+    # 5 groups per step over 2 replicas: rank 2 ships 3 a version, rank 3 ships 2
+    ({}, "rank=3,step=2,groups=3", "rank 3 ships 2 groups per version (its share of "
+                                    "trainer.prompts_per_step=5), fewer than groups=3"),
+    ({}, "rank=3,step=2,groups=2", None), ({}, "rank=2,step=2,groups=3", None),
+    ({"max_staleness": 1}, "rank=3,step=2,groups=3", None),  # async: more ship under a version
+    ({}, "rank=0,step=6", None), ({}, "rank=3,step=0,signal=RAISE", None)])
+def test_a_fault_spec_no_rank_of_the_job_reaches_is_refused_naming_why(layout, spec, why, monkeypatch):
+    """A groups=G spec on a trainer rank, a rank the job lacks, ... ran the job without a fault:
+    the test or game day that asked for one passed without seeing it."""
+    from launch import faults
+    from parallel.dims import ParallelDims
+    layout = {"world_size": 4, "generator_ranks": 2, "gen_dp": 2, "trainer_fsdp": 2, **layout}
+    staleness = layout.pop("max_staleness", 0)
+    dims = ParallelDims(**layout)
+    monkeypatch.setenv("TANDEM_FAULT_KILL", spec)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    check = lambda: faults.check_spec(dims, 6, staleness, 5)  # noqa: E731
+    if why is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=f"TANDEM_FAULT_KILL='{spec}' would never act in "
+                                             f"this job: .*{re.escape(why)}; .*unset it"):
+            check()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted job has no fault to act
+    check()
 
 
 def test_a_groups_fault_acts_once_inside_its_versions_batch(monkeypatch):
