@@ -109,7 +109,7 @@ class TrainerConfig:
     """Optimizer and step structure."""
     max_steps: int = _f(20, "Optimizer steps to run (= policy versions produced).", ge=0)
     prompts_per_step: int = _f(8, "Prompt groups per optimizer step (each has n_samples completions).", ge=1)
-    updates_per_step: int = _f(1, "Optimizer updates per trainer step (AReaL's PPO minibatches): the step's groups in this many parts, one update each; decoupled PPO's trust region (and PPO's pi_old with token_is) is the policy before the first. The policy version and LR schedule advance once per step.", ge=1)
+    updates_per_step: int = _f(1, "Optimizer updates per trainer step (AReaL's PPO minibatches): the step's groups in this many parts, one update each; decoupled PPO's trust region (and PPO's pi_old with token_is) is the policy before the first. The policy version advances once per step, the LR schedule once per step that applied an update (a step skipped for a non-finite gradient leaves it).", ge=1)
     micro_batch_tokens: int = _f(4096, "Packed tokens per micro-batch per trainer rank (gradient accumulation unit).", ge=1)
     share_prompts: bool = _f(True, "Run each prompt's forward once for all its samples in a micro-batch (they attend to it), not once per sample; the same loss, fewer tokens.")
     lr: float = _f(1e-5, "Peak AdamW learning rate.", gt=0)

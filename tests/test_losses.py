@@ -746,6 +746,32 @@ def test_a_train_step_with_an_overflowing_ratio_is_not_skipped():
     assert not torch.equal(model.w.detach(), before)
 
 
+def test_aipo_and_mismatch_kl_metrics_stay_finite_where_pi_over_mu_overflows():
+    """AIPO's ratio metrics (is_ratio_sum/max) and mismatch_kl took exp of pi/mu = e^100: inf in
+    metrics.jsonl and TensorBoard, where PPO's read e^20. The weight (rho) and gradient as before."""
+    logp = torch.tensor([0.0, LN(1.5)], requires_grad=True)
+    mu, mask = torch.tensor([-100.0, 0.0]), torch.ones(2, dtype=torch.bool)
+    out = aipo_loss(logp, mu, torch.tensor([1.0, 1.0]), mask, rho=2.0)
+    out.loss_sum.backward()
+    assert logp.grad.tolist() == [-2.0, -1.5]  # weight min(ratio, rho): 2 and 1.5
+    assert out.is_ratio_max.item() == pytest.approx(E20)
+    assert out.is_ratio_sum.item() == pytest.approx(E20 + 1.5) and int(out.truncated_count) == 1
+    assert mismatch_kl(logp, mu, mask).item() == pytest.approx(E20 - 1 - 20 + 0.5 - LN(1.5))
+
+
+def test_k3_past_float32s_range_stays_finite_and_pulls_toward_the_reference():
+    """k3 = e^d - d - 1, d = log ref - log pi: a token the policy gives e^-100 of the reference's
+    probability made it inf and the step skipped. Above d = 20 it goes on as its tangent there:
+    finite, and its gradient in logp still negative (minimising raises logp toward the reference;
+    a cap on d alone left -d's +1). Below 20, value and gradient are exp's own."""
+    logp = torch.tensor([-100.0, -1.0], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0])
+    kl = kl_penalty(logp, ref, torch.ones(2, dtype=torch.bool), "k3")
+    kl.backward()
+    assert kl.item() == pytest.approx(E20 * (1 + 80) - 100 - 1 + (math.e - 1 - 1))
+    assert logp.grad.tolist() == [pytest.approx(-E20 + 1), pytest.approx(-math.e + 1)]
+
+
 def test_dual_clip_known_numbers():
     """eps 0.2, c 3; rows (u, A) -> surrogate, d loss / d logp (loss = -surrogate):
     (4, -1) -> max(-4, -3) = -3, 0 | (2, -1) -> -2, +2 | (4, +1) -> 1.2, 0 (the clip) |

@@ -93,6 +93,20 @@ def _ratio(log_ratio_N: Tensor) -> Tensor:
     return log_ratio_N.clamp(max=LOG_RATIO_MAX).exp()
 
 
+def _exp_linear_above_cap(d_N: Tensor) -> Tensor:
+    """exp(d) up to LOG_RATIO_MAX, and its tangent line there above it: k3's exp(d) was inf past
+    float32's range (a token the policy gives e^-89 of the reference's probability) and the step
+    was skipped. The tangent keeps the gradient's sign and the KL pull toward the reference
+    (a plain cap left k3's `-d` alone, pushing the token further down).
+
+    >>> # e^1 itself; at 21, e^20 (1 + 21 - 20): the tangent at 20
+    >>> _exp_linear_above_cap(torch.tensor([1.0, 21.0])) / torch.tensor([1.0, 20.0]).exp()
+    tensor([1., 2.])
+    """
+    capped_N = d_N.clamp(max=LOG_RATIO_MAX)
+    return capped_N.exp() * (1 + d_N - capped_N)
+
+
 def _clipped_surrogate(u_N: Tensor, adv_N: Tensor, eps: float,
                        dual_clip_c: float) -> tuple[Tensor, Tensor]:
     """PPO's `min(u*A, clip(u, 1-eps, 1+eps)*A)`; with a dual clip c > 1+eps (Ye et al. 2020,
@@ -155,7 +169,7 @@ def aipo_loss(logp_N: Tensor, logp_mu_N: Tensor, adv_N: Tensor, mask_N: Tensor,
     mask_N = mask_N.bool()
     # Masked positions get log-ratio 0 so their (unused) weight stays finite.
     log_ratio_N = torch.where(mask_N, logp_N.detach() - logp_mu_N, 0.0)
-    ratio_N = log_ratio_N.exp()
+    ratio_N = _ratio(log_ratio_N)  # capped: the ratio metrics were inf past float32's range
     weight_N = ratio_N.clamp(max=rho)
     loss_N = -weight_N * adv_N * logp_N
     return _output(loss_N, mask_N, ratio_N, ratio_N > rho, torch.zeros_like(mask_N))
@@ -296,7 +310,7 @@ def kl_penalty(logp_N: Tensor, logp_ref_N: Tensor, mask_N: Tensor,
     if estimator == "k2":
         return _masked_sum(0.5 * d_N * d_N, mask_N)
     if estimator == "k3":
-        return _masked_sum(d_N.exp() - d_N - 1, mask_N)
+        return _masked_sum(_exp_linear_above_cap(d_N) - d_N - 1, mask_N)
     raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'")
 
 
@@ -313,7 +327,7 @@ def mismatch_kl(logp_N: Tensor, logp_mu_N: Tensor, mask_N: Tensor) -> Tensor:
     """
     mask_N = mask_N.bool()
     log_r_N = torch.where(mask_N, logp_N.detach() - logp_mu_N, 0.0)
-    return _masked_sum(log_r_N.exp() - 1 - log_r_N, mask_N)
+    return _masked_sum(_ratio(log_r_N) - 1 - log_r_N, mask_N)
 
 
 def token_logprobs(logits_NV: Tensor, targets_N: Tensor, temperature: float = 1.0,

@@ -187,11 +187,12 @@ def train_step(model, optimizer, scheduler, groups: list[Group], cfg, dp_group, 
                shard: tuple[int, int] = (0, 1)) -> StepResult:
     """Forward/backward over micro-batches, clip, and (if finite) an optimizer update, once per
     minibatch of the step's groups (`trainer.updates_per_step`, AReaL's PPO minibatches; 1 by
-    default); the LR schedule moves once per step. `groups`: the step's, of which this rank
-    trains its `shard = (rank, ranks)` share of each minibatch (`minibatches`); with the default
-    (0, 1), all of them. `before_update()` runs just before the parameters first change (the
-    weight sender waits there until the previous version has left, so it streams while we
-    compute). `skipped`: no update was applied (every one non-finite)."""
+    default); the LR schedule moves once per step that applied an update (a skipped step leaves
+    it where it was). `groups`: the step's, of which this rank trains its `shard = (rank,
+    ranks)` share of each minibatch (`minibatches`); with the default (0, 1), all of them.
+    `before_update()` runs just before the parameters first change (the weight sender waits
+    there until the previous version has left, so it streams while we compute). `skipped`: no
+    update was applied (every one non-finite)."""
     acfg, temp = cfg.algo, trainer_temperature(cfg.generator.temperature)
     if acfg.kl_coef > 0 and ref_model is None:
         raise ValueError(f"algo.kl_coef={acfg.kl_coef} but no reference model was given to the "
