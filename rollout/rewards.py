@@ -113,6 +113,7 @@ def _math_verify_equal(gold: str, completion: str) -> float:
     from math_verify import parse, verify
 
     _quiet_math_verify_timeout_warning()
+    gold, completion = _plain(gold), _plain(completion)
     gold_answer = extract_final_answer(gold, last_number=False) or gold
     if not _MATHY_RE.search(gold_answer) or _too_complex(gold_answer):
         return math_fallback(gold, completion)  # not mathematical, or not for math_verify
@@ -259,28 +260,42 @@ def _parse_latex(answer: str) -> list:
 
 _NUMBER_RE = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:/\d+)?|-?\.\d+")  # "46," -> "46"
 MINUS_SIGN = "\u2212"
-_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\\,)(?=\d{3}(?!\d))")
+_LATEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\\,|\{,\})(?=\d{3}(?!\d))")  # 1\,000 1{,}000
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # "1,000", not "2, 3" or "2,3"
 _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_SHORT_FRAC_RE = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")  # \frac12
+_UNIT_RE = re.compile(r"(?<=[\d.}])\s*\\(?:text|mbox|mathrm)\s*\{[^{}]*\}$")  # 5\text{ cm}
+_TEXT_RE = re.compile(r"\\(?:text|mbox|mathrm)\s*\{([^{}]*)\}")  # \text{A} -> A
+_DEGREES_RE = re.compile(r"\^\s*(?:\\circ|\{\\circ\})")  # 90^\circ
+
+
+def _plain(text: str) -> str:
+    """`text` with U+2212, the typeset minus sign, as "-" and LaTeX's thousands separators
+    between digits ("1\\,000", "1{,}000") removed: math_verify read "1\\,000" as 1*0."""
+    return _LATEX_THOUSANDS_RE.sub("", text.replace(MINUS_SIGN, "-"))
 
 
 def math_fallback(gold: str, completion: str) -> float:
     """Math equivalence without math_verify (the documented fallback).
 
-    1. U+2212, the typeset minus sign, is read as "-" in both. The completion's
+    1. U+2212, the typeset minus sign, is read as "-" in both, and LaTeX's thousands separators
+       (`1\\,000`, `1{,}000`) are removed. The completion's
        final answer is, in order of preference: the content of the last
        `\\boxed{...}` (none if that box is never closed: the completion was cut off inside
        it, as math_verify reads it too), a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
        in the text is not one), the last `<answer>X</answer>`, else its last number. The gold
        answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
-    2. Both are normalised: `$`, spaces and thousands separators (a comma or `\\,` before three
-       digits) removed, `\\frac{a}{b}` -> a/b.
+    2. Both are normalised: `$` and `\\$`, `%` and `\\%`, `^\\circ`, a unit after a number
+       (`5\\text{ cm}`), spaces and thousands separators (a comma before three digits) removed,
+       `\\text{X}` -> X, `\\frac{a}{b}` and `\\frac12` -> a/b. So `\\boxed{\\$18}` scores as
+       "$18" does (the last number of unmarked text): a boxed answer is not worth less.
     3. If both parse as numbers (ints, decimals, a/b; via fractions.Fraction, so "46.0" == "46"
-       and "0.5" == "1/2"), two integers must be equal (1000001 is not 1000000), other numbers
-       within 1e-6 of the gold, relative above 1 ("0.333333" == "1/3"); otherwise (also for an
-       exponent of 1000 or more, "1e1000", or a number of over 4300 characters) the normalised
-       strings must match, case-insensitively.
+       and "0.5" == "1/2"), an integer gold must be met exactly (1000001 or 1000000.9 is not
+       1000000), other golds within 1e-6, relative above 1 ("0.333333" == "1/3"); otherwise
+       (also for an exponent of 1000 or more, "1e1000", or a number of over 4300 characters)
+       the normalised strings must match, case-insensitively.
     """
-    gold, completion = gold.replace(MINUS_SIGN, "-"), completion.replace(MINUS_SIGN, "-")
+    gold, completion = _plain(gold), _plain(completion)
     gold_answer = extract_final_answer(gold, last_number=False) or gold
     answer = extract_final_answer(completion)
     if answer is None:
@@ -290,7 +305,7 @@ def math_fallback(gold: str, completion: str) -> float:
     if gn is not None and an is not None:
         if gn == an:
             return 1.0
-        if gn.denominator == an.denominator == 1:  # integers compare exactly
+        if gn.denominator == 1:  # an integer gold is met exactly
             return 0.0
         # exactly, in fractions: through float, a number past 1e308 raised OverflowError
         return float(abs(gn - an) <= Fraction(1, 10**6) * max(1, abs(gn)))
@@ -349,9 +364,11 @@ def _boxed_at(text: str, start: int) -> str | None:
 
 
 def _normalise(answer: str) -> str:
-    s = answer.strip().strip("$").strip()
-    s = _FRAC_RE.sub(r"(\1)/(\2)", s)
-    s = _THOUSANDS_RE.sub("", s.replace("\\!", ""))  # "1,000" and "1\,000", not "2, 3" or "2,3"
+    """An extracted answer in the form `math_fallback` compares (its step 2)."""
+    s = answer.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    s = _TEXT_RE.sub(r"\1", _UNIT_RE.sub("", _DEGREES_RE.sub("", s)))
+    s = _FRAC_RE.sub(r"(\1)/(\2)", _SHORT_FRAC_RE.sub(r"\\frac{\1}{\2}", s))
+    s = _THOUSANDS_RE.sub("", s.replace("\\!", ""))
     return s.replace(" ", "").rstrip(".,")
 
 

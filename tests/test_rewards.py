@@ -55,6 +55,18 @@ def test_exact_match():
     ("-5", "so it is \u22125", 1.0),
     ("\u22125", "#### -5", 1.0),
     ("5", "\\boxed{\u22125}", 0.0),
+    # a boxed answer scored 0 where the same answer written plainly scored 1 (its last number):
+    # the fallback taught the policy not to box
+    ("18", "\\boxed{\\$18}", 1.0), ("18", "The total is $18.", 1.0),
+    ("50", "\\boxed{50\\%}", 1.0), ("50\\%", "It is 50%.", 1.0), ("50%", "\\boxed{50}", 1.0),
+    ("5", "\\boxed{5\\text{ cm}}", 1.0), ("5", "\\boxed{5 \\mbox{cm}}", 1.0),
+    ("A", "\\boxed{\\text{A}}", 1.0), ("90", "\\boxed{90^\\circ}", 1.0),
+    ("1000", "\\boxed{1{,}000}", 1.0), ("1000", "It is 1\\,000.", 1.0),
+    ("0.5", "\\boxed{\\frac12}", 1.0), ("-0.75", "\\boxed{-\\dfrac34}", 1.0),
+    ("6", "\\boxed{6\\text{ cm}^2}", 0.0),  # no unit at the end: a string, not the number 6
+    ("1000000", "\\boxed{1000000.9}", 0.0),  # an integer gold is met exactly
+    ("1000000", "\\boxed{1e6}", 1.0),
+    ("12345.67", "\\boxed{12345.66}", 1.0),  # a non-integer gold: within 1e-6, relative
 ])
 def test_math_fallback(gold, completion, expected):
     assert math_fallback(gold, completion) == expected
@@ -89,6 +101,11 @@ GSM8K_GOLD = "She sold 48 / 2 = 24 clips in May.\nIn all she sold 48 + 24 = 72 c
     ("Paris", "\\boxed{Rome}", 0.0),
     ("46", "", 0.0),
     ("46", "\\boxed{46", 0.0),  # cut off inside the box: as the fallback reads it
+    # LaTeX's thousands separator read as a product (1*000 = 0): both ways wrong
+    ("1000", "\\boxed{1\\,000}", 1.0), ("12500", "\\boxed{12\\,500}", 1.0),
+    ("0", "\\boxed{1\\,000}", 0.0), ("1000", "\\boxed{1{,}000}", 1.0),
+    ("-5", "The answer is \u22125", 1.0),  # U+2212 in unmarked text: math_verify found nothing
+    ("(1,234)", "\\boxed{(1,234)}", 1.0),  # a plain comma stays (a pair is not 1234)
 ])
 def test_math_reward_with_math_verify(gold, completion, expected):
     assert math_reward(_item(gold), completion, []) == expected
