@@ -651,6 +651,7 @@ class Engine:
         self._finished = others + self._finished
         return sorted(mine, key=lambda c: (rank[c.request_id], c.sample_idx))
 
+    @torch.inference_mode()  # as step(): its slot state may be inference tensors (grown in one)
     def cancel(self, request_ids: Iterable) -> list:
         """Drop requests between two steps: their queued samples, their running ones (the slots
         are free at once) and their finished ones not yet polled. Returns the ids found."""

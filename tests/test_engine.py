@@ -931,6 +931,26 @@ def test_cancel_frees_slots_and_drops_queued_running_and_unpolled_samples():
     assert engine.cancel(["a"]) == [] and len(engine._free) == 3
 
 
+def test_cancel_moves_rows_after_a_request_grew_the_stop_id_table():
+    """A request of more stop ids than the table's columns grows it inside step()'s inference
+    mode; cancel() then compacted outside it, and the in-place move of that table raised half-way:
+    the moved sample live in two rows, the next step a TypeError (the generator's replay drop and
+    generate()'s clean-up both cancel)."""
+    model = tiny_model()
+    many = SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, stop_token_ids=[20, 21, 22,
+                                                                                     23, 24, 25])
+    keep = Request("b", [4, 5, 6], many)
+    want = Engine(model, num_slots=2, max_len=16).generate([keep])
+    engine = Engine(model, num_slots=2, max_len=16)  # compacts on cancel (eager CPU)
+    engine.add_requests([Request("a", [1, 2], SamplingParams(max_new_tokens=6, seed=1)), keep])
+    engine.step()
+    engine.step()  # a in slot 0, b in slot 1
+    assert engine.cancel(["a"]) == ["a"]  # frees slot 0: b moves there
+    while engine.has_work():
+        engine.step()
+    assert_same(engine.poll_finished(), want)
+
+
 def _mutated(**fields) -> SamplingParams:
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for k, v in fields.items():
