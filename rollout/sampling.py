@@ -75,8 +75,12 @@ def _mix32_(x: Tensor) -> Tensor:
 
 
 def stream_key(seed: int, sample_idx: int) -> int:
-    """The 32-bit sampling key of sample `sample_idx` of a request seeded with `seed` (host side)."""
-    return mix32(mix32(seed & _M32) ^ mix32((seed >> 32) + _GOLDEN) ^ mix32(sample_idx * 2 + 1))
+    """The 32-bit sampling key of sample `sample_idx` of a request seeded with `seed` (host side).
+    The seed is hashed before the sample index joins it: three hashes XORed side by side gave
+    seed 2j+1's sample i the key of seed 2i+1's sample j (requests seeded 1, 2, 3, ... with n > 1
+    shared their random streams)."""
+    seed_key = mix32(mix32(seed & _M32) ^ mix32((seed >> 32) + _GOLDEN))
+    return mix32(seed_key ^ mix32(sample_idx * 2 + 1))
 
 
 def hashed_uniform(key_B: Tensor, counter_B: Tensor) -> Tensor:
@@ -92,7 +96,8 @@ def process_logits(logits_BV: Tensor, temperature: float | Tensor = 1.0, top_k: 
                    top_p: float | Tensor = 1.0) -> Tensor:
     """Log-probs [B, V] (fp32) of the distribution that is sampled from.
 
-    logits / temperature, then top-k (keep the k largest; 0 = off), then top-p over the
+    logits / temperature, then top-k (keep the k largest, exactly k: tokens tied with the k-th
+    are cut in sort order, where HF's warper keeps them all; 0 = off), then top-p over the
     renormalised top-k distribution (keep the smallest prefix of the sorted tokens whose mass
     reaches top_p; 1 = off), renormalised. Masked tokens get -inf. Each of temperature / top_k /
     top_p is a scalar or a per-row tensor [B]. Python scalars 0 / 1.0 skip the sort entirely.

@@ -766,6 +766,20 @@ def test_inverse_cdf_one_block_hand_computed():
     assert torch.allclose(mu.exp(), torch.tensor([0.2, 0.2, 0.8, 0.8, 0.8]))
 
 
+def test_requests_of_nearby_seeds_draw_from_streams_of_their_own():
+    """Seed 1's second sample had seed 3's first sample's key (and seed 1's third seed 5's...):
+    requests seeded base + i with n > 1 sampled the same completions."""
+    keys = {stream_key(seed, i) for seed in range(64) for i in range(64)}
+    keys |= {stream_key(seed << 32, i) for seed in range(1, 9) for i in range(8)}  # the high word
+    assert len(keys) == 64 * 64 + 64
+    sp = lambda seed: SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=seed,  # noqa: E731
+                                     ignore_eos=True)
+    a, b = Engine(tiny_model(), num_slots=4, max_len=16).generate(
+        [Request("a", [1, 2], sp(1)), Request("b", [1, 2], sp(3))])[1:3]
+    assert (a.request_id, a.sample_idx, b.request_id, b.sample_idx) == ("a", 1, "b", 0)
+    assert a.completion_ids != b.completion_ids
+
+
 def test_hashed_uniform_is_a_pure_function():
     key = torch.tensor([stream_key(5, 0), stream_key(5, 1), stream_key(6, 0)])
     a = hashed_uniform(key, torch.tensor([0, 0, 0]))
