@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import random
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -232,8 +233,28 @@ def _read_parquet(path: Path) -> Iterable[tuple[str, object]]:
     except ImportError as e:
         raise ValueError(f"reading {path} needs pyarrow, which is not installed; "
                          f"`pip install pyarrow`, or convert the file to .jsonl") from e
-    for i, record in enumerate(pq.read_table(str(path)).to_pylist()):
+    import pyarrow as pa
+    table = pq.read_table(str(path))
+    narrow = {f.name: "e" if pa.types.is_float16(f.type) else "f" for f in table.schema
+              if pa.types.is_float16(f.type) or pa.types.is_float32(f.type)}
+    for i, record in enumerate(table.to_pylist()):
+        for name, fmt in narrow.items():
+            if record[name] is not None:
+                record[name] = _as_written(record[name], fmt)
         yield f"{path} row {i}", record
+
+
+def _as_written(x: float, fmt: str) -> float:
+    """A float32 (`fmt` "f") or float16 ("e") value as the shortest decimal that reads back as
+    it: an answer column of float32 0.1 became the answer "0.10000000149011612" (pyarrow gives
+    the float64 of the same bits), which exact_match never matched."""
+    if not math.isfinite(x):
+        return x
+    for digits in range(1, 18):
+        short = float(f"{x:.{digits}g}")
+        if struct.unpack(fmt, struct.pack(fmt, short))[0] == x:
+            return short
+    return x
 
 
 def _record_to_item(record, index: int, where: str, path: Path,

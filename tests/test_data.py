@@ -148,6 +148,14 @@ def test_load_parquet(tmp_path):
     pq.write_table(pa.table({"prompt": ["a"], "label": ["1"]}), str(tmp_path / "q.parquet"))
     with pytest.raises(ValueError, match=r"q\.parquet row 0: record lacks answer field 'answer'"):
         load_prompts(str(tmp_path / "q.parquet"))
+    # a float32 (float16) answer column: the answer as written, not its float64 expansion
+    for kind, values, want in (("float32", [0.1, 2.0, 1e-7, 123456.7],
+                                ["0.1", "2", "1e-07", "123456.7"]),
+                               ("float16", [0.1, 3.5], ["0.1", "3.5"])):
+        answers = pa.array(values, type=getattr(pa, kind)())
+        pq.write_table(pa.table({"prompt": ["q"] * len(values), "answer": answers}),
+                       str(tmp_path / "f.parquet"))
+        assert [it.answer for it in load_prompts(str(tmp_path / "f.parquet"))] == want, kind
 
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
