@@ -22,10 +22,12 @@ from typing import Any
 # transformers config classes default them (Qwen's window applies only with use_sliding_window,
 # to layers max_window_layers and up). max_position_embeddings differs by family: a missing key
 # read as one default for all would be written back into the export as that value.
-_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768}
+_QWEN = {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768,
+         "num_key_value_heads": 32}
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "LlamaForCausalLM": ("llama", {"max_position_embeddings": 2048}),
-    "MistralForCausalLM": ("mistral", {"sliding_window": 4096, "max_position_embeddings": 131072}),
+    "MistralForCausalLM": ("mistral", {"sliding_window": 4096, "max_position_embeddings": 131072,
+                                       "num_key_value_heads": 8}),
     "Qwen2ForCausalLM": ("qwen2", _QWEN),  # q/k/v biases always: _attention_bias_of
     "Qwen3ForCausalLM": ("qwen3", {"qk_norm": True, "head_dim": 128, **_QWEN}),
 }
@@ -148,7 +150,7 @@ class ModelArgs:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            num_kv_heads=_kv_heads_of(cfg, defaults),
             head_dim=cfg.get("head_dim", defaults.get("head_dim")) or 0,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
@@ -250,15 +252,26 @@ def _check_full_rotary(factor, where: str) -> None:
                          "(partial_rotary_factor 1.0 or absent)")
 
 
+def _kv_heads_of(cfg: dict, defaults: dict) -> int:
+    """num_key_value_heads as transformers reads it: a missing key is the family's default
+    (Mistral's 8, Qwen's 32, Llama's none), none is num_attention_heads (multi-head)."""
+    kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else defaults.get(
+        "num_key_value_heads")
+    return kv or cfg["num_attention_heads"]
+
+
 def _rope_of(cfg: dict, max_positions: int, source: str) -> tuple[float, dict | None]:
     """rope_theta and the rope dict beyond it (None for plain rope), as transformers 5 reads
     config.json: rope_scaling (4.x's key) wins over rope_parameters when both are set, the dict's
-    rope_theta over the top-level one, and a llama3 rope without original_max_position_embeddings
-    takes max_position_embeddings."""
+    rope_theta over the top-level one, and a llama3 rope's original_max_position_embeddings is
+    the top-level one where config.json has it (over the dict's, as transformers'
+    standardize_rope_params has it), else the dict's, else max_position_embeddings."""
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = _spelled_rope_type(cfg.get(key) or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope["rope_type"] == "llama3":
+        if cfg.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         rope.setdefault("original_max_position_embeddings", max_positions)
     _check_rope(rope, f"{source}: {key}")
     return theta, (rope if rope["rope_type"] != "default" else None)
@@ -295,25 +308,34 @@ def _attention_bias_of(cfg: dict, model_type: str) -> bool:
 
 def _sliding_window_of(cfg: dict, model_type: str, defaults: dict, source: str) -> int | None:
     """The one window of every layer, as transformers reads config.json: Llama never slides,
-    Mistral slides every layer (a missing key is its default window, null is none), and Qwen only
-    with use_sliding_window, in the layers that layer_types marks "sliding_attention" (without
-    it: layers max_window_layers and up). A Qwen model whose layers mix the two is refused."""
+    Mistral slides every layer (a missing key is its default window, null is none) unless
+    config.json has layer_types (AutoConfig then reads it as Ministral: the layers marked
+    "sliding_attention" slide), and Qwen only with use_sliding_window, in the layers that
+    layer_types marks (without it: layers max_window_layers and up). A model whose layers mix
+    the two is refused."""
     if model_type == "llama":
         return None
     window = cfg.get("sliding_window", defaults["sliding_window"])
     if model_type == "mistral":
-        return window
+        if window is None or cfg.get("layer_types") is None:
+            return window
+        return _one_window(window, cfg["layer_types"], "layer_types (read as Ministral's)", source)
     if window is None or not cfg.get("use_sliding_window", False):
         return None
     first = cfg.get("max_window_layers", defaults["max_window_layers"])
     types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                        for i in range(cfg["num_hidden_layers"])]
+    return _one_window(window, types, f"use_sliding_window with max_window_layers={first}, or "
+                                      "layer_types", source)
+
+
+def _one_window(window: int, types: list, how: str, source: str) -> int | None:
+    """`window` where every layer of `types` is "sliding_attention", None where none is."""
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if len(sliding) not in (0, len(types)):
         raise ValueError(f"{source}: sliding_window={window} applies to layers {sliding} of "
-                         f"{len(types)} only (use_sliding_window with max_window_layers={first}, "
-                         "or layer_types); tandem has one window for all layers, so it runs a "
-                         "model whose layers all slide or none do, not this mix")
+                         f"{len(types)} only ({how}); tandem has one window for all layers, so "
+                         "it runs a model whose layers all slide or none do, not this mix")
     return window if sliding else None
 
 

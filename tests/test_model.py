@@ -343,8 +343,20 @@ def _logits_against_transformers(folder, T: int = 20) -> tuple[float, Transforme
     ("qwen3", {}, {"head_dim": DROP}, None),
     # swish is SiLU
     ("llama", dict(hidden_act="swish"), {}, None),
+    # a Mistral config.json with layer_types is Ministral's to AutoConfig: the layers marked
+    # "sliding_attention" slide, not every layer (we read a window for all, silently)
+    ("mistral", dict(sliding_window=8), {"layer_types": ["full_attention"] * 2}, None),
+    ("mistral", dict(sliding_window=8), {"layer_types": ["sliding_attention"] * 2}, 8),
+    # a missing num_key_value_heads is the family's default (Mistral 8, Qwen 32), not the heads'
+    # count (a valid checkpoint was refused for shapes)
+    ("mistral", dict(num_attention_heads=16, num_key_value_heads=8), {"num_key_value_heads": DROP},
+     4096),
+    ("qwen2", dict(hidden_size=128, num_attention_heads=64, num_key_value_heads=32),
+     {"num_key_value_heads": DROP}, None),
 ], ids=["qwen2-below-max_window_layers", "qwen3-max_window_layers-0", "qwen2-layer_types",
-        "qwen2-no-use_sliding_window", "llama-sliding_window-key", "qwen3-no-head_dim", "swish"])
+        "qwen2-no-use_sliding_window", "llama-sliding_window-key", "qwen3-no-head_dim", "swish",
+        "mistral-layer_types-none-slide", "mistral-layer_types-all-slide", "mistral-no-kv-heads",
+        "qwen2-no-kv-heads"])
 def test_config_json_read_as_transformers_reads_it(tmp_path, model_type, config, edits, window):
     tiny.save_variant(model_type, tmp_path, **config)
     _rewrite_config(tmp_path, edits)
@@ -374,6 +386,16 @@ def test_qwen_window_on_some_layers_is_refused(tmp_path):
     tiny.save_variant("qwen2", tmp_path, use_sliding_window=True, sliding_window=8,
                       max_window_layers=1)
     with pytest.raises(ValueError, match=r"sliding_window=8 applies to layers \[1\] of 2 only"):
+        load_pretrained(tmp_path)
+
+
+def test_mistral_layer_types_window_on_some_layers_is_refused(tmp_path):
+    """AutoConfig reads a Mistral config.json with layer_types as Ministral's: one layer of two
+    slides, which our one window for all layers cannot run."""
+    tiny.save_variant("mistral", tmp_path, sliding_window=8)
+    _rewrite_config(tmp_path, {"layer_types": ["full_attention", "sliding_attention"]})
+    with pytest.raises(ValueError, match=r"sliding_window=8 applies to layers \[1\] of 2 only "
+                                         r"\(layer_types \(read as Ministral's\)\)"):
         load_pretrained(tmp_path)
 
 
@@ -539,6 +561,16 @@ def test_llama3_rope_without_original_max_takes_max_position_embeddings(tmp_path
     _rewrite_config(tmp_path, {"rope_parameters": rope, "rope_scaling": DROP})
     err, ours = _logits_against_transformers(tmp_path)
     assert err <= 1e-5 and ours.args.rope_scaling["original_max_position_embeddings"] == 256
+
+
+def test_llama3_rope_takes_a_top_level_original_max_over_the_dicts(tmp_path):
+    """A config.json with original_max_position_embeddings at its top level (Phi-3's spelling):
+    transformers' standardize_rope_params gives it priority over the rope dict's (32 here); we
+    read the dict's, other rope frequencies and logits without a word."""
+    tiny.save_hf("llama3", tmp_path)
+    _rewrite_config(tmp_path, {"original_max_position_embeddings": 16})
+    err, ours = _logits_against_transformers(tmp_path, T=40)
+    assert err <= 1e-5 and ours.args.rope_scaling["original_max_position_embeddings"] == 16
 
 
 def test_legacy_inv_freq_tensors_are_ignored(tmp_path):
