@@ -306,10 +306,25 @@ def test_zero_copy_reads_the_trainer_parameters(direct):
     sender.close()
 
 
+@pytest.mark.parametrize("rows, dtype, why", [
+    (4, torch.bfloat16, r"trainer rank 0 stages 29 elements, this rank expects 21: their plans "
+                        r"differ; plan both ends from the same layouts"),
+    (6, torch.float16, r"trainer rank 0 stages dtype bfloat16, this rank expects float16; the "
+                       r"trainer must cast")])
+def test_a_receiver_of_another_plan_or_dtype_is_told_which(rows, dtype, why):
+    """Plans of other layouts (the same dtype) were told "the trainer must cast"."""
+    store = dist.HashStore()
+    sender = IpcSender(Toy(6), _toy_plan(n_src=1), 0, torch.bfloat16, 5.0, buffers=1, store=store)
+    recv = IpcReceiver(Toy(rows, dtype), _toy_plan(n_src=1, rows=rows), 9, 5.0, store=store)
+    sender.push(1)
+    with pytest.raises(ValueError, match=rf"^generator rank 9: {why}"):
+        recv.receive(1)
+
+
 def test_zero_copy_holds_the_trainer_until_read():
     _, _, sender, _ = _pair(buffers=0, timeout_s=0.5)
     sender.push(1)
-    with pytest.raises(TimeoutError, match=r"not acked weights version 1 after 0s, so the "
+    with pytest.raises(TimeoutError, match=r"not acked weights version 1 after 0.5s, so the "
                                            r"parameters it reads cannot be changed"):
         sender.wait_sent()  # nobody has read version 1
 
@@ -376,7 +391,7 @@ def test_a_stuck_staging_thread_times_out_with_a_watch(monkeypatch):
     done = concurrent.futures.ThreadPoolExecutor(1).submit(sender.wait_sent)
     try:
         with pytest.raises(TimeoutError, match=r"weights version 1: trainer rank 0 has not staged "
-                                               r"it for generator ranks \[9\] \(CUDA IPC\)"):
+                                               r"it for generator ranks \[9\] \(CPU shared memory\)"):
             done.result(timeout=30)
     finally:
         release.set()
@@ -526,7 +541,7 @@ def test_sender_wait_ends_on_a_generator_shutdown(buffers):
         sender.wait_sent()
         sender.push(2)
     link.queue = [Message(Msg.TRAJECTORIES, 0, 9, []), _shutdown(9)]
-    slot = "the parameters it reads" if buffers == 0 else "CUDA IPC staging buffer 0"
+    slot = "the parameters it reads" if buffers == 0 else "CPU shared memory staging buffer 0"
     with pytest.raises(PeerError, match=rf"rank 9 shut down while rank 0 waited for generator rank "
                                         rf"9 to ack weights version 1 \({slot}\): generator rank 9: "
                                         rf"RuntimeError: boom"):
@@ -605,7 +620,7 @@ def test_receiver_wait_ends_on_a_trainer_failure_not_on_its_normal_end():
     assert len(link.queue) == 1  # still there for the generator's loop
     link.queue = [_shutdown(0, error="trainer rank 0: RuntimeError: loss is NaN")]
     with pytest.raises(PeerError, match=r"rank 0 shut down while rank 9 waited for weights version 1 "
-                                        r"from trainer rank\(s\) \[0\] \(CUDA IPC\): trainer rank 0: "
+                                        r"from trainer rank\(s\) \[0\] \(CPU shared memory\): trainer rank 0: "
                                         r"RuntimeError: loss is NaN"):
         recv.receive(1)
 
@@ -923,7 +938,7 @@ def test_a_wedged_gpu_under_the_sender_times_out_naming_the_copy(buffers):
     sender.push(1)
     what = (r"trainer rank 0's update to weights version 1 \(the parameters generator rank 9 "
             r"reads\)" if buffers == 0 else
-            r"trainer rank 0's copy of weights version 1 into CUDA IPC staging buffer 0 for "
+            r"trainer rank 0's copy of weights version 1 into CPU shared memory staging buffer 0 for "
             r"generator rank 9")
     with pytest.raises(TimeoutError, match=what + r" had not finished on cuda:0 after"):
         sender.wait_sent()
@@ -939,8 +954,8 @@ def test_a_wedged_gpu_under_the_receiver_times_out_naming_the_copy(direct):
     sender.wait_sent()
     _faked(recv=recv, polls=None)
     what = (r"generator rank 9's apply of weights version 1 from trainer rank\(s\) \[0\] "
-            r"\(CUDA IPC, direct\)" if direct else
-            r"generator rank 9's copy of weights version 1 out of trainer rank 0's CUDA IPC slot 0")
+            r"\(CPU shared memory, direct\)" if direct else
+            r"generator rank 9's copy of weights version 1 out of trainer rank 0's CPU shared memory slot 0")
     with pytest.raises(TimeoutError, match=what + " had not finished on cuda:0 after"):
         recv.receive(1)()
     assert recv.control.acked(0, 9, 0) is None

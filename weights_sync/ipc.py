@@ -114,6 +114,7 @@ class CudaIpcMemory:
     event polled up to the version's deadline, `wait_done`)."""
 
     kind = "cuda_ipc"
+    label = "CUDA IPC"  # in messages
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -164,6 +165,7 @@ class CpuShmMemory:
     """The CPU stand-in: a shared-memory file per buffer (torch's file_system sharing)."""
 
     kind = "cpu_shm"
+    label = "CPU shared memory"  # in messages
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -436,7 +438,7 @@ class IpcSender:
 
     def _not_staged(self) -> str:
         return (f"trainer rank {self.rank} has not staged it for generator ranks "
-                f"{sorted(self.peers)} (CUDA IPC)")
+                f"{sorted(self.peers)} ({self.memory.label})")
 
     def _watch_inflight(self) -> None:
         """With a `watch`: wait for the staging thread in slices and run the watch between them.
@@ -464,7 +466,7 @@ class IpcSender:
                 raise
             if time.monotonic() > end:  # as `_join` would say (the watch first: its cause wins)
                 raise TimeoutError(f"weights version {self._inflight.version}: "
-                                   f"{self._not_staged()} after {budget:.0f}s")
+                                   f"{self._not_staged()} after {budget:g}s")
 
     def _abandoned(self) -> None:
         """The staging thread's watch: ends its wait once `wait_sent()` gave the version up."""
@@ -487,7 +489,7 @@ class IpcSender:
         t0, nbytes = time.perf_counter(), 0
         deadline = time.monotonic() + self.timeout_s  # one budget for all peers of the version
         self._waiting = (f"weights version {version} to be staged for generator ranks "
-                         f"{sorted(self.peers)} (CUDA IPC)")
+                         f"{sorted(self.peers)} ({self.memory.label})")
         with torch.no_grad():
             for d in self.peers:
                 nbytes += self._stage(d, version, after, deadline)
@@ -507,8 +509,8 @@ class IpcSender:
             self.memory.run(lambda: None, after, deadline, what, self._abandoned)
         else:
             dsts, srcs = self.fills[d][k]
-            what = (f"trainer rank {self.rank}'s copy of weights version {version} into CUDA IPC "
-                    f"staging buffer {k} for generator rank {d}")
+            what = (f"trainer rank {self.rank}'s copy of weights version {version} into "
+                    f"{self.memory.label} staging buffer {k} for generator rank {d}")
             self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after, deadline,
                             what, self._abandoned)
         self.held[d][k] = version
@@ -522,11 +524,12 @@ class IpcSender:
         held = self.held[d][k]
         if held is None:
             return
-        what = "the parameters it reads" if self.zero_copy else f"CUDA IPC staging buffer {k}"
+        what = ("the parameters it reads" if self.zero_copy
+                else f"{self.memory.label} staging buffer {k}")
         self._waiting = f"generator rank {d} to ack weights version {held} ({what})"
         poll_until(lambda: True if self.control.acked(self.rank, d, k) == held else None, deadline,
                    lambda: f"trainer rank {self.rank}: generator rank {d} has not acked weights "
-                           f"version {held} after {self.timeout_s:.0f}s, so {what} cannot be "
+                           f"version {held} after {self.timeout_s:g}s, so {what} cannot be "
                            f"changed (last ack: {self.control.acked(self.rank, d, k)})",
                    watch=watch)
 
@@ -606,8 +609,9 @@ class IpcReceiver:
             return
         info = poll_until(lambda: self.control.handles(s, self.rank), deadline,
                           lambda: f"generator rank {self.rank}: trainer rank {s} published no "
-                                  f"CUDA IPC handles within {self.timeout_s:.0f}s",
-                          watch=self._watch_for(lambda: f"trainer rank {s}'s CUDA IPC handles"))
+                                  f"{self.memory.label} handles within {self.timeout_s:g}s",
+                          watch=self._watch_for(
+                              lambda: f"trainer rank {s}'s {self.memory.label} handles"))
         if info["kind"] != self.memory.kind:
             raise ValueError(f"generator rank {self.rank}: trainer rank {s} shares memory of "
                              f"kind {info['kind']!r}, this rank uses {self.memory.kind!r} (it "
@@ -617,12 +621,15 @@ class IpcReceiver:
         if info["mode"] == "params":
             self.sources[s] = [self._param_sources(s, info["params"])]
             return
-        want = (info["dtype"], info["numel"])
-        have = (_dtype_name(self.dtype), self.numel[s])
-        if want != have:
-            raise ValueError(f"generator rank {self.rank}: trainer rank {s} stages (dtype, numel) "
-                             f"= {want}, this rank expects {have}; the trainer must cast to the "
-                             f"generator dtype")
+        if info["dtype"] != _dtype_name(self.dtype):
+            raise ValueError(f"generator rank {self.rank}: trainer rank {s} stages dtype "
+                             f"{info['dtype']}, this rank expects {_dtype_name(self.dtype)}; the "
+                             f"trainer must cast to the generator dtype")
+        if info["numel"] != self.numel[s]:
+            raise ValueError(f"generator rank {self.rank}: trainer rank {s} stages "
+                             f"{info['numel']} elements, this rank expects {self.numel[s]}: their "
+                             "plans differ; plan both ends from the same layouts "
+                             "(plan_between_meshes)")
         self.sources[s] = [stream.part_views(self.memory.open(h), self.peers[s])
                            for h in info["buffers"]]
 
@@ -668,7 +675,7 @@ class IpcReceiver:
                 if not self.direct:
                     dsts, srcs = self.parts[s], self.sources[s][k]
                     what = (f"generator rank {self.rank}'s copy of weights version {version} out "
-                            f"of trainer rank {s}'s CUDA IPC slot {k}")
+                            f"of trainer rank {s}'s {self.memory.label} slot {k}")
                     self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), after,
                                     deadline, what, self._watch_for(lambda: what))
                     self.control.ack(s, self.rank, k, version)
@@ -677,7 +684,7 @@ class IpcReceiver:
 
         poll_until(step, deadline, lambda: self._timeout_message(version, pending),
                    watch=self._watch_for(lambda: f"weights version {version} from trainer "
-                                                f"rank(s) {pending} (CUDA IPC)"))
+                                                f"rank(s) {pending} ({self.memory.label})"))
         nbytes = sum(self.numel.values()) * self.dtype.itemsize
         dt = time.perf_counter() - t0
         self.history.append({"version": version, "bytes": nbytes, "seconds": dt,
@@ -690,8 +697,9 @@ class IpcReceiver:
 
     def _timeout_message(self, version: int, pending: list[int]) -> str:
         latest = {s: self.control.latest(s, self.rank) for s in pending}
-        return (f"generator rank {self.rank} timed out after {self.timeout_s:.0f}s waiting for "
-                f"weights version {version} from trainer rank(s) {pending} over CUDA IPC (latest "
+        return (f"generator rank {self.rank} timed out after {self.timeout_s:g}s waiting for "
+                f"weights version {version} from trainer rank(s) {pending} over "
+                f"{self.memory.label} (latest "
                 f"version each announced: {latest})")
 
     @torch.no_grad()
@@ -706,7 +714,7 @@ class IpcReceiver:
         dsts = [v for s in slots for v in self.params[s]]
         srcs = [v for s, k in slots.items() for v in self.sources[s][k]]
         what = (f"generator rank {self.rank}'s apply of weights version {version} from trainer "
-                f"rank(s) {sorted(slots)} (CUDA IPC, direct)")
+                f"rank(s) {sorted(slots)} ({self.memory.label}, direct)")
         # after the engine's queued steps (the marker); the slots are released once it is done
         self.memory.run(lambda: stream.copy_all(dsts, srcs, self.foreach), self.memory.marker(),
                         time.monotonic() + self.timeout_s, what, self._watch_for(lambda: what))
