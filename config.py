@@ -121,7 +121,7 @@ class TrainerConfig:
     schedule: Literal["constant", "cosine"] = _f("constant", "Learning-rate schedule after warm-up.")
     min_lr_ratio: float = _f(0.1, "Cosine schedule floor, as a fraction of lr.", ge=0, le=1)
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this; 0 = off.", ge=0)
-    seed: int = _f(0, "Seed for model init and trainer-side randomness.")
+    seed: int = _f(0, "Seed of the trainer ranks' torch and Python random generators, set at start-up (a resume restores the checkpoint's states instead). tandem's own trainer draws nothing from them (the model comes from model.path, the losses are deterministic): it seeds what a loss or model code of your own draws.")
     max_nonfinite_steps: int = _f(3, "Abort after this many consecutive steps with a non-finite loss/grad (they are skipped); 0 and 1 both abort at the first.", ge=0)
 
 
@@ -312,6 +312,12 @@ class Config:
         if ranks != "all" and not all(r.isdigit() for r in ranks.split(",")):
             raise ConfigError(f"logging.log_rank={self.logging.log_rank!r} is invalid: use 'all' or "
                               "comma-separated rank numbers (e.g. --logging.log_rank=0,4)")
+        name = self.run.name
+        folder = os.path.normpath(os.path.join("runs", name.strip()))
+        if not self.run.dir and not folder.startswith("runs" + os.sep):
+            raise ConfigError(f"run.name={name!r} is invalid: the run's folder is runs/<run.name>, "
+                              f"and this one would be {folder!r}, not a folder of its own under "
+                              "runs/; give a name such as --run.name=my_run, or a --run.dir")
         return self
 
     def resolve(self, world_size: int) -> "Config":
@@ -321,6 +327,7 @@ class Config:
         world size) instead of pinning this run's folder and layout."""
         cfg = copy.deepcopy(self).validate()
         given = {key: value_of(cfg, key) for key in DERIVED}
+        _check_log_ranks(cfg.logging.log_rank, world_size)
         _resolve_layout(cfg.parallel, world_size, cfg.model.path)
         a, g, t = cfg.algo, cfg.generator, cfg.trainer
         if t.prompts_per_step < cfg.parallel.gen_dp:  # each replica generates its own share
@@ -380,6 +387,18 @@ class Config:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(self.to_toml())
         os.replace(tmp, path)
+
+
+def _check_log_ranks(log_rank: str, world_size: int) -> None:
+    """logging.log_rank names ranks of the job: one it lacks showed nothing on the console at
+    all (no rank map, no step line, no summary) and the run exited 0."""
+    ranks = log_rank.replace(" ", "")
+    missing = [] if ranks == "all" else [r for r in ranks.split(",") if int(r) >= world_size]
+    if missing:
+        raise ConfigError(f"logging.log_rank={log_rank!r} names rank(s) {', '.join(missing)}, "
+                          f"which this job of {world_size} ranks lacks: the console would show "
+                          f"nothing; name ranks 0..{world_size - 1} (--logging.log_rank=0), or "
+                          "'all'")
 
 
 def prints(log_rank: str, rank: int) -> bool:

@@ -345,6 +345,13 @@ def _finish_export(tmp: Path, final: Path, cfg: dict, out_dtype: torch.dtype, to
 
 
 # ----- RNG state as JSON ----------------------------------------------------------------------
+def seed_rngs(seed: int) -> None:
+    """Seed this process's torch (every device) and Python `random` generators: what a trainer
+    rank draws is then the run's (trainer.seed), and a resume restores it (`rng_state`)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict:
     """This process's RNG states as plain lists: torch CPU, the current CUDA device (only if CUDA
     is already initialised: a process that never touched CUDA has no CUDA randomness to restore)

@@ -189,6 +189,40 @@ def test_rng_state_survives_json():
     assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
 
 
+@pytest.mark.parametrize("role", ["split", "colocated"])
+def test_a_trainer_rank_seeds_its_generators_from_trainer_seed(role, monkeypatch):
+    """trainer.seed (run.seed added) was read by nothing: its help said it seeded the trainer's
+    randomness, and two seeds gave bitwise the same run. A trainer rank now seeds torch and
+    `random` from it before it builds its model (a resume then restores the saved states)."""
+    import types
+    import config
+    import trainer.role
+    from trainer.colocated import run_colocated
+
+    class Built(Exception):
+        pass
+
+    def build(*args):
+        drawn.append((torch.rand(3), random.random()))
+        raise Built
+    monkeypatch.setattr(trainer.role, "build_trainer_model", build)
+    meshes = types.SimpleNamespace(dims=None, rank=0)
+    drawn = []
+    for seed in (5, 5, 6):
+        cfg = config.Config()
+        cfg.trainer.seed = seed
+        torch.manual_seed(1000 + len(drawn))
+        with pytest.raises(Built):
+            if role == "split":
+                trainer.role.start_trainer(cfg, meshes, None, None, None)
+            else:
+                run_colocated(cfg, meshes, None)
+    torch.manual_seed(5)
+    random.seed(5)
+    assert torch.equal(drawn[0][0], torch.rand(3)) and drawn[0][1] == random.random()
+    assert torch.equal(drawn[0][0], drawn[1][0]) and not torch.equal(drawn[0][0], drawn[2][0])
+
+
 def test_single_process_save_replaces_same_step_and_loads(tmp_path):
     """No process group at all: one rank, plain tensors; saving a step twice replaces it."""
     from model import ModelArgs, Transformer

@@ -244,6 +244,12 @@ def test_missing_file_names_path():
     ("--algo.loss=foo", r"algo.loss='foo' is not a valid choice; choose one of 'aipo', 'ppo', 'decoupled_ppo'"),
     ("--parallel.mode=hybrid", "choose one of 'split', 'colocated'"),
     ("--logging.log_rank=zero", "logging.log_rank='zero' is invalid: use 'all' or comma-separated"),
+    # runs/ itself (or a folder outside it): config.toml, checkpoints and COMPLETE in the folder
+    # every run shares
+    ("--run.name=", r"run.name='' is invalid: .* would be 'runs', not a folder of its own"),
+    ("--run.name=.", r"run.name='.' is invalid: .* would be 'runs'"),
+    ("--run.name=..", r"run.name='..' is invalid: .* would be '.'"),
+    ("--run.name=../x", r"run.name='../x' is invalid: .* would be 'x'"),
 ])
 def test_invalid_values_name_value_and_fix(item, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -274,6 +280,13 @@ def test_cross_field_rules():
     load_config(None, ["--parallel.compile=true", "--parallel.gen_tp=2"])  # the trainer's layers only
     assert load_config(None, ["--logging.log_rank=0, 4"]).logging.log_rank == "0, 4"
     assert load_config(None, ["--logging.log_rank=all"]).logging.log_rank == "all"
+    # a rank the job lacks: nothing on the console, exit 0
+    with pytest.raises(ConfigError, match=r"logging.log_rank='0, 4' names rank\(s\) 4, which this "
+                                          r"job of 3 ranks lacks.*ranks 0..2"):
+        load_config(None, ["--logging.log_rank=0, 4"]).resolve(3)
+    assert load_config(None, ["--logging.log_rank=0, 4"]).resolve(5)
+    assert load_config(None, ["--run.name=sweep1/lr-1e-4"]).resolve(3).run.dir == "runs/sweep1/lr-1e-4"
+    assert load_config(None, ["--run.name=", "--run.dir=/tmp/r"]).resolve(3).run.dir == "/tmp/r"
     # token IS weights only PPO's clipped ratio; AIPO and decoupled PPO ignored it silently
     with pytest.raises(ConfigError, match=r"algo.token_is='mask' applies to algo.loss='ppo' only; "
                                           r"algo.loss='aipo'.*--algo.token_is=none"):

@@ -220,6 +220,7 @@ class ColocatedWorker:
 
 def run_colocated(cfg, meshes, tokenizer) -> None:
     from model.hf_io import to_dtype
+    from parallel.checkpoint import seed_rngs
     from parallel.layout import Layout
     from rollout.data import PromptSource
     from rollout.rewards import reward_runner
@@ -232,6 +233,7 @@ def run_colocated(cfg, meshes, tokenizer) -> None:
     from weights_sync.sync import WeightReceiver, WeightSender, transfer_specs
 
     dims, rank, timeout = meshes.dims, meshes.rank, cfg.parallel.timeout_s
+    seed_rngs(cfg.trainer.seed)
     t_model = build_trainer_model(cfg, meshes, cfg.model.path)
     g_model = build_generator_model(cfg, meshes)
     src = Layout.from_module(t_model, group=meshes.trainer_group)

@@ -8,6 +8,7 @@ from pathlib import Path
 from launch import preemption
 from launch.faults import maybe_kill
 from model.hf_io import load_model_args, to_dtype
+from parallel.checkpoint import seed_rngs
 from parallel.sharding import build_model, parallelize_trainer
 from trainer.checkpointing import clear_complete, mark_complete, read_extra, resume_path
 from trainer.link import Link, PeerError
@@ -73,6 +74,7 @@ def start_trainer(cfg, meshes, tokenizer, link: Link | None,
     metrics log (its closing on `stack`), a resumed run's state restored and its weights sent."""
     dims, rank = meshes.dims, meshes.rank
     owner = link is not None
+    seed_rngs(cfg.trainer.seed)  # before the model: a resume restores the checkpoint's states
     model = build_trainer_model(cfg, meshes, cfg.model.path)
     ref = build_ref_model(cfg, meshes)
     plan = plan_between_meshes(model, meshes.trainer_group, is_src_leader=owner, is_dst_leader=False)
