@@ -53,6 +53,7 @@ def preflight(cfg, dims):
     if cfg.eval.every_steps:
         load_eval_items(cfg, tok, warn=_first_rank())  # the same for the held-out prompts
     resolve_reward(cfg.reward.fn, cfg.reward.format_weight)
+    _check_reward_fits_data(cfg)
     start = check_resume(cfg)  # first: a split run resumed as colocated is told so at once
     if dims.mode == "colocated" and cfg.checkpoint.every_steps:
         raise ConfigError("checkpoints are implemented for split mode only; with "
@@ -63,6 +64,22 @@ def preflight(cfg, dims):
     _warn_no_learning_signal(cfg)
     _warn_warmup_past_the_end(cfg.trainer)
     return tok
+
+
+def _check_reward_fits_data(cfg) -> None:
+    """The 'reasoning_gym' reward scores items of a reasoning_gym task only: on others every call
+    raised, each scored 0, and the run trained on nothing and exited 0."""
+    if cfg.reward.fn != "reasoning_gym":
+        return
+    sources = {"data.source": cfg.data.source}
+    if cfg.eval.every_steps and cfg.eval.source:
+        sources["eval.source"] = cfg.eval.source
+    for key, source in sources.items():
+        if not source.startswith("reasoning_gym:"):
+            raise ConfigError(f"reward.fn='reasoning_gym' scores prompts of a reasoning_gym task "
+                              f"(their own scorer), but {key}={source!r} is not one: every "
+                              f"completion would score 0; use --{key}=reasoning_gym:<task>, or "
+                              "another reward.fn (e.g. 'math' or 'exact_match')")
 
 
 def _first_rank() -> bool:

@@ -107,6 +107,11 @@ def _case(name, tmp_path, good_model):
                                        "--generator.pack_weights=auto"]),
         "stop_ids_outside_vocab": ([m, "--generator.stop_token_ids=[-5, 999999]"],
                                    ["generator.stop_token_ids has [-5, 999999]", "vocabulary"]),
+        # every reward call raised: the run trained on zero rewards and exited 0
+        "reasoning_gym_reward_on_other_data": ([m, "--reward.fn=reasoning_gym"],
+                                               ["reward.fn='reasoning_gym' scores prompts of a "
+                                                "reasoning_gym task", "data.source="
+                                                "'synthetic:addition' is not one"]),
         # TANDEM_FAULT_KILL (FAULTS below) that no rank of this job reaches ran without the fault
         "fault_rank_outside_the_job": ([m], ["TANDEM_FAULT_KILL='rank=3,step=2'",
                                              "would never act in this job",
@@ -129,7 +134,7 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option",
          "pack_weights_with_compile", "reward_signature", "relative_model_path",
          "relative_prompt_file", "fault_rank_outside_the_job", "fault_groups_on_a_trainer_rank",
-         "fault_malformed"]
+         "fault_malformed", "reasoning_gym_reward_on_other_data"]
 FAULTS = {"fault_rank_outside_the_job": "rank=3,step=2",  # TANDEM_FAULT_KILL (launch/faults.py)
           "fault_groups_on_a_trainer_rank": "rank=1,step=2,groups=1", "fault_malformed": "rank=1"}
 WORLDS = {"tp_vs_heads": "5", "layout_vs_heads": "4", "tp_vs_heads_and_layout": "4"}  # else 3
