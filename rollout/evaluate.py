@@ -67,8 +67,8 @@ def engine_shape(cfg, n_prompts: int) -> tuple[int, int]:
 class PeriodicEval:
     """`eval.every_steps` on one generator replica. Every rank of the replica calls `maybe_run`
     at the same versions (TP ranks decode together); the one built with `writer=True` records.
-    `start_version`: the version the run (re)starts from; records of it and later are dropped,
-    since they are redone."""
+    `start_version`: the version the run (re)starts from; records of it (where it is due) and
+    later are dropped, since they are redone."""
 
     def __init__(self, cfg, engine: Engine, items, encode, tokenizer, rewards, writer: bool,
                  start_version: int = 0, stop_token_ids=()):
@@ -81,11 +81,14 @@ class PeriodicEval:
         self.path = Path(cfg.run.dir) / "eval.jsonl"
         self._tb = None
         if writer:
-            truncate_steps(self.path, start_version - 1)
+            # the start version is redone only where it is due: a finished run trained on (a
+            # higher max_steps) lost its final evaluation for good
+            first_redone = start_version if self.due(start_version) else start_version + 1
+            truncate_steps(self.path, first_redone - 1)
             if cfg.logging.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(Path(cfg.run.dir) / "tb" / "eval"),
-                                         purge_step=start_version)
+                                         purge_step=first_redone)
 
     def due(self, version: int) -> bool:
         return version % self.every == 0 or version == self.final

@@ -259,6 +259,16 @@ def test_a_resumed_run_redoes_the_records_from_its_version(setup):
     recorded = json.loads(open(f"{cfg.run.dir}/eval.jsonl").readlines()[2])
     assert follower.maybe_run(6)["reward_mean"] == recorded["reward_mean"]
     assert steps() == [0, 3, 6, 7]
+    # the finished run trained on (max_steps 7 -> 10): version 7 is no longer due, so its final
+    # evaluation is kept, not dropped for a redo that never comes
+    longer = copy.deepcopy(cfg)
+    longer.trainer.max_steps = 10
+    on = _evaluator(longer, model, tok, rewards, writer=True, start_version=7)
+    assert steps() == [0, 3, 6, 7]
+    for v in range(7, 11):
+        on.maybe_run(v)
+    on.close()
+    assert steps() == [0, 3, 6, 7, 9, 10]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
