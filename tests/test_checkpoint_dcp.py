@@ -241,6 +241,41 @@ def test_single_process_save_replaces_same_step_and_loads(tmp_path):
         load_sharded(tmp_path / "step_000006", fresh)
 
 
+def test_saving_an_optimizer_before_its_first_step_leaves_it_fresh(tmp_path):
+    """Every step so far skipped (non-finite): the save gave the live AdamW a zero state of step
+    1, so the run's first real update was bias-corrected as its second (27% smaller than without
+    the save). Now neither the live optimizer nor a resumed one has a state before its first
+    step, and the next update equals the one of a run that never saved."""
+    from model import ModelArgs, Transformer
+    from parallel.checkpoint import load_sharded, save_sharded
+
+    def update(model, opt):
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        opt.step()
+        return [p.detach() - b for p, b in zip(model.parameters(), before)]
+
+    def fresh():
+        model = Transformer(ModelArgs())
+        model.init_weights(seed=0)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fresh()
+    want = update(*fresh())
+    path = save_sharded(checkpoint_dir(tmp_path, 1), model, opt)
+    assert not opt.state
+    assert all(torch.allclose(a, b) for a, b in zip(update(model, opt), want))
+    resumed, opt2 = fresh()
+    load_sharded(path, resumed, opt2)
+    assert not opt2.state
+    assert all(torch.allclose(a, b) for a, b in zip(update(resumed, opt2), want))
+    # a checkpoint after a step holds the optimizer's state, and loads it
+    path = save_sharded(checkpoint_dir(tmp_path, 2), model, opt)
+    again, opt3 = fresh()
+    load_sharded(path, again, opt3)
+    assert torch.equal(opt3.state[next(iter(again.parameters()))]["step"],
+                       opt.state[next(iter(model.parameters()))]["step"])
+
+
 # ----- resume and export on 2 gloo ranks (fsdp=2) ---------------------------------------------
 def _batches():
     g = torch.Generator().manual_seed(1)
