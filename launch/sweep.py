@@ -6,7 +6,9 @@
     python launch/sweep.py --config C --grid ... --slurm [--sbatch launch/tandem.sbatch] [--submit]
 
 Runs are the cartesian product of the grid in the order given (the last key varies fastest). Each
-gets `--run.name=<prefix>_<key>-<value>_...`. Extra `--section.key=value` arguments apply to every
+gets `--run.name=<prefix>_<key>-<value>_...`; the prefix is --name-prefix, else the config's
+run.name, else the config file's name. A run whose folder holds a run of other settings (another
+sweep's) is refused before any starts; the same sweep run again resumes or skips its runs. Extra `--section.key=value` arguments apply to every
 run. A grid file holds a `[grid]` table: `"trainer.lr" = [1e-4, 3e-4]`.
 
 Every run's overrides go through config.load_config before anything starts, so an unknown key or
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere: config.py lives in the repo root
-from config import ConfigError, int_at_least, load_config, parse_cli, value_of  # noqa: E402
+from config import (ConfigError, RunConfig, int_at_least, load_config, parse_cli,  # noqa: E402
+                    value_of)
 
 RUN_LOCAL = os.path.join("launch", "run_local.sh")
 SBATCH = os.path.join("launch", "tandem.sbatch")
@@ -76,10 +79,17 @@ def load_grid_file(path: str) -> list[tuple[str, list[str]]]:
     grid = []
     for key, values in table.items():
         # TOML reads an unquoted trainer.lr = [...] as a nested table {"trainer": {"lr": [...]}}.
-        items = values.items() if isinstance(values, dict) else [(None, values)]
+        items = values.items() if isinstance(values, dict) and "." not in key else [(None, values)]
         for sub, vals in items:
+            name = f"{key}.{sub}" if sub else key
+            if isinstance(vals, dict):
+                raise ValueError(
+                    f"{path}: grid key {name!r} holds one table ({_text(vals)}), which would be "
+                    f"one run, not a run per value inside it; list the tables to sweep: "
+                    f"\"{name}\" = [{{digits = 1}}, {{digits = 2}}] (a [grid.{name}] header "
+                    "makes such a table too)")
             vals = vals if isinstance(vals, list) else [vals]
-            grid.append((f"{key}.{sub}" if sub else key, [_text(v) for v in vals]))
+            grid.append((name, [_text(v) for v in vals]))
     return grid
 
 
@@ -148,6 +158,14 @@ def expand(grid: list[tuple[str, list[str]]], prefix: str, common: list[str] = (
             for name, combo in zip(names, combos)]
 
 
+def default_prefix(config: str, common: list[str]) -> str:
+    """The runs' name prefix without --name-prefix: the config's run.name, or where it leaves
+    that at its default ("tandem"), the config file's name: two configs without a name ran
+    their sweeps in the same folders (the second's finished runs skipped as done)."""
+    name = load_config(config, common).run.name
+    return name if name != RunConfig.name else os.path.splitext(os.path.basename(config))[0]
+
+
 def validate(config: str, runs: list[Run], world_size: int | None = None) -> None:
     """Load every run's config (and resolve its layout if the world size is known); raise
     ConfigError. Two runs in one folder (a run.dir given to all) are refused: the second would
@@ -165,6 +183,50 @@ def validate(config: str, runs: list[Run], world_size: int | None = None) -> Non
             raise ConfigError(f"runs {folders[folder]} and {run.name} would share the run folder "
                               f"{folder}: leave run.dir unset (each run gets runs/<run.name>)")
         folders[folder] = run.name
+        _check_folder_holds_this_run(config, run, folder)
+
+
+# what a run may change and still train on in the folder of an earlier one (a sweep run again,
+# longer); the other sections make the experiment
+_FREE_SECTIONS = ("parallel", "eval", "checkpoint", "logging", "run")
+_FREE_KEYS = ("trainer.max_steps",)
+
+
+def _check_folder_holds_this_run(config: str, run: Run, folder: str) -> None:
+    """A run whose folder holds a run of other settings (another sweep's, of the same names) is
+    refused: it would have been skipped as finished, or resumed that run's checkpoint. Compared:
+    the keys the config file and the overrides set, outside `_FREE_SECTIONS`/`_FREE_KEYS`."""
+    saved_path = os.path.join(folder if os.path.isabs(folder) else os.path.join(ROOT, folder),
+                              "config.toml")
+    if not os.path.isfile(saved_path):
+        return
+    try:
+        saved = load_config(saved_path)
+    except ConfigError:
+        return  # not one this version reads: train_rl.py's resume checks say what they can
+    cfg = load_config(config, run.overrides)  # as given: config.toml keeps derived keys' so
+    differ = []
+    for key in _keys_set(config, run.overrides):
+        if key.split(".")[0] in _FREE_SECTIONS or key in _FREE_KEYS:
+            continue
+        now = value_of(cfg, key)
+        if key.endswith(".seed"):  # the saved config holds the sums (Config.resolve)
+            now += cfg.run.seed
+        if now != value_of(saved, key):
+            differ.append(f"{key}={now!r} (the folder's run: {value_of(saved, key)!r})")
+    if differ:
+        raise ConfigError(f"run {run.name}: its folder {folder} holds a run of other settings: "
+                          f"{', '.join(differ)}; it would be skipped as finished or resume that "
+                          "run. Give this sweep its own --name-prefix, or move that folder away")
+
+
+def _keys_set(config: str, overrides: list[str]) -> list[str]:
+    """The "section.key" names the config file and the overrides set, in that order."""
+    with open(config, "rb") as fh:
+        table = tomllib.load(fh)
+    keys = [f"{sec}.{k}" for sec, vals in table.items() if isinstance(vals, dict) for k in vals]
+    keys += [o.removeprefix("--").partition("=")[0].replace("-", "_") for o in overrides]
+    return list(dict.fromkeys(keys))
 
 
 def run_folder(cfg) -> str:
@@ -318,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to sweep: give --grid section.key=v1,v2 or --grid-file FILE")
         # the runs start in the repository root: paths given from elsewhere are made absolute
         args.config = os.path.abspath(args.config)
-        prefix = args.name_prefix or load_config(args.config, common).run.name
+        prefix = args.name_prefix or default_prefix(args.config, common)
         runs = expand(grid, prefix, common, args.config)
         validate(args.config, runs, args.nproc if args.local else None)
         if args.slurm:

@@ -99,6 +99,53 @@ def test_sweep_refuses_runs_that_would_share_a_folder_or_a_setting(tmp_path):
         sweep.expand([("run.dir", ["a", "b"])], "sw")
 
 
+def test_sweeps_of_other_settings_never_share_run_folders(tmp_path, monkeypatch):
+    """Two configs without a run.name both named their runs tandem_<values>, and a sweep of other
+    extra settings reused an earlier one's names: the second sweep's runs were skipped as finished
+    ("nothing to do", counted as succeeded) or resumed the other experiment's checkpoints."""
+    import tomllib
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    for path, kl in ((a, 0.2), (b, 0.0)):
+        path.write_text(f"[algo]\nkl_coef = {kl}\n[trainer]\nmax_steps = 3\n")
+    # without a run.name, the prefix is the config file's name
+    assert sweep.default_prefix(str(a), []) == "a" and sweep.default_prefix(TINY, []) == "tiny_cpu"
+    monkeypatch.setattr(sweep, "ROOT", str(tmp_path))  # runs/<name> under tmp_path
+    runs = sweep.expand([("trainer.lr", ["1e-4", "3e-4"])], "a", config=str(a))
+    sweep.validate(str(a), runs)  # no folder yet
+    folder = tmp_path / "runs" / "a_lr-1e-4"
+    folder.mkdir(parents=True)
+    saved = load_config(str(a), runs[0].overrides)
+    (folder / "config.toml").write_text(saved.resolve(3).to_toml())
+    sweep.validate(str(a), runs)  # the same sweep again (its runs resume or say they are done)
+    longer = sweep.expand([("trainer.lr", ["1e-4", "3e-4"])], "a", ["--trainer.max_steps=9",
+                                                                     "--logging.console_every=5"])
+    sweep.validate(str(a), longer)  # ... also trained on longer, or shown otherwise
+    for config, common, what in ((str(a), ["--algo.kl_coef=0"], "algo.kl_coef=0.0 (the folder's "
+                                                                  "run: 0.2)"),
+                                 (str(a), ["--trainer.seed=1"], "trainer.seed=1 (the folder's "
+                                                                "run: 0)"),
+                                 (str(b), [], "algo.kl_coef=0.0 (the folder's run: 0.2)")):
+        other = sweep.expand([("trainer.lr", ["1e-4", "3e-4"])], "a", common)
+        with pytest.raises(ConfigError, match=rf"run a_lr-1e-4: its folder .*a_lr-1e-4 holds a run "
+                                              rf"of other settings: {re.escape(what)}.*--name-prefix"):
+            sweep.validate(config, other)
+    # run.seed is folded into the section seeds of the saved config
+    seeded = sweep.expand([("trainer.lr", ["1e-4"])], "a", ["--run.seed=2"])
+    (folder / "config.toml").write_text(load_config(str(a), seeded[0].overrides).resolve(3).to_toml())
+    assert tomllib.loads((folder / "config.toml").read_text())["trainer"]["seed"] == 2
+    sweep.validate(str(a), seeded)
+
+
+def test_a_grid_file_table_value_must_be_listed(tmp_path):
+    """[grid.data.task_options] digits = [1, 2] (or "data.task_options" = {digits = 1}) is one
+    table value: it made one run of {"digits": [1, 2]}, or a misread key."""
+    for text in ('[grid.data.task_options]\ndigits = [1, 2]\n', '[grid]\n"data.task_options" = {digits = 1}\n'):
+        (tmp_path / "g.toml").write_text(text)
+        with pytest.raises(ValueError, match=r"grid key 'data.task_options' holds one table \(.*"
+                                             r"list the tables to sweep"):
+            sweep.load_grid_file(str(tmp_path / "g.toml"))
+
+
 def test_slurm_refuses_an_override_with_whitespace(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4,3e-4", '--data.task_options={"max_digits": 1}',
