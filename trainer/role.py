@@ -72,7 +72,7 @@ def start_trainer(cfg, meshes, tokenizer, link: Link | None,
                   stack: contextlib.ExitStack) -> TrainerWorker:
     """This rank's model (and KL reference), weight sender, optimizer and schedule, the owner's
     metrics log (its closing on `stack`), a resumed run's state restored and its weights sent."""
-    dims, rank = meshes.dims, meshes.rank
+    rank = meshes.rank
     owner = link is not None
     seed_rngs(cfg.trainer.seed)  # before the model: a resume restores the checkpoint's states
     model = build_trainer_model(cfg, meshes, cfg.model.path)
