@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -90,9 +91,12 @@ def preset_args(name: str) -> ModelArgs:
 
 
 def resolve_model(spec: str) -> ModelArgs:
-    """`preset:<name>` (or a bare preset name) -> its shape; otherwise a Hugging Face folder."""
+    """`preset:<name>` (or a bare preset name that is no folder here) -> its shape; otherwise a
+    Hugging Face folder (one named like a preset, ./70b, is the folder: it was planned as the
+    preset's 70B, the dry run's memory and sync plan too, while preflight checked the folder)."""
     name = spec.removeprefix("preset:")
-    if spec.startswith("preset:") or ALIASES.get(name, name) in PRESETS:
+    if spec.startswith("preset:") or (ALIASES.get(name, name) in PRESETS
+                                      and not os.path.isdir(spec)):
         return preset_args(name)
     from model.hf_io import load_model_args
     return load_model_args(spec)
@@ -330,7 +334,10 @@ def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None
     # the engine allocates num_slots x (max_prompt_len + max_new_tokens) positions: write the
     # prompt length the KV slots were sized for (--prompt-len, or a base config's longer one)
     cfg.data.max_prompt_len = wl.prompt_cap
-    cfg.run.name = f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}"
+    if base is None or cfg.run.name == load_config(None).run.name:  # keep a base config's name
+        cfg.run.name = f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}"
+    if p.mode == "colocated":  # checkpoints are split mode's: preflight refused the file
+        cfg.checkpoint.every_steps = 0
     cfg.validate().resolve(p.world)  # raises if the placement and the config disagree
     return cfg
 
@@ -395,11 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="h100", help=f"{sorted(cm.GPUS)} or cpu")
     ap.add_argument("--cores", type=int_at_least(1), default=2, help="--gpu cpu: cores the ranks share")
     ap.add_argument("--profile", help="profile JSON from launch/calibrate.py (overrides the datasheet)")
-    ap.add_argument("--prompts", type=int_at_least(1), default=512, help="prompt groups per trainer step")
-    ap.add_argument("--group", type=int_at_least(1), default=16, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--prompts", type=int_at_least(1), help="prompt groups per trainer step "
+                    "(default: --base-config's trainer.prompts_per_step, else 512)")
+    ap.add_argument("--group", type=int_at_least(1), help="samples per prompt, the GRPO group "
+                    "(default: --base-config's generator.n_samples, else 16)")
     ap.add_argument("--prompt-len", type=int_at_least(1), default=512, help="mean prompt tokens")
-    ap.add_argument("--response-len", type=int_at_least(1), default=2048, help="response tokens per sample")
-    ap.add_argument("--eta", type=int_at_least(0), default=4, help="max staleness in versions; 0 = synchronous")
+    ap.add_argument("--response-len", type=int_at_least(1), help="response tokens per sample "
+                    "(default: --base-config's generator.max_new_tokens, else 2048)")
+    ap.add_argument("--eta", type=int_at_least(0), help="max staleness in versions, 0 = "
+                    "synchronous (default: --base-config's algo.max_staleness, else 4)")
     ap.add_argument("--gen-dtype", default=None, help="default: bfloat16 on GPUs, float32 on cpu")
     ap.add_argument("--modes", default="split,colocated", help="placement modes to search, comma separated")
     ap.add_argument("--top", type=int_at_least(1), default=10, help="rows of the candidate table")
@@ -418,6 +429,22 @@ def ignored_by_cluster_table(ap: argparse.ArgumentParser, a: argparse.Namespace)
     """The flags given (not at their defaults) that --cluster-table would silently ignore."""
     return [f"--{k.replace('_', '-')}" for k, v in vars(a).items()
             if k not in CLUSTER_TABLE_FLAGS and v != ap.get_default(k)]
+
+
+# the workload flags' defaults without a --base-config: (flag, its default, the config key)
+WORKLOAD_DEFAULTS = (("prompts", 512, "trainer.prompts_per_step"), ("group", 16, "generator.n_samples"),
+                     ("response_len", 2048, "generator.max_new_tokens"),
+                     ("eta", 4, "algo.max_staleness"))
+
+
+def workload_flags(a: argparse.Namespace, base) -> list[int]:
+    """--prompts, --group, --response-len and --eta as given, else the --base-config's values
+    (the written config keeps them: the defaults replaced them without a word), else the
+    defaults."""
+    from config import value_of
+    return [getattr(a, flag) if getattr(a, flag) is not None else
+            value_of(base, key) if a.base_config else default
+            for flag, default, key in WORKLOAD_DEFAULTS]
 
 
 def main(argv=None) -> int:
@@ -442,7 +469,8 @@ def _main(a) -> int:
     from config import load_config
     base = load_config(a.base_config)
     base_wl, base_cl = base_settings(base, a.prompt_len, "cpu" if cpu else "cuda")
-    wl = cm.Workload(a.prompts, a.group, a.prompt_len, a.response_len, a.eta,
+    prompts, group, response_len, eta = workload_flags(a, base)
+    wl = cm.Workload(prompts, group, a.prompt_len, response_len, eta,
                      base_wl.pop("master_dtype", "float32"), gen_dtype, **base_wl)
     if a.cluster_table:
         cluster_table(wl, "h100" if cpu else a.gpu)

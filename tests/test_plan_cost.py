@@ -328,6 +328,47 @@ def test_plan_with_a_base_config_writes_one_that_fits(setting, tmp_path, capsys)
     assert "h100 (80 GB, 72 GB usable): fits" in capsys.readouterr().out
 
 
+def test_plan_keeps_the_base_configs_workload_name_and_checkpoints_where_they_run(tmp_path, capsys):
+    """--base-config's prompts_per_step, n_samples, max_new_tokens and max_staleness were
+    replaced by the flags' defaults (512, 16, 2048, 4) without a word, its run.name too; and a
+    colocated plan kept its checkpoint.every_steps, which preflight then refused."""
+    from launch.dry_run import dry_run
+    base, out = tmp_path / "base.toml", tmp_path / "best.toml"
+    base.write_text(load_config(None, [
+        "--trainer.prompts_per_step=48", "--generator.n_samples=4", "--algo.max_staleness=2",
+        "--generator.max_new_tokens=128", "--run.name=mine", "--checkpoint.every_steps=50"]).to_toml())
+    argv = ["--preset", "llama-1.1b", "--nodes", "1", "--gpus-per-node", "8", "--top", "1",
+            "--base-config", str(base), "--out", str(out)]
+    assert plan_main(argv) == 0
+    cfg = load_config(str(out))
+    assert (cfg.trainer.prompts_per_step, cfg.generator.n_samples, cfg.generator.max_new_tokens,
+            cfg.algo.max_staleness, cfg.run.name) == (48, 4, 128, 2, "mine")
+    assert plan_main([*argv, "--prompts", "64", "--eta", "0"]) == 0  # flags still win
+    cfg = load_config(str(out))
+    assert (cfg.trainer.prompts_per_step, cfg.algo.max_staleness) == (64, 0)
+    assert plan_main([*argv, "--modes", "colocated"]) == 0
+    cfg = load_config(str(out))
+    assert cfg.parallel.mode == "colocated" and cfg.checkpoint.every_steps == 0
+    capsys.readouterr()
+    assert dry_run(cfg) == 0
+    assert plan_main([*argv[:-4], "--out", str(out)]) == 0  # no base config: the defaults
+    cfg = load_config(str(out))
+    assert (cfg.trainer.prompts_per_step, cfg.generator.n_samples, cfg.algo.max_staleness) == (
+        512, 16, 4) and cfg.run.name.startswith("plan_")
+
+
+def test_a_folder_named_like_a_preset_is_the_folder(tmp_path, monkeypatch):
+    """A model folder ./70b was planned (and dry-run) as the Llama-3-70B preset."""
+    from launch.plan import resolve_model
+    from tests import tiny
+    tiny.save_hf("qwen2", tmp_path / "70b")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("70b").num_layers == 2
+    assert resolve_model("preset:70b").num_layers == 80
+    monkeypatch.chdir("/")
+    assert resolve_model("70b").num_layers == 80  # no such folder: the preset
+
+
 def test_plan_without_a_base_config_writes_the_default_longest_prompt(tmp_path):
     """--prompt-len is the mean prompt: written as data.max_prompt_len it dropped every longer
     prompt (about half of them); the defaults' 256 is written and sized instead."""
