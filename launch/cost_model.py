@@ -501,7 +501,9 @@ def plan_memory(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement,
         gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, state + send, slots)
         tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp, ac, gen + send,
                                         micro_batch_tokens)
-        return Memory(tr, gen, tr + gen + send, slots, mbt, why_g or why_t or why)
+        # the trainer's states alone first: where they do not fit, the generator's "no room for
+        # a KV slot" named the wrong cause (and shorter responses as the fix)
+        return Memory(tr, gen, tr + gen + send, slots, mbt, why or why_g or why_t)
     gen, slots, why_g = generator_memory(args, cl, wl, p.gen_tp, p.gen_dp, 0.0, slots)
     tr, mbt, why_t = trainer_memory(args, cl, wl, p.trainer_fsdp, p.trainer_tp,
                                     p.activation_checkpointing, 0.0, micro_batch_tokens)

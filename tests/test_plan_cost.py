@@ -197,8 +197,10 @@ def test_plan_that_nothing_fits_names_the_nearest_miss(capsys):
     err = capsys.readouterr().err
     n = preset_args("405b").num_params()
     assert f"{n * 2 / 8 * 2 / 1e9:.1f}" == "202.9"
-    assert "the nearest miss: G=" in err and "gen 1x8" in err
+    # the colocated placements' trainer states (244.9 GB a rank) miss too, and are named as such
+    assert "the nearest misses, per mesh: G=8 gen 1x8" in err
     assert "generator: weights 202.9 GB (+0.0 GB reserved) leave no room for one KV slot" in err
+    assert "coloc N=32 gen 4x8 | train 4x8: trainer: needs 244.9 GB > 72.0 GB usable" in err
     assert "at most --gpus-per-node 8 GPUs" in err
 
 
@@ -1127,3 +1129,11 @@ def test_colocated_memory_counts_the_exchange_send_buffers():
     assert send == pytest.approx(L8B.num_params() * 2 / 8, rel=0.01)
     mem = cm.plan_memory(L8B, cm.gpu_cluster("h100", 1), wl, cm.Placement(8, "colocated", 8, 1, 1))
     assert mem.per_rank == pytest.approx(mem.trainer + mem.generator + send)
+
+
+def test_a_colocated_rank_whose_trainer_states_do_not_fit_is_told_so():
+    """Llama-3-8B's trainer states (~128 GB) on one H100: the colocated rank's reason named the
+    generator ("no room for one KV slot ... shorten --response-len"), which nothing fixes."""
+    mem = cm.plan_memory(L8B, cm.gpu_cluster("h100", 1, 1), cm.Workload(8, 16, 512, 2048),
+                         cm.Placement(1, "colocated", 1, 1, 1))
+    assert mem.why.startswith("trainer: ") and "KV slot" not in mem.why, mem.why
