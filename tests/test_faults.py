@@ -199,11 +199,18 @@ def test_a_finished_run_trains_on_from_its_last_step(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(ref_dir, run_dir)
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    # as if the run had died in the last step's weight push, after its checkpoint and before its
+    # row: the resume went on after that step, and its row was missing for good
+    logged = read_metrics(run_dir)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged[:-1]))
     proc = launch(model, run_dir, max_restarts=0, extra=[f"--trainer.max_steps={STEPS + 2}"])
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
     assert f"at step {STEPS} (version {STEPS})" in out
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 3))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 3))
+    assert rows[STEPS - 1]["loss"] == logged[-1]["loss"]  # the checkpoint's copy of the row
+    assert rows[STEPS - 1]["time_weights_sync_s"] is None
 
 
 @pytest.mark.parametrize("spec", ["rank=1", "rank=1;step=3", "rank=one,step=3", "rank=1,step=3,signal=SIGTERM",

@@ -463,3 +463,28 @@ def test_the_summary_of_a_long_run_averages_its_first_and_last_ten_steps(tmp_pat
     assert logger.stream.getvalue().splitlines()[-1] == (
         f"trained steps 1-25 in 50s | reward 0.055 (mean of steps 1-10) -> 0.205 (steps 16-25) | "
         f"every step in {tmp_path}/metrics.jsonl")
+
+
+def test_a_resume_writes_the_saved_steps_row_where_the_run_died_before_it(tmp_path):
+    """Step 3 was saved, and the run died in the weights' push before its row: the resume went on
+    after step 3, and metrics.jsonl read 1, 2, 4, ... for good. The checkpoint's copy of the row
+    is written where the file lacks it (its sync time null), once, without a console line."""
+    from config import load_config
+    cfg = load_config("configs/tiny_cpu.toml", [f"--run.dir={tmp_path}", "--logging.tensorboard=false"])
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(_row(s)) + "\n" for s in (1, 2)))
+    saved = _row(3, time_weights_sync_s=None)
+    for _ in range(2):  # resumed twice from the same checkpoint: one row 3
+        out = io.StringIO()
+        logger = MetricsLogger.from_config(cfg, 3)
+        logger.stream = out
+        logger.restore(saved)
+        logger.close()
+        assert out.getvalue() == ""
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["time_weights_sync_s"] is None
+    logger = MetricsLogger.from_config(cfg, 3)
+    logger.restore(None)  # a checkpoint without a row (older, or not the owner's)
+    logger.restore(_row(3, loss=9.0))  # the file has its own row 3: kept as logged
+    logger.close()
+    assert [json.loads(ln)["loss"] for ln in path.read_text().splitlines()] == [0.5] * 3

@@ -420,8 +420,10 @@ def gather_cut(link, leaders: list[int], step: int,
     return replies, before
 
 
-def save(worker, step: int) -> Path:
-    """Collective over the trainer mesh: called by every trainer rank after step `step`."""
+def save(worker, step: int, metrics_row: dict | None = None) -> Path:
+    """Collective over the trainer mesh: called by every trainer rank after step `step`.
+    `metrics_row`: the owner's row of the step so far, which a resume writes where the run
+    died before it did (`MetricsLogger.restore`)."""
     from parallel.checkpoint import save_sharded
     from trainer.link import PeerError
     from trainer.worker import broadcast_json
@@ -431,7 +433,7 @@ def save(worker, step: int) -> Path:
     sent = None
     if worker.is_owner:
         try:
-            sent = {"extra": _owner_extra(worker, step)}
+            sent = {"extra": {**_owner_extra(worker, step), "metrics_row": metrics_row}}
         except Exception as e:  # the other trainer ranks wait in this broadcast: the cause
             try:
                 broadcast_json({"error": f"{type(e).__name__}: {e}"}, owner, group)

@@ -89,7 +89,9 @@ def start_trainer(cfg, meshes, tokenizer, link: Link | None,
     logger = None
     if owner:
         clear_complete(cfg)
-        logger = MetricsLogger.from_config(cfg, read_extra(path)["step"] if path is not None else 0)
+        extra = read_extra(path) if path is not None else {"step": 0}
+        logger = MetricsLogger.from_config(cfg, extra["step"])
+        logger.restore(extra.get("metrics_row"))  # the saved step's row, if the run died before it
         stack.callback(logger.close)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,

@@ -178,7 +178,9 @@ class TrainerWorker:
                          reduce_stats, res.stats, self.dp_group)
         # Checkpoint before announcing version v: in synchronous mode the generators then hold no
         # prompt in flight at the cut, so a resumed run regenerates nothing and stays bitwise equal.
-        self._maybe_save()
+        # The step's row goes with it (`row_so_far`): a crash in the push after the save lost it
+        # for good, the resume going on after the saved step.
+        self._maybe_save(lambda: self._row(groups, stats, res, t0, t_wait, t_train, None))
         self._alone(self._finish_step, groups, stats, res, t0, t_wait, t_train)
 
     def _finish_step(self, groups, stats, res, t0: float, t_wait: float, t_train: float) -> None:
@@ -188,11 +190,19 @@ class TrainerWorker:
             self._push_weights()
         finally:  # the step's row even when the push fails: a resume goes on after the saved step
             t_sync = time.perf_counter() - t1
-            stamp, start = time.perf_counter(), t0 if self.last_stamp is None else self.last_stamp
-            self.last_stamp = stamp
-            if self.is_owner and self.logger is not None:
-                m = self._metrics(groups, stats, res, stamp - start, t_sync)
-                self.logger.log({**m, "time_wait_batch_s": t_wait, "time_train_s": t_train})
+            row = self._row(groups, stats, res, t0, t_wait, t_train, t_sync)
+            self.last_stamp = time.perf_counter()
+            if row is not None:
+                self.logger.log(row)
+
+    def _row(self, groups, stats, res, t0: float, t_wait: float, t_train: float,
+             t_sync: float | None) -> dict | None:
+        """The step's metrics row (the owner's; None elsewhere); `t_sync` None: before the push."""
+        if not (self.is_owner and self.logger is not None):
+            return None
+        start = t0 if self.last_stamp is None else self.last_stamp
+        m = self._metrics(groups, stats, res, time.perf_counter() - start, t_sync)
+        return {**m, "time_wait_batch_s": t_wait, "time_train_s": t_train}
 
     def _alone(self, fn, *args) -> None:
         """`fn(*args)`: work between two meetings of the trainer mesh that the owner does alone
@@ -218,7 +228,7 @@ class TrainerWorker:
                 self.link.send(leader, Msg.WEIGHTS_READY, self.version,
                                {"dropped": self.buffer.dropped_of(replica)})
 
-    def _maybe_save(self) -> None:
+    def _maybe_save(self, row_so_far=lambda: None) -> None:
         # the export first: a crash between the two then resumes from an earlier checkpoint and
         # exports this step again (exported after the checkpoint, a crash in between lost it)
         checkpointing.maybe_export_hf(self.cfg, self.model, self.step,
@@ -228,7 +238,7 @@ class TrainerWorker:
         # the last step too: a finished run trained on (a raised max_steps, as the "already
         # completed" line says) resumes there; without it, it redid the steps since the last N
         if c.every_steps and (self.step % c.every_steps == 0 or last):
-            checkpointing.save(self, self.step)
+            checkpointing.save(self, self.step, metrics_row=row_so_far())
 
     def _stop(self) -> None:
         """The stop that the owner announced (launch/preemption.py): a checkpoint of the last
