@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -54,6 +55,8 @@ USAGE = f"""usage: python launch/demo.py [--section.key=value ...]   (what `make
 
 def main(argv: list[str]) -> int:
     from config import ConfigError, load_config, parse_cli
+    from launch.preflight import tiny_model_flags
+    from rollout.rewards import resolve_reward
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return 0
@@ -66,15 +69,20 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"the demo runs {CONFIG} and takes --section.key=value overrides "
                               f"only; got {'--config ' + path if path else sorted(flags)}")
         cfg = load_config(CONFIG, overrides).resolve(3)
-    except ConfigError as e:
+        resolve_reward(cfg.reward.fn, cfg.reward.format_weight)  # before the warm start's minutes
+        if not cfg.data.source.startswith("synthetic:"):
+            raise ConfigError(f"the demo warm-starts a tiny model for a synthetic task, and "
+                              f"data.source={cfg.data.source!r} is not one; run train_rl.py "
+                              "(README) for other prompts")
+    except ValueError as e:  # ConfigError, and a reward.fn that cannot be imported
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
     model_dir = Path(cfg.model.path)
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").is_file():  # for the task trained (its alphabet, digits)
         print(f"== warm start: making {model_dir}", flush=True)
-        subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(model_dir),
-                        "--digits", str(cfg.data.synthetic_digits)], check=True)
+        subprocess.run([sys.executable, "tools/make_tiny_model.py",
+                        *tiny_model_flags(cfg, model_dir)], check=True)
     before = held_out_accuracy(model_dir, cfg)
     evals = (f"; the run's eval lines score the first {cfg.eval.num_prompts}"
              if cfg.eval.every_steps else "")
@@ -89,9 +97,10 @@ def main(argv: list[str]) -> int:
     # the same setting, without the banner
     rc = subprocess.run(cmd, env={"OMP_NUM_THREADS": "1", **os.environ}).returncode
     if rc:  # train_rl.py has said why above; a traceback of this process would only bury it
-        resume = " ".join(a for a in argv if not a.startswith("--run.dir")) + f" --run.dir={cfg.run.dir}"
+        again = [f"--{o}" for o in overrides if not o.startswith("run.dir=")]
         print(f"error: the RL run exited with {rc} (its output is above); to resume it: "
-              f"python launch/demo.py {resume.strip()}", file=sys.stderr, flush=True)
+              f"{shlex.join(['python', 'launch/demo.py', *again, f'--run.dir={cfg.run.dir}'])}",
+              file=sys.stderr, flush=True)
         return rc
     after = held_out_accuracy(Path(cfg.run.dir) / "hf_final", cfg)
     minutes = (time.time() - t0) / 60

@@ -215,6 +215,15 @@ def _check_ref_folder(cfg) -> None:
                           "policy, model.path")
 
 
+def tiny_model_flags(cfg, out: Path) -> list[str]:
+    """tools/make_tiny_model.py's flags for a model of cfg's synthetic task at `out` (its
+    default folder needs no --out), its digits as the task's loader reads them."""
+    task = cfg.data.source.partition(":")[2]
+    digits = cfg.data.task_options.get("digits", cfg.data.synthetic_digits)
+    return ([] if out == TINY_MODEL else ["--out", str(out)]) + (
+        [] if task == "addition" else ["--task", task]) + ["--digits", str(digits)]
+
+
 def missing_model_hint(cfg, empty: bool = False) -> str:
     """'; ...' naming the command that writes a model for cfg's synthetic task (`make demo` for the
     tiny preset's own), or '' for other sources. `empty`: model.path is '', so name the folder
@@ -222,14 +231,13 @@ def missing_model_hint(cfg, empty: bool = False) -> str:
     kind, _, task = cfg.data.source.partition(":")
     if kind != "synthetic" or not task:
         return ""
-    digits = cfg.data.task_options.get("digits", cfg.data.synthetic_digits)  # as the loader reads them
     out = TINY_MODEL if empty else Path(cfg.model.path)
-    flags = ([] if out == TINY_MODEL else ["--out", str(out)]) + (
-        [] if task == "addition" else ["--task", task]) + ["--digits", str(digits)]
+    flags = tiny_model_flags(cfg, out)
+    digits = flags[flags.index("--digits") + 1]
     command = " ".join(["python tools/make_tiny_model.py", *flags])
     if empty:
         return f"; for {cfg.data.source}: {command} writes {out}, then --model.path={out}"
-    demo = out == TINY_MODEL and task == "addition" and digits == 1  # configs/tiny_cpu.toml's
+    demo = out == TINY_MODEL and task == "addition" and digits == "1"  # configs/tiny_cpu.toml's
     return (f"; `make demo` writes it, or {command}" if demo else
             f"; for {cfg.data.source} with {digits} digit(s): {command}")
 

@@ -540,6 +540,39 @@ def test_demo_ends_a_failed_rl_run_with_one_line_and_its_exit_code(capsys, monke
     assert len(calls) == 1 and "train_rl.py" in calls[0]
 
 
+def test_demo_warm_starts_a_model_of_the_task_trained_and_refuses_bad_input_first(capsys, monkeypatch):
+    """The warm start made an addition model whatever data.source said (its tokenizer dropped
+    the reverse task's '>': before 0.000 -> after 0.000), a bad reward.fn was a traceback after
+    the warm start, and the resume hint lost its quotes (JSON unreadable when pasted back)."""
+    import subprocess
+    from launch import demo
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(demo, "held_out_accuracy", lambda folder, cfg: 0.25)
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0 if "tools/make_tiny_model.py" in cmd else 1)
+    monkeypatch.setattr(demo.subprocess, "run", run)
+    monkeypatch.setattr(demo.Path, "is_file", lambda self: "_models" not in str(self))
+    argv = ["--data.source=synthetic:reverse", '--data.task_options={"digits":2}',
+            "--model.path=runs/_models/rev", "--run.dir", "runs/x y"]
+    assert demo.main(argv) == 1
+    assert calls[0][1:] == ["tools/make_tiny_model.py", "--out", "runs/_models/rev", "--task",
+                            "reverse", "--digits", "2"]
+    hint = capsys.readouterr().err.strip().split("to resume it: ")[1]
+    import shlex
+    assert shlex.split(hint)[2:] == ["--data.source=synthetic:reverse", '--data.task_options={"digits":2}',
+                                     "--model.path=runs/_models/rev", "--run.dir=runs/x y"]
+    calls.clear()
+    assert demo.main(["--reward.fn=nowhere_pkg.mod:score"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nowhere_pkg" in err and "Traceback" not in err
+    assert demo.main(["--data.source=prompts.jsonl"]) == 2
+    assert "warm-starts a tiny model for a synthetic task" in capsys.readouterr().err
+    assert calls == []  # refused before the warm start
+
+
 def _demo_run(monkeypatch, argv, env_omp=None):
     """demo.main with the evaluations (0.25 before, 0.75 after) and torchrun faked: its stdout
     is the demo's own lines; returns the command and environment torchrun was given."""
