@@ -106,9 +106,10 @@ class ParallelDims:
         if intermediate_size:
             sizes["intermediate_size"] = intermediate_size
         divides = tp_fits_model(tuple(sizes.values()), tied=False)
-        for name, tp in (("trainer_tp", self.trainer_tp), ("gen_tp", self.gen_tp)):
-            if not divides(tp):
-                fits = [d for d in range(1, num_kv_heads + 1) if divides(d)]
+        for name, tp, ranks in (("trainer_tp", self.trainer_tp, self.trainer_ranks),
+                                ("gen_tp", self.gen_tp, self.generator_ranks)):
+            if not divides(tp):  # the degrees this mesh takes too (they divide its ranks)
+                fits = [d for d in range(1, num_kv_heads + 1) if divides(d) and ranks % d == 0]
                 self._fail(f"{name}={tp} does not divide "
                            + " and ".join(f"{k}={v}" for k, v in sizes.items()),
                            f"pick {name} from {fits}")
@@ -227,6 +228,15 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.model:  # the layouts the runtime refuses (TP vs heads, MLP, tied embeddings) first
+        from model.hf_io import load_model_args
+        try:
+            m = load_model_args(a.model)
+            dims.check_model(m.num_heads, m.num_kv_heads, m.tie_word_embeddings,
+                             m.intermediate_size, m.vocab_size)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(dims.rank_map())
     if a.model:
         from parallel.sharding import describe_layouts
@@ -244,11 +254,11 @@ def _check_divides(*meshes: tuple) -> None:
                              f"parallel degree is ranks / tp); choose {flag} from {ok}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def tp_fits_model(sizes, tied: bool):
     """tp degree -> whether it splits a model evenly: it divides every size in `sizes` (head
     counts, the MLP's width; 0: none given) and, above 1, the model has untied embeddings."""
     return lambda tp: tp == 1 or (not tied and all(n % tp == 0 for n in sizes if n))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

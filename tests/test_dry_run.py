@@ -228,3 +228,20 @@ def test_dims_cli_names_the_flag_and_the_fix(capsys):
     assert "leaves no trainer ranks" in capsys.readouterr().err
     assert main(["--world", "4", "--generator-ranks", "2", "--gen-tp", "2"]) == 0
     assert "gen_dp=1 x gen_tp=2" in capsys.readouterr().out
+
+
+def test_dims_cli_refuses_a_layout_its_model_cannot_take(tmp_path, capsys):
+    """With --model, a trainer TP of 3 over 4 heads printed its mesh (exit 0), a layout the
+    runtime refuses; and a degree suggested must divide the mesh's ranks too (it offered 2 for 3
+    trainer ranks)."""
+    from parallel.dims import ParallelDims, main
+    from tests.rl_model import make_rl_model
+    model = make_rl_model(tmp_path / "m")  # 4 heads, 2 KV heads
+    assert main(["--world", "4", "--generator-ranks", "1", "--trainer-tp", "3", "--model",
+                 str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "trainer_tp=3 does not divide num_heads=4" in err and "pick trainer_tp from [1]" in err
+    with pytest.raises(ValueError, match=r"pick trainer_tp from \[1, 2\]"):
+        ParallelDims(6, "split", 2, 1, 2, 1, 4).check_model(4, 2, intermediate_size=64)
+    assert main(["--world", "3", "--generator-ranks", "1", "--trainer-tp", "2", "--model",
+                 str(model)]) == 0
