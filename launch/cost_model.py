@@ -885,8 +885,9 @@ def model_signature(args: ModelArgs) -> dict:
 
 def fit(points, degree: int = 1) -> tuple[float, ...]:
     """Least-squares polynomial through [[x, y], ...], lowest order first, falling back to a lower
-    degree when the top coefficient comes out negative (noise on a loaded machine), so that a fit
-    never predicts less time for more work. fit([[1, 3], [2, 5], [3, 7]]) == (1.0, 2.0)."""
+    degree when the curve falls anywhere over the measured range (noise on a loaded machine: a
+    negative top coefficient, or a quadratic whose slope is negative at the smallest x), so that
+    a fit never predicts less time for more work. fit([[1, 3], [2, 5], [3, 7]]) == (1.0, 2.0)."""
     if not points:
         raise ValueError("fit: no measured points")
     xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
@@ -904,7 +905,8 @@ def fit(points, degree: int = 1) -> tuple[float, ...]:
                 f = a[r][col] / a[col][col]
                 a[r] = [u - f * v for u, v in zip(a[r], a[col])]
     coef = tuple(a[r][n] / a[r][r] for r in range(n))
-    if coef[-1] < 0:
+    # the slope b + 2cx is lowest at the smallest x where c >= 0
+    if coef[-1] < 0 or (degree == 2 and coef[1] + 2 * coef[2] * min(xs) < 0):
         return fit(points, degree - 1)
     return tuple(max(c, 0.0) if i == 0 else c for i, c in enumerate(coef))
 

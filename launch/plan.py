@@ -219,9 +219,7 @@ def best_plan(args: ModelArgs, cluster: cm.Cluster, wl: cm.Workload, profile=Non
         tr = train_time(p.trainer_fsdp, p.trainer_tp, p.activation_checkpointing, m.micro_batch_tokens)
         ests.append(cm.assemble(args, cluster, wl, p, m, g, tr, None, profile))
     refined = _refine(args, cluster, wl, ests, refine, profile)
-    # ties (the generator's time is flat over many splits) go to the least total phase time: the
-    # most slack in the phase that is not the bottleneck, so model errors hurt least
-    ranked = sorted(refined, key=lambda e: (round(e.step, 9), e.times.gen + e.times.train + e.times.sync))
+    ranked = sorted(refined, key=rank_key)
     best_sync = min(refined, key=lambda e: e.step_sync, default=None)
     return PlanResult(ranked[:keep], ranked[0] if ranked else None, best_sync, searched, len(ests),
                       time.perf_counter() - t0, why, nearest)
@@ -240,12 +238,21 @@ def _split_memory(gen_mem, train_mem, p: cm.Placement) -> cm.Memory:
     return cm.Memory(t_bytes, g_bytes, max(t_bytes, g_bytes), slots, mbt, why_g or why_t)
 
 
+def rank_key(e: cm.Estimate) -> tuple[float, float]:
+    """The search's order: step time; ties (the generator's time is flat over many splits) go to
+    the least total phase time: the most slack in the phase that is not the bottleneck, so
+    model errors hurt least."""
+    return round(e.step, 9), e.times.gen + e.times.train + e.times.sync
+
+
 def _refine(args, cluster, wl, ests, k: int, profile) -> list:
     """Re-cost the best k split placements' weight sync with the real plan."""
     if k <= 0:
         return ests
     out = list(ests)
-    order = sorted(range(len(out)), key=lambda i: out[i].step)
+    # the final ranking's order (`rank_key`): among plans of one step time (generation-bound
+    # ones tie), by step alone the ones re-costed were any of them, not the chosen
+    order = sorted(range(len(out)), key=lambda i: rank_key(out[i]))
     done = 0
     for i in order:
         e = out[i]

@@ -1137,3 +1137,25 @@ def test_a_colocated_rank_whose_trainer_states_do_not_fit_is_told_so():
     mem = cm.plan_memory(L8B, cm.gpu_cluster("h100", 1, 1), cm.Workload(8, 16, 512, 2048),
                          cm.Placement(1, "colocated", 1, 1, 1))
     assert mem.why.startswith("trainer: ") and "KV slot" not in mem.why, mem.why
+
+
+def test_a_fit_never_falls_over_its_measured_range():
+    """A quadratic through noisy points fell between them (1.83 ms at 32 tokens, 1.54 ms at
+    512): the planner then found more TP slower there. It falls back to a line (or a constant)."""
+    pts = [[32, 2e-3], [128, 1.5e-3], [512, 1.6e-3], [2048, 5e-3]]
+    coef = cm.fit(pts, 2)
+    at = lambda x: sum(c * x ** i for i, c in enumerate(coef))  # noqa: E731
+    xs = range(32, 2049, 16)
+    assert all(at(b) >= at(a) for a, b in zip(xs, xs[1:])), coef
+    assert cm.fit([[1, 3], [2, 5], [3, 7]]) == (1.0, 2.0)
+    assert len(cm.fit([[1, 1], [2, 4], [3, 9]], 2)) == 3  # a rising quadratic stays one
+
+
+def test_the_chosen_plan_is_one_whose_sync_was_recosted():
+    """Generation-bound plans tie on step time: refine re-costed the first k by step alone (any
+    of the tied ones), while the ranking broke the tie by total phase time, so the chosen plan's
+    sync could be the closed form's (here: 'even shards')."""
+    from launch.plan import best_plan
+    res = best_plan(preset_args("llama-1.1b"), cm.gpu_cluster("h100", 3, 6),
+                    cm.Workload(16, 4, 256, 512, 1, "float32", "bfloat16"))
+    assert res.best.times.detail["sync_bytes"].source.startswith("plan"), res.best.placement.label()
