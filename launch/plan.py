@@ -454,6 +454,19 @@ def workload_flags(a: argparse.Namespace, base) -> list[int]:
             for flag, default, key in WORKLOAD_DEFAULTS]
 
 
+def ignored_for_device(ap: argparse.ArgumentParser, a: argparse.Namespace) -> str | None:
+    """Why the flags given do not fit --gpu (each was ignored or read otherwise), or None."""
+    cpu = a.gpu == "cpu"
+    if not cpu and a.cores != ap.get_default("cores"):
+        return f"--cores applies to --gpu cpu (the cores CPU ranks share); --gpu {a.gpu} has none"
+    if cpu and a.nodes > 1:
+        return ("--gpu cpu plans the ranks of one host (their cores shared): give its ranks as "
+                "--gpus-per-node N with --nodes 1")
+    if cpu and a.cluster_table:
+        return "--cluster-table compares GPU clusters (8B/70B/405B); give --gpu h100, a100 or h200"
+    return None
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -461,6 +474,8 @@ def main(argv=None) -> int:
         ap.error(f"--cluster-table plans its own models (8B/70B/405B) and clusters and writes no "
                  f"config: it does not use {' '.join(ignored)}; it reads only --gpu, --prompts, "
                  "--group, --prompt-len, --response-len and --eta")
+    if (why := ignored_for_device(ap, a)) is not None:
+        ap.error(why)
     try:
         return _main(a)
     except (ValueError, OSError) as e:  # OSError: e.g. --out in a folder that cannot be written
@@ -480,7 +495,7 @@ def _main(a) -> int:
     wl = cm.Workload(prompts, group, a.prompt_len, response_len, eta,
                      base_wl.pop("master_dtype", "float32"), gen_dtype, **base_wl)
     if a.cluster_table:
-        cluster_table(wl, "h100" if cpu else a.gpu)
+        cluster_table(wl, a.gpu)
         return 0
     if not (a.model or a.preset):
         raise ValueError("give --model HF_FOLDER, --preset NAME or --cluster-table")

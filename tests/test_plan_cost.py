@@ -1159,3 +1159,15 @@ def test_the_chosen_plan_is_one_whose_sync_was_recosted():
     res = best_plan(preset_args("llama-1.1b"), cm.gpu_cluster("h100", 3, 6),
                     cm.Workload(16, 4, 256, 512, 1, "float32", "bfloat16"))
     assert res.best.times.detail["sync_bytes"].source.startswith("plan"), res.best.placement.label()
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--preset", "8b", "--cores", "16"], "--cores applies to --gpu cpu"),
+    (["--preset", "8b", "--gpu", "cpu", "--nodes", "2"], "--gpu cpu plans the ranks of one host"),
+    (["--cluster-table", "--gpu", "cpu"], "--cluster-table compares GPU clusters")])
+def test_plan_refuses_flags_its_device_would_ignore(argv, why, capsys):
+    """--cores on GPUs was ignored, --gpu cpu --nodes 2 planned one host of all the ranks, and
+    --cluster-table --gpu cpu printed H100 numbers: each silently."""
+    with pytest.raises(SystemExit) as e:
+        plan_main(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
