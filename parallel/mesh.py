@@ -92,6 +92,7 @@ def shutdown_barrier(timeout_s: float, group=None) -> None:
     `timeout_s` first (warm-up over, it was parallel.timeout_s: the final export's longer wait
     was cut to it)."""
     timeout = timedelta(seconds=timeout_s)
+    t0 = time.monotonic()
     try:
         if dist.get_backend(group) != "gloo":
             from torch.distributed.distributed_c10d import _set_pg_timeout  # no public API yet
@@ -100,8 +101,13 @@ def shutdown_barrier(timeout_s: float, group=None) -> None:
         else:
             dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
     except RuntimeError as e:
-        raise TimeoutError(f"rank {dist.get_rank()}: the shutdown barrier (every rank of both meshes "
-                           f"done) timed out after {timeout_s:g}s: {e}") from e
+        what = f"rank {dist.get_rank()}: the shutdown barrier (every rank of both meshes done)"
+        # gloo says "failed to pass monitoredBarrier in <timeout> ms" of a rank that died at once
+        # too: only the clock tells a time-out ("timed out after 1800s", half a second in)
+        if is_timeout(e, deadline=t0 + 0.95 * timeout_s):
+            raise TimeoutError(f"{what} timed out after {timeout_s:g}s: {e}") from e
+        raise ConnectionError(f"{what} failed after {time.monotonic() - t0:.1f}s of its "
+                              f"{timeout_s:g}s, a rank having left the group: {e}") from e
 
 
 def _attempt_store(timeout: timedelta) -> dict:
@@ -160,8 +166,9 @@ class Meshes:
         followers = [self.trainer_group]
         if self.generator is not None:
             followers.append(self.generator.get_group("tp"))
-        for g in followers:
-            if g is not None:
+        for g in followers:  # not the default group: a mesh dimension over the whole world is
+            # it (colocated gen_tp = world), and every collective on it then waited twice as long
+            if g is not None and g is not dist.group.WORLD:
                 _set_pg_timeout(timedelta(seconds=2 * seconds), g)
 
     @property

@@ -490,6 +490,58 @@ def test_shutdown_barrier_names_the_rank_that_never_came():
     assert last["error"] == ""
 
 
+def _left_barrier_worker(rank, world):
+    import time
+    import torch.distributed as dist
+    from parallel.mesh import shutdown_barrier
+    group = dist.new_group(list(range(world)))
+    shutdown_barrier(60, group=group)
+    if rank == 1:  # a rank that left: the barrier fails at once
+        time.sleep(0.5)
+        dist.destroy_process_group(group)
+        return {"error": "", "s": 0.0}
+    t0 = time.monotonic()
+    try:
+        shutdown_barrier(30, group=group)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "s": time.monotonic() - t0}
+    return {"error": "", "s": 0.0}
+
+
+def test_a_shutdown_barrier_a_rank_left_says_so_not_that_it_timed_out():
+    """A peer that died failed the barrier at once, and the error said it "timed out after 30s"
+    (the start-up budget's 1800 s in a run) half a second in."""
+    first = run_ranks(_left_barrier_worker, 2, timeout=60)[0]
+    assert first["s"] < 20, first
+    assert re.match(r"ConnectionError: rank 0: the shutdown barrier .* failed after \d+\.\ds of "
+                    r"its 30s, a rank having left the group", first["error"]), first
+
+
+def _colocated_timeouts_worker(rank, world, gen_tp):
+    import torch
+    import torch.distributed as dist
+    from parallel.dims import ParallelDims
+    from parallel.mesh import build_meshes
+    dims = ParallelDims(world_size=world, mode="colocated", generator_ranks=world, gen_tp=gen_tp,
+                        gen_dp=world // gen_tp, trainer_fsdp=world, trainer_tp=1)
+    meshes = build_meshes(dims, torch.device("cpu"))
+    meshes.set_timeouts(2.0)
+    seconds = lambda g: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # noqa: E731
+    tp = meshes.generator.get_group("tp")
+    return {"world": seconds(dist.group.WORLD), "tp": seconds(tp),
+            "tp_is_world": tp is dist.group.WORLD}
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_colocated_generator_tp_over_the_whole_world_keeps_the_default_groups_timeout(gen_tp):
+    """With gen_tp = world, torch's DeviceMesh makes the TP dimension the default group, and the
+    followers' doubled timeout went to every collective on it (the colocated step's exchange
+    waited 2 x parallel.timeout_s, its message saying timeout_s)."""
+    got = run_ranks(_colocated_timeouts_worker, 2, gen_tp, timeout=60)[0]
+    assert got["world"] == 2.0
+    assert got["tp"] == (2.0 if got["tp_is_world"] else 4.0) and got["tp_is_world"] == (gen_tp == 2)
+
+
 def _mixed_backend_shutdown_worker(rank, world):
     """A group whose backend string is not plain gloo (as "cpu:gloo,cuda:nccl" on GPUs) has no
     monitored_barrier in torch: the plain barrier is taken instead."""
