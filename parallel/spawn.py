@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -210,7 +211,8 @@ def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     their own, and end once their agent, which holds their store, is gone)."""
     with Captured(cmd, **kwargs) as proc:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            with _sigterm_raises():
+                out, err = proc.communicate(timeout=timeout)
         except BaseException:
             # (the group may be gone already: an error reading the output after the end)
             with contextlib.suppress(ProcessLookupError):
@@ -221,6 +223,25 @@ def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
             proc.wait()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM as SystemExit(143) meanwhile (in the main thread, where handlers run): its default
+    action ended the caller at once, its clean-up skipped, and a command in a session of its own
+    (a bench's torchrun, its ranks) ran on into the next timed section of a `timeout`-capped
+    bench/gpu_check.sh."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _reports(outdir: Path) -> str:

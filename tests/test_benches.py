@@ -376,3 +376,37 @@ def test_a_benchs_command_returns_its_output_and_its_time_out_ends_its_children(
         assert select.select([pidfd], [], [], 30)[0], "the background child outlived the time-out"
     finally:
         os.close(pidfd)
+
+
+def test_a_bench_ended_by_sigterm_ends_its_commands_group(tmp_path):
+    """bench/gpu_check.sh caps each section with `timeout`, whose SIGTERM reaches the bench but
+    not its torchrun (a session of its own): the bench died at once, its clean-up skipped, and the
+    run went on into the next timed section. Now the SIGTERM ends the command's group first."""
+    import os
+    import select
+    import signal
+    import sys
+    import time
+    pid_file = tmp_path / "child"
+    script = (f"from bench.common import run_in_group\n"
+              f"import os\n"
+              f"run_in_group(['bash', '-c', 'sleep 60 & echo $! > {pid_file}; wait'], "
+              f"dict(os.environ), 120)\n")
+    root = BENCH.parent
+    bench = subprocess.Popen([sys.executable, "-c", script], cwd=root,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        for _ in range(600):  # the child's pid, once the command has started it
+            if pid_file.is_file() and pid_file.read_text().strip():
+                break
+            time.sleep(0.05)
+        pidfd = os.pidfd_open(int(pid_file.read_text()))
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(30) == 143
+        try:  # readable once the process has ended
+            assert select.select([pidfd], [], [], 30)[0], "the command's child outlived the bench"
+        finally:
+            os.close(pidfd)
+    finally:
+        bench.kill()
+        bench.wait()
