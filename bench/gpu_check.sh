@@ -110,7 +110,8 @@ run b  330 "$PY" bench/rollout_vs_hf.py --no-cpu --gpu --no-hf-static --repeats 
 run d  150 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
     --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 70 --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
 run d2 240 "$PY" bench/weights_sync.py --rl --rl-shape smollm2-135m --rl-steps 12 \
-    --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 110 --rl-decode compile
+    --rl-prompts 16 --rl-samples 8 --rl-new-tokens 64 --rl-timeout 110 --rl-decode compile \
+    --rl-ipc-buffers "${RL_IPC_BUFFERS:-1}"
 run a  75  "$PY" bench/weights_sync.py --ipc --shape 1b --versions 10
 run c  130 "$PY" bench/train_step.py --no-cpu --gpu --compile --iters 5
 run c2 130 "$PY" bench/train_step.py --no-cpu --gpu --compile --packed --iters 5

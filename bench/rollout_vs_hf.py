@@ -437,7 +437,8 @@ def main(argv=None) -> None:
         if torch.cuda.is_available():
             with torch.no_grad():
                 out["gpu"] = gpu_section(a.repeats, hf_static=not a.no_hf_static,
-                                         modes=tuple(a.modes.split(",")), profile=a.profile)
+                                         modes=tuple(m for m in a.modes.split(",") if m),
+                                         profile=a.profile)
         else:
             print("GPU section skipped: CUDA is not available")
             out["gpu"] = "skipped: no CUDA"

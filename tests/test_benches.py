@@ -410,3 +410,15 @@ def test_a_bench_ended_by_sigterm_ends_its_commands_group(tmp_path):
     finally:
         bench.kill()
         bench.wait()
+
+
+def test_convert_smollm2_refuses_a_folder_of_another_dtype(tmp_path):
+    """--dtype bfloat16 over the float32 folder returned it as converted ("wrote ..."), its
+    config saying float32."""
+    from tools.convert_smollm2 import convert
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert convert(tmp_path, "float32") == tmp_path  # reused as it is
+    with pytest.raises(SystemExit, match=r"holds the model in float32, not bfloat16: give another "
+                                         r"--out"):
+        convert(tmp_path, "bfloat16")

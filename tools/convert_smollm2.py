@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -29,8 +30,14 @@ def gguf_path() -> Path:
 
 
 def convert(out: Path = DEFAULT_OUT, dtype: str = "float32") -> Path:
-    """Convert once; an existing complete folder is reused."""
+    """Convert once; an existing complete folder of that dtype is reused (one of another dtype is
+    refused: it was returned as if converted, its config saying float32 to a bfloat16 request)."""
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        cfg = json.loads((out / "config.json").read_text())
+        have = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        if have != dtype:
+            raise SystemExit(f"{out} holds the model in {have}, not {dtype}: give another --out "
+                             f"for the {dtype} copy, or delete {out} to convert it again")
         return out
     import torch
     import transformers
