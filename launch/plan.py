@@ -341,8 +341,11 @@ def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None
     # the engine allocates num_slots x (max_prompt_len + max_new_tokens) positions: write the
     # prompt length the KV slots were sized for (--prompt-len, or a base config's longer one)
     cfg.data.max_prompt_len = wl.prompt_cap
-    if base is None or cfg.run.name == load_config(None).run.name:  # keep a base config's name
-        cfg.run.name = f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}"
+    # a base config's name leads (its runs' plan), but is not its folder: a run of the base
+    # config there would be taken as this one's ("already completed", or resumed)
+    named = base is not None and cfg.run.name != load_config(None).run.name
+    cfg.run.name = (f"{cfg.run.name}_" if named else "") + (
+        f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}")
     if p.mode == "colocated":  # checkpoints are split mode's: preflight refused the file
         cfg.checkpoint.every_steps = 0
     cfg.validate().resolve(p.world)  # raises if the placement and the config disagree

@@ -5,10 +5,11 @@
     python launch/sweep.py --config C --grid-file grid.toml --local [--nproc 3] [--keep-going]
     python launch/sweep.py --config C --grid ... --slurm [--sbatch launch/tandem.sbatch] [--submit]
 
-Runs are the cartesian product of the grid in the order given (the last key varies fastest). Each
-gets `--run.name=<prefix>_<key>-<value>_...`; the prefix is --name-prefix, else the config's
-run.name, else the config file's name. A run whose folder holds a run of other settings (another
-sweep's) is refused before any starts; the same sweep run again resumes or skips its runs. Extra `--section.key=value` arguments apply to every
+Runs are the cartesian product of the grid in the order given (the last key varies fastest).
+Each gets `--run.name=<prefix>_<key>-<value>_...`; the prefix is --name-prefix, else the
+config's run.name, else the config file's name. A run whose folder holds a run of other
+settings (another sweep's) is refused before any starts; the same sweep run again resumes or
+skips its runs. Extra `--section.key=value` arguments apply to every
 run. A grid file holds a `[grid]` table: `"trainer.lr" = [1e-4, 3e-4]`.
 
 Every run's overrides go through config.load_config before anything starts, so an unknown key or
@@ -220,13 +221,19 @@ def _check_folder_holds_this_run(config: str, run: Run, folder: str) -> None:
                           "run. Give this sweep its own --name-prefix, or move that folder away")
 
 
+# the seeds run.seed is added to (Config.resolve): compared whether or not a key sets them, so
+# that a sweep of another --run.seed is told its folders hold the first one's runs
+_SEEDS = ("data.seed", "generator.seed", "trainer.seed")
+
+
 def _keys_set(config: str, overrides: list[str]) -> list[str]:
-    """The "section.key" names the config file and the overrides set, in that order."""
+    """The "section.key" names the config file and the overrides set, in that order, and the
+    seeds."""
     with open(config, "rb") as fh:
         table = tomllib.load(fh)
     keys = [f"{sec}.{k}" for sec, vals in table.items() if isinstance(vals, dict) for k in vals]
     keys += [o.removeprefix("--").partition("=")[0].replace("-", "_") for o in overrides]
-    return list(dict.fromkeys(keys))
+    return list(dict.fromkeys([*keys, *_SEEDS]))
 
 
 def run_folder(cfg) -> str:
@@ -357,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                     help="values of one key (repeatable)")
     ap.add_argument("--grid-file", help="TOML file with a [grid] table of \"section.key\" = [values]")
-    ap.add_argument("--name-prefix", help="run name prefix (default: the config's run.name)")
+    ap.add_argument("--name-prefix", help="run name prefix (default: the config's run.name, "
+                    "else the config file's name)")
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     mode.add_argument("--local", action="store_true", help="run one after another via launch/run_local.sh")

@@ -107,7 +107,8 @@ def shutdown_barrier(timeout_s: float, group=None) -> None:
         if is_timeout(e, deadline=t0 + 0.95 * timeout_s):
             raise TimeoutError(f"{what} timed out after {timeout_s:g}s: {e}") from e
         raise ConnectionError(f"{what} failed after {time.monotonic() - t0:.1f}s of its "
-                              f"{timeout_s:g}s, a rank having left the group: {e}") from e
+                              f"{timeout_s:g}s, not timed out (a rank left the group, or the "
+                              f"backend failed): {e}") from e
 
 
 def _attempt_store(timeout: timedelta) -> dict:

@@ -213,7 +213,7 @@ def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
         try:
             with _sigterm_raises():
                 out, err = proc.communicate(timeout=timeout)
-        except BaseException:
+        except BaseException as e:
             # (the group may be gone already: an error reading the output after the end)
             with contextlib.suppress(ProcessLookupError):
                 if kwargs.get("start_new_session"):
@@ -221,23 +221,33 @@ def run_captured(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
                 else:
                     proc.kill()
             proc.wait()
+            if isinstance(e, _Terminated):  # the command is gone: now the SIGTERM's own action
+                signal.raise_signal(signal.SIGTERM)
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+class _Terminated(BaseException):
+    """A SIGTERM that arrived while `run_captured`'s command ran (`_sigterm_raises`)."""
+
+
 @contextlib.contextmanager
 def _sigterm_raises():
-    """SIGTERM as SystemExit(143) meanwhile (in the main thread, where handlers run): its default
-    action ended the caller at once, its clean-up skipped, and a command in a session of its own
-    (a bench's torchrun, its ranks) ran on into the next timed section of a `timeout`-capped
-    bench/gpu_check.sh."""
-    if threading.current_thread() is not threading.main_thread():
+    """A SIGTERM meanwhile raises _Terminated (in the main thread, where handlers run), so that
+    `run_captured` kills its command first and then lets the signal act as it would have (the
+    previous handler back): its default action ended the caller at once, its clean-up skipped,
+    and a command in a session of its own (a bench's torchrun, its ranks) ran on into the next
+    timed section of a `timeout`-capped bench/gpu_check.sh. An ignored SIGTERM (or one handled
+    outside Python) is left as it is."""
+    before = signal.getsignal(signal.SIGTERM)
+    if (threading.current_thread() is not threading.main_thread()
+            or before in (signal.SIG_IGN, None)):
         yield
         return
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
-    before = signal.signal(signal.SIGTERM, stop)
+        raise _Terminated
+    signal.signal(signal.SIGTERM, stop)
     try:
         yield
     finally:

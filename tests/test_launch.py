@@ -124,6 +124,7 @@ def test_sweeps_of_other_settings_never_share_run_folders(tmp_path, monkeypatch)
                                                                   "run: 0.2)"),
                                  (str(a), ["--trainer.seed=1"], "trainer.seed=1 (the folder's "
                                                                 "run: 0)"),
+                                 (str(a), ["--run.seed=1"], "data.seed=1 (the folder's run: 0)"),
                                  (str(b), [], "algo.kl_coef=0.0 (the folder's run: 0.2)")):
         other = sweep.expand([("trainer.lr", ["1e-4", "3e-4"])], "a", common)
         with pytest.raises(ConfigError, match=rf"run a_lr-1e-4: its folder .*a_lr-1e-4 holds a run "

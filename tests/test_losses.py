@@ -748,7 +748,8 @@ def test_a_train_step_with_an_overflowing_ratio_is_not_skipped():
 
 def test_aipo_and_mismatch_kl_metrics_stay_finite_where_pi_over_mu_overflows():
     """AIPO's ratio metrics (is_ratio_sum/max) and mismatch_kl took exp of pi/mu = e^100: inf in
-    metrics.jsonl and TensorBoard, where PPO's read e^20. The weight (rho) and gradient as before."""
+    metrics.jsonl and TensorBoard, where PPO's read e^20 (and mismatch_kl goes on as k3 does, on
+    exp's tangent). The weight (rho) and gradient as before."""
     logp = torch.tensor([0.0, LN(1.5)], requires_grad=True)
     mu, mask = torch.tensor([-100.0, 0.0]), torch.ones(2, dtype=torch.bool)
     out = aipo_loss(logp, mu, torch.tensor([1.0, 1.0]), mask, rho=2.0)
@@ -756,7 +757,9 @@ def test_aipo_and_mismatch_kl_metrics_stay_finite_where_pi_over_mu_overflows():
     assert logp.grad.tolist() == [-2.0, -1.5]  # weight min(ratio, rho): 2 and 1.5
     assert out.is_ratio_max.item() == pytest.approx(E20)
     assert out.is_ratio_sum.item() == pytest.approx(E20 + 1.5) and int(out.truncated_count) == 1
-    assert mismatch_kl(logp, mu, mask).item() == pytest.approx(E20 - 1 - 20 + 0.5 - LN(1.5))
+    # k3 = r - 1 - log r, r past e^20 as exp's tangent there: it keeps rising with log r
+    assert mismatch_kl(logp, mu, mask).item() == pytest.approx(E20 * 81 - 101 + 0.5 - LN(1.5))
+    assert mismatch_kl(logp, mu - 10, mask) > mismatch_kl(logp, mu, mask)
 
 
 def test_k3_past_float32s_range_stays_finite_and_pulls_toward_the_reference():

@@ -496,8 +496,7 @@ def _left_barrier_worker(rank, world):
     from parallel.mesh import shutdown_barrier
     group = dist.new_group(list(range(world)))
     shutdown_barrier(60, group=group)
-    if rank == 1:  # a rank that left: the barrier fails at once
-        time.sleep(0.5)
+    if rank == 1:  # a rank that left: the barrier fails at once (before or after rank 0 is in it)
         dist.destroy_process_group(group)
         return {"error": "", "s": 0.0}
     t0 = time.monotonic()
@@ -514,7 +513,7 @@ def test_a_shutdown_barrier_a_rank_left_says_so_not_that_it_timed_out():
     first = run_ranks(_left_barrier_worker, 2, timeout=60)[0]
     assert first["s"] < 20, first
     assert re.match(r"ConnectionError: rank 0: the shutdown barrier .* failed after \d+\.\ds of "
-                    r"its 30s, a rank having left the group", first["error"]), first
+                    r"its 30s, not timed out \(a rank left the group", first["error"]), first
 
 
 def _colocated_timeouts_worker(rank, world, gen_tp):

@@ -344,7 +344,8 @@ def test_plan_keeps_the_base_configs_workload_name_and_checkpoints_where_they_ru
     assert plan_main(argv) == 0
     cfg = load_config(str(out))
     assert (cfg.trainer.prompts_per_step, cfg.generator.n_samples, cfg.generator.max_new_tokens,
-            cfg.algo.max_staleness, cfg.run.name) == (48, 4, 128, 2, "mine")
+            cfg.algo.max_staleness) == (48, 4, 128, 2)
+    assert cfg.run.name.startswith("mine_plan_8r_")  # its own folder, named after the base's
     assert plan_main([*argv, "--prompts", "64", "--eta", "0"]) == 0  # flags still win
     cfg = load_config(str(out))
     assert (cfg.trainer.prompts_per_step, cfg.algo.max_staleness) == (64, 0)

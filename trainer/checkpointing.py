@@ -420,9 +420,9 @@ def gather_cut(link, leaders: list[int], step: int,
     return replies, before
 
 
-def save(worker, step: int, metrics_row: dict | None = None) -> Path:
+def save(worker, step: int, metrics_row=lambda: None) -> Path:
     """Collective over the trainer mesh: called by every trainer rank after step `step`.
-    `metrics_row`: the owner's row of the step so far, which a resume writes where the run
+    `metrics_row()`: the owner's row of the step so far, which a resume writes where the run
     died before it did (`MetricsLogger.restore`)."""
     from parallel.checkpoint import save_sharded
     from trainer.link import PeerError
@@ -433,7 +433,7 @@ def save(worker, step: int, metrics_row: dict | None = None) -> Path:
     sent = None
     if worker.is_owner:
         try:
-            sent = {"extra": {**_owner_extra(worker, step), "metrics_row": metrics_row}}
+            sent = {"extra": {**_owner_extra(worker, step), "metrics_row": metrics_row()}}
         except Exception as e:  # the other trainer ranks wait in this broadcast: the cause
             try:
                 broadcast_json({"error": f"{type(e).__name__}: {e}"}, owner, group)

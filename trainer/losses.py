@@ -327,7 +327,8 @@ def mismatch_kl(logp_N: Tensor, logp_mu_N: Tensor, mask_N: Tensor) -> Tensor:
     """
     mask_N = mask_N.bool()
     log_r_N = torch.where(mask_N, logp_N.detach() - logp_mu_N, 0.0)
-    return _masked_sum(_ratio(log_r_N) - 1 - log_r_N, mask_N)
+    # r past e^20 as exp's tangent there (`_ratio`'s cap made k3 fall as log r rose above it)
+    return _masked_sum(_exp_linear_above_cap(log_r_N) - 1 - log_r_N, mask_N)
 
 
 def token_logprobs(logits_NV: Tensor, targets_N: Tensor, temperature: float = 1.0,

@@ -91,7 +91,8 @@ def start_trainer(cfg, meshes, tokenizer, link: Link | None,
         clear_complete(cfg)
         extra = read_extra(path) if path is not None else {"step": 0}
         logger = MetricsLogger.from_config(cfg, extra["step"])
-        logger.restore(extra.get("metrics_row"))  # the saved step's row, if the run died before it
+        if cfg.checkpoint.resume == "auto":  # this folder's run: its step's row if it died before
+            logger.restore(extra.get("metrics_row"))  # it (not another run's, resumed by path)
         stack.callback(logger.close)
     opt = build_optimizer(model, cfg.trainer)
     worker = TrainerWorker(cfg, meshes, model, opt, build_scheduler(opt, cfg.trainer), sender, link,

@@ -180,7 +180,8 @@ class TrainerWorker:
         # prompt in flight at the cut, so a resumed run regenerates nothing and stays bitwise equal.
         # The step's row goes with it (`row_so_far`): a crash in the push after the save lost it
         # for good, the resume going on after the saved step.
-        self._maybe_save(lambda: self._row(groups, stats, res, t0, t_wait, t_train, None))
+        self._maybe_save(lambda: self._row(groups, stats, res, t0, t_wait, t_train, None,
+                                           time.perf_counter()))
         self._alone(self._finish_step, groups, stats, res, t0, t_wait, t_train)
 
     def _finish_step(self, groups, stats, res, t0: float, t_wait: float, t_train: float) -> None:
@@ -189,19 +190,20 @@ class TrainerWorker:
         try:
             self._push_weights()
         finally:  # the step's row even when the push fails: a resume goes on after the saved step
-            t_sync = time.perf_counter() - t1
-            row = self._row(groups, stats, res, t0, t_wait, t_train, t_sync)
-            self.last_stamp = time.perf_counter()
+            stamp = time.perf_counter()
+            row = self._row(groups, stats, res, t0, t_wait, t_train, stamp - t1, stamp)
+            self.last_stamp = stamp  # the step's time ends here: the next one's starts
             if row is not None:
                 self.logger.log(row)
 
     def _row(self, groups, stats, res, t0: float, t_wait: float, t_train: float,
-             t_sync: float | None) -> dict | None:
-        """The step's metrics row (the owner's; None elsewhere); `t_sync` None: before the push."""
+             t_sync: float | None, stamp: float) -> dict | None:
+        """The step's metrics row (the owner's; None elsewhere), its time up to `stamp`; `t_sync`
+        None: before the push."""
         if not (self.is_owner and self.logger is not None):
             return None
         start = t0 if self.last_stamp is None else self.last_stamp
-        m = self._metrics(groups, stats, res, time.perf_counter() - start, t_sync)
+        m = self._metrics(groups, stats, res, stamp - start, t_sync)
         return {**m, "time_wait_batch_s": t_wait, "time_train_s": t_train}
 
     def _alone(self, fn, *args) -> None:
@@ -238,7 +240,7 @@ class TrainerWorker:
         # the last step too: a finished run trained on (a raised max_steps, as the "already
         # completed" line says) resumes there; without it, it redid the steps since the last N
         if c.every_steps and (self.step % c.every_steps == 0 or last):
-            checkpointing.save(self, self.step, metrics_row=row_so_far())
+            checkpointing.save(self, self.step, metrics_row=row_so_far)
 
     def _stop(self) -> None:
         """The stop that the owner announced (launch/preemption.py): a checkpoint of the last
