@@ -40,6 +40,7 @@ class Tokenizer:
     path: str | None = None
     bos_id: int | None = None
     eos_id: int | None = None
+    unk_id: int | None = None  # what text outside the vocabulary encodes to, if anything
     chat_template: str | None = None
     add_bos_default: bool = False
 
@@ -124,6 +125,8 @@ class HFTokenizer(Tokenizer):
         self.path = path
         self.bos_id = hf_tokenizer.bos_token_id
         self.eos_id = hf_tokenizer.eos_token_id
+        self.unk_id = _distinct_unk(hf_tokenizer.unk_token_id, self.bos_id, self.eos_id,
+                                    hf_tokenizer.pad_token_id)
         self._extra_stop_ids = list(extra_stop_ids)
         template = hf_tokenizer.chat_template
         self.chat_template = template if template else None
@@ -176,6 +179,8 @@ class SentencePieceTokenizer(Tokenizer):
         self._added, added_special = _added_tokens(self.config, n)
         self.bos_id = self._special_id("bos_token", self.sp.bos_id())
         self.eos_id = self._special_id("eos_token", self.sp.eos_id())
+        self.unk_id = _distinct_unk(self.sp.unk_id() if self.sp.unk_id() >= 0 else None,
+                                    self.bos_id, self.eos_id)
         self._pad = self._special_id("pad_token", self.sp.pad_id())
         self._extra_stop_ids = list(extra_stop_ids)
         self.chat_template = self.config.get("chat_template") or None
@@ -401,6 +406,12 @@ def _portable_tokenizer_class(config_path: Path) -> None:
     if config.get("tokenizer_class") == "TokenizersBackend":
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
         config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _distinct_unk(unk: int | None, *specials: int | None) -> int | None:
+    """The unknown-text id, unless it doubles as BOS/EOS/pad (GPT-2's <|endoftext|> is all of
+    them): a prompt holding it then says nothing of text outside the vocabulary."""
+    return None if unk is None or unk in specials else unk
 
 
 def build_char_tokenizer(alphabet: str) -> HFTokenizer:

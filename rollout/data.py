@@ -357,24 +357,29 @@ def _encoded(item: PromptItem, encode_fn: Callable[[PromptItem], list[int]]) -> 
 
 
 def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], list[int]],
-                     max_prompt_len: int, what: str = "prompts",
-                     warn: bool = True) -> tuple[list[PromptItem], int]:
+                     max_prompt_len: int, what: str = "prompts", warn: bool = True,
+                     unk_id: int | None = None) -> tuple[list[PromptItem], int]:
     """Drop prompts longer than `max_prompt_len` tokens; returns (kept, number skipped). `what`
     names the set in the messages (the training and the held-out prompts are filtered alike).
 
-    Skips are logged as one warning with the count (`warn`). If nothing fits, that is a configuration
+    Skips are logged as one warning with the count (`warn`), and so are prompts holding `unk_id`
+    (text outside the tokenizer's vocabulary, e.g. a character a character-level tokenizer lacks:
+    the model sees <unk> there, not the text). If nothing fits, that is a configuration
     error, and the message says how long the shortest prompt is. A prompt that cannot be rendered
     (a chat template refusing its turns, text the tokenizer rejects) or renders to no tokens at
     all (an empty prompt without BOS; the engine needs one) is an error naming its record.
     """
     if not items:
         raise ValueError(f"filter_by_length got no {what}; check data.source and data.num_prompts")
-    kept, shortest = [], None
+    kept, shortest, unknown = [], None, []
     for item in items:
-        n = len(_encoded(item, encode_fn))
+        ids = _encoded(item, encode_fn)
+        n = len(ids)
         shortest = n if shortest is None else min(shortest, n)
         if n <= max_prompt_len:
             kept.append(item)
+        if unk_id is not None and unk_id in ids:
+            unknown.append(item)
     n_skipped = len(items) - len(kept)
     if not kept:
         raise ValueError(
@@ -384,6 +389,10 @@ def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], 
     if n_skipped and warn:
         logger.warning("skipped %d of %d %s longer than data.max_prompt_len=%d tokens",
                        n_skipped, len(items), what, max_prompt_len)
+    if unknown and warn:
+        logger.warning("%d of %d %s hold text outside the tokenizer's vocabulary, which the model "
+                       "reads as <unk> (the first: %s); check the tokenizer belongs to this data",
+                       len(unknown), len(items), what, _where(unknown[0]))
     return kept, n_skipped
 
 

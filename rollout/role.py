@@ -37,7 +37,8 @@ def load_eval_items(cfg, tokenizer, warn: bool = True):
 
 def _fitting(items, cfg, tokenizer, what: str, warn: bool):
     encode = lambda it: render_prompt(it, tokenizer, cfg.data.chat_template)  # noqa: E731
-    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len, what, warn)
+    kept, skipped = filter_by_length(items, encode, cfg.data.max_prompt_len, what, warn,
+                                     unk_id=getattr(tokenizer, "unk_id", None))
     return kept, skipped, encode
 
 

@@ -272,6 +272,29 @@ def test_filter_by_length_counts_and_warns(caplog):
         filter_by_length(items, encode, max_prompt_len=0)
 
 
+def test_prompts_outside_the_tokenizers_vocabulary_get_one_warning(tmp_path, caplog):
+    """A character-level tokenizer reads a character it lacks as <unk>, silently: an addition
+    model given the reverse task's '>' (the demo's warm start did that) saw '<unk>' there."""
+    from config import load_config
+    from model.tokenizer import load_tokenizer
+    from rollout.role import load_items
+    from tools.make_tiny_model import make_random_model
+    folder = make_random_model(tmp_path / "m", hidden=16, layers=1)  # the addition alphabet
+    tok = load_tokenizer(folder)
+    assert tok.unk_id is not None and tok.unk_id in tok.encode("8>3")
+    for source, warned in (("synthetic:addition", False), ("synthetic:reverse", True)):
+        cfg = load_config("configs/tiny_cpu.toml", [f"--model.path={folder}", f"--data.source={source}",
+                                                    "--data.num_prompts=50"])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tandem.data"):
+            load_items(cfg, tok)
+            load_items(cfg, tok, warn=False)  # the roles: preflight has said it
+        lines = [r.getMessage() for r in caplog.records if "vocabulary" in r.getMessage()]
+        assert lines == ([f"50 of 50 training prompts ({source}) hold text outside the tokenizer's "
+                          "vocabulary, which the model reads as <unk> (the first: synthetic:reverse "
+                          "item 0); check the tokenizer belongs to this data"] if warned else []), lines
+
+
 def test_the_training_and_held_out_sets_say_which_one_lost_prompts(tmp_path, caplog):
     """Both sets are filtered by data.max_prompt_len; their warnings and errors read alike."""
     from config import load_config
