@@ -321,7 +321,7 @@ def _s(x: float) -> str:
 
 def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None = None):
     """A validated, resolved-able Config for the placement `e` (load_config(path) round-trips)."""
-    from config import ConfigError, load_config
+    from config import ConfigError, RunConfig, load_config
     if wl.gen_dtype not in ("float32", "bfloat16", "float16") or wl.master_dtype not in (
             "float32", "bfloat16", "float16"):
         raise ConfigError(f"dtypes master={wl.master_dtype} gen={wl.gen_dtype} cannot be written to "
@@ -343,7 +343,7 @@ def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None
     cfg.data.max_prompt_len = wl.prompt_cap
     # a base config's name leads (its runs' plan), but is not its folder: a run of the base
     # config there would be taken as this one's ("already completed", or resumed)
-    named = base is not None and cfg.run.name != load_config(None).run.name
+    named = base is not None and cfg.run.name != RunConfig.name
     cfg.run.name = (f"{cfg.run.name}_" if named else "") + (
         f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}")
     if p.mode == "colocated":  # checkpoints are split mode's: preflight refused the file

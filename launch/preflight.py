@@ -215,13 +215,17 @@ def _check_ref_folder(cfg) -> None:
                           "policy, model.path")
 
 
+def _task_digits(cfg) -> int:
+    """The digits of cfg's synthetic task, as the task's loader reads them."""
+    return cfg.data.task_options.get("digits", cfg.data.synthetic_digits)
+
+
 def tiny_model_flags(cfg, out: Path) -> list[str]:
     """tools/make_tiny_model.py's flags for a model of cfg's synthetic task at `out` (its
-    default folder needs no --out), its digits as the task's loader reads them."""
+    default folder needs no --out)."""
     task = cfg.data.source.partition(":")[2]
-    digits = cfg.data.task_options.get("digits", cfg.data.synthetic_digits)
     return ([] if out == TINY_MODEL else ["--out", str(out)]) + (
-        [] if task == "addition" else ["--task", task]) + ["--digits", str(digits)]
+        [] if task == "addition" else ["--task", task]) + ["--digits", str(_task_digits(cfg))]
 
 
 def missing_model_hint(cfg, empty: bool = False) -> str:
@@ -232,12 +236,11 @@ def missing_model_hint(cfg, empty: bool = False) -> str:
     if kind != "synthetic" or not task:
         return ""
     out = TINY_MODEL if empty else Path(cfg.model.path)
-    flags = tiny_model_flags(cfg, out)
-    digits = flags[flags.index("--digits") + 1]
-    command = " ".join(["python tools/make_tiny_model.py", *flags])
+    digits = _task_digits(cfg)
+    command = " ".join(["python tools/make_tiny_model.py", *tiny_model_flags(cfg, out)])
     if empty:
         return f"; for {cfg.data.source}: {command} writes {out}, then --model.path={out}"
-    demo = out == TINY_MODEL and task == "addition" and digits == "1"  # configs/tiny_cpu.toml's
+    demo = out == TINY_MODEL and task == "addition" and digits == 1  # configs/tiny_cpu.toml's
     return (f"; `make demo` writes it, or {command}" if demo else
             f"; for {cfg.data.source} with {digits} digit(s): {command}")
 

@@ -568,6 +568,12 @@ def truncate_steps(f: Path, last_step: int) -> None:
     write_atomic(f, "".join(line + "\n" for line in keep))
 
 
+def logged_steps(f: Path) -> set[int]:
+    """The steps of a jsonl log's records (metrics.jsonl, eval.jsonl)."""
+    with open(f, encoding="utf-8", errors="replace") as fh:
+        return {step for step in map(_step_of, fh) if step is not None}
+
+
 def _step_of(line: str) -> int | None:
     """The "step" of one jsonl record, or None for a line that is not one."""
     try:

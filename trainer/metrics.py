@@ -67,7 +67,8 @@ class MetricsLogger:
         """Write a checkpoint's row of its step where metrics.jsonl lacks it: the run saved the
         step and died before it logged it (in the weights' push), and the resume goes on after
         it. Its time_weights_sync_s is null (the push never ended); no console line."""
-        if row is None or int(row["step"]) in _steps_in(self._file.name):
+        from trainer.checkpointing import logged_steps
+        if row is None or int(row["step"]) in logged_steps(Path(self._file.name)):
             return
         clean = {k: _jsonable(v) for k, v in row.items()}
         self._file.write(json.dumps(clean) + "\n")
@@ -264,13 +265,6 @@ class Heartbeat:
             print(f"{self.what()}: {duration(now - self.start)} so far", file=self.stream, flush=True)
             self.next = now + self.every_s
         return max(self.next - now, 0.0)
-
-
-def _steps_in(path: str) -> set[int]:
-    """The steps of a jsonl log's records."""
-    from trainer.checkpointing import _step_of
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        return {step for step in map(_step_of, fh) if step is not None}
 
 
 def _jsonable(v):
