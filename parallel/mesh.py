@@ -241,10 +241,14 @@ def check_no_duplicate_gpu(groups: list[list[int]], gpu_of: dict[int, tuple], wh
                 seen[key] = r
 
 
-def _axis_groups(grid: list[list[int]]) -> list[list[int]]:
-    rows = [row for row in grid]
+def mesh_groups(grid: list[list[int]]) -> list[list[int]]:
+    """The rank groups of a 2-D mesh that run NCCL collectives: its rows, its columns, and the
+    whole mesh (its own group: the trainer's or the generator's), where a repeat on the diagonal
+    (fsdp 2 x tp 2 on 3 GPUs: ranks 0 and 3) shows in no row or column."""
+    rows = [list(row) for row in grid]
     cols = [list(c) for c in zip(*grid)]
-    return rows + cols
+    whole = [[r for row in grid for r in row]] if len(rows) > 1 and len(cols) > 1 else []
+    return rows + cols + whole
 
 
 def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes:
@@ -257,8 +261,8 @@ def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes:
     dist.all_gather_object(gathered, _placement(device))
     gpu_of = dict(enumerate(gathered))
     t_grid, g_grid = dims.trainer_mesh_ranks(), dims.generator_mesh_ranks()
-    check_no_duplicate_gpu(_axis_groups(t_grid), gpu_of, "trainer mesh")
-    check_no_duplicate_gpu(_axis_groups(g_grid), gpu_of, "generator mesh")
+    check_no_duplicate_gpu(mesh_groups(t_grid), gpu_of, "trainer mesh")
+    check_no_duplicate_gpu(mesh_groups(g_grid), gpu_of, "generator mesh")
     dev_type = device.type
     tmesh = DeviceMesh(dev_type, torch.tensor(t_grid), mesh_dim_names=("fsdp", "tp"))
     gmesh = DeviceMesh(dev_type, torch.tensor(g_grid), mesh_dim_names=("dp", "tp"))

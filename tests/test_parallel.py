@@ -96,6 +96,20 @@ def test_duplicate_gpu_in_one_mesh_is_refused_by_uuid():
     check_no_duplicate_gpu([[0, 1]], {0: ("n1", -1, ""), 1: ("n1", -1, "")}, "trainer mesh")  # CPU
 
 
+def test_duplicate_gpu_on_a_meshs_diagonal_is_refused():
+    from parallel.mesh import check_no_duplicate_gpu, mesh_groups
+    # fsdp 2 x tp 2 on 3 GPUs: ranks 0 and 3 share one, in no common row or column, but both are
+    # in the trainer's own group (NCCL: "Duplicate GPU detected")
+    grid = [[0, 1], [2, 3]]
+    gpus = {0: ("n1", 0, "GPU-a"), 1: ("n1", 1, "GPU-b"), 2: ("n1", 2, "GPU-c"),
+            3: ("n1", 0, "GPU-a")}
+    assert mesh_groups(grid) == [[0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2, 3]]
+    assert mesh_groups([[0, 1, 2]]) == [[0, 1, 2], [0], [1], [2]]  # one row: itself the whole
+    with pytest.raises(ValueError, match=r"trainer mesh group \[0, 1, 2, 3\] puts ranks 0 and 3 "
+                                         r"on the same GPU n1:cuda:0"):
+        check_no_duplicate_gpu(mesh_groups(grid), gpus, "trainer mesh")
+
+
 def test_dry_run_cli_prints_rank_map(capsys):
     from parallel.dims import main
     assert main(["--world", "1024", "--generator-ranks", "256", "--gen-tp", "8", "--trainer-tp", "8"]) == 0
