@@ -45,17 +45,22 @@ from config import ConfigError, load_config, parse_cli
 try:
     path, overrides, _ = parse_cli(sys.argv[3:])  # a --config among the arguments wins, as in train_rl.py
     cfg = load_config(path or sys.argv[1], overrides)
-    p = cfg.parallel
-    trainer = p.trainer_tp * (p.trainer_fsdp or 2)
-    if sys.argv[2]:
-        world = int(sys.argv[2])
-    elif p.mode == "split":
-        world = p.generator_ranks + trainer
-    else:
-        world = p.gen_tp * p.gen_dp if p.gen_dp else math.lcm(p.gen_tp, trainer)
+except ConfigError as e:  # a key or value of the file or the overrides: NPROC has no part in it
+    sys.exit(f"run_local.sh: {e}")
+p = cfg.parallel
+trainer = p.trainer_tp * (p.trainer_fsdp or 2)
+if sys.argv[2]:
+    world = int(sys.argv[2])
+elif p.mode == "split":
+    world = p.generator_ranks + trainer
+else:
+    world = p.gen_tp * p.gen_dp if p.gen_dp else math.lcm(p.gen_tp, trainer)
+try:
     cfg.resolve(world)
 except ConfigError as e:
-    sys.exit(f"run_local.sh: {e}" + ("" if sys.argv[2] else " (or set NPROC)"))
+    how = (f"NPROC={world}" if sys.argv[2] else
+           f"{world} ranks, derived from the config as NPROC was unset; set NPROC for another world")
+    sys.exit(f"run_local.sh: {e} ({how})")
 print(world)
 PY
 )

@@ -414,6 +414,13 @@ def test_run_local_bad_override_fails_before_torchrun(fake_python):
     proc, args = _run_local(fake_python, ["--trainer.lrr=1"])
     assert proc.returncode != 0 and args is None
     assert "valid keys of [trainer]" in proc.stderr
+    assert "NPROC" not in proc.stderr  # a misspelt key: the world size has no part in it
+    # a layout that the derived world cannot take says how the world was chosen
+    proc, args = _run_local(fake_python, ["--parallel.gen_tp=2"])
+    assert proc.returncode != 0 and args is None
+    assert "gen_tp=2 does not divide the 1 generator ranks" in proc.stderr, proc.stderr
+    assert "(3 ranks, derived from the config as NPROC was unset; set NPROC for another world)" \
+        in proc.stderr
 
 
 @pytest.mark.parametrize("env, args, message", [
