@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save_file as _save_safetensors
 
 from model.args import ModelArgs
 from model.transformer import Transformer
@@ -30,6 +30,36 @@ def to_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def save_file(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, the file then as readable as the umask makes any other: newer
+    safetensors (0.8) create it 0600 through a temporary file, so an export's weights were
+    unreadable to the rest of a cluster's group while its config.json and tokenizer were not."""
+    _save_safetensors(tensors, path, metadata=metadata)
+    readable_as_umask(path)
+
+
+def readable_as_umask(*paths) -> None:
+    """Give these files the mode a plain `open(..., "w")` gives (0666 less the umask)."""
+    mode = 0o666 & ~_umask()
+    for p in paths:
+        os.chmod(p, mode)
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it where Linux shows it (os.umask can only
+    read it by changing it, for a moment, for every thread of the process)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
 
 
 def load_model_args(path: str | os.PathLike) -> ModelArgs:

@@ -413,7 +413,7 @@ def test_a_bench_ended_by_sigterm_ends_its_commands_group(tmp_path):
         bench.wait()
 
 
-def test_convert_smollm2_refuses_a_folder_of_another_dtype(tmp_path):
+def test_convert_smollm2_refuses_a_folder_of_another_dtype(tmp_path, capsys):
     """--dtype bfloat16 over the float32 folder returned it as converted ("wrote ..."), its
     config saying float32."""
     from tools.convert_smollm2 import convert
@@ -423,3 +423,8 @@ def test_convert_smollm2_refuses_a_folder_of_another_dtype(tmp_path):
     with pytest.raises(SystemExit, match=r"holds the model in float32, not bfloat16: give another "
                                          r"--out"):
         convert(tmp_path, "bfloat16")
+    # the command line says it kept the folder, not that it wrote it
+    from tools.convert_smollm2 import main
+    assert main(["--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == (f"{tmp_path} already holds the converted model: kept "
+                                       "(delete it to convert again)\n")

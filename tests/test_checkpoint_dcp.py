@@ -387,6 +387,9 @@ def test_export_hf_loads_in_transformers_with_same_logits(sharded_run):
     assert (base / "export_sharded" / "model.safetensors.index.json").is_file()
     for export in (base / "export", base / "export_sharded"):
         assert json.loads((export / "config.json").read_text())["torch_dtype"] == "float32"
+        # the weights as readable as the config (safetensors 0.8 alone writes them 0600)
+        modes = {p.stat().st_mode for p in export.iterdir()}
+        assert modes == {(export / "config.json").stat().st_mode}, modes
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
         with torch.no_grad():
             ref = hf.eval()(_batches()[0]).logits

@@ -1,5 +1,6 @@
 """Our model against transformers: logits parity, round trips, forward modes, bad input."""
 import json
+import os
 
 import pytest
 import torch
@@ -50,6 +51,23 @@ def test_sharded_checkpoint_loads(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)
     with torch.no_grad():
         assert rel_err(back(ids).logits, hf(ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_saved_weights_are_as_readable_as_the_umask_makes_any_file(tmp_path, umask, mode):
+    """safetensors 0.8 writes its files 0600 whatever the umask: an export's config.json and
+    tokenizer were readable to a cluster's group, its weights not."""
+    import stat
+    ours = Transformer(ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64))
+    old = os.umask(umask)
+    try:
+        save_pretrained(ours, tmp_path / "one")
+        save_pretrained(ours, tmp_path / "many", max_shard_bytes=20_000)
+    finally:
+        os.umask(old)
+    files = [*(tmp_path / "one").iterdir(), *(tmp_path / "many").iterdir()]
+    assert sum(f.suffix == ".safetensors" for f in files) > 2
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: mode for f in files}
 
 
 def test_a_folder_with_both_the_single_file_and_an_index_loads_what_transformers_loads(tmp_path):

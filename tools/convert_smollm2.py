@@ -14,7 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-135m-instruct"
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "artifacts" / "smollm2-135m-instruct"
 
 
 def gguf_path() -> Path:
@@ -29,18 +30,29 @@ def gguf_path() -> Path:
     return files[0]
 
 
-def convert(out: Path = DEFAULT_OUT, dtype: str = "float32") -> Path:
-    """Convert once; an existing complete folder of that dtype is reused (one of another dtype is
-    refused: it was returned as if converted, its config saying float32 to a bfloat16 request)."""
+def converted(out: Path, dtype: str) -> bool:
+    """Whether `out` already holds the converted model in `dtype` (SystemExit: in another)."""
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         cfg = json.loads((out / "config.json").read_text())
         have = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         if have != dtype:
             raise SystemExit(f"{out} holds the model in {have}, not {dtype}: give another --out "
                              f"for the {dtype} copy, or delete {out} to convert it again")
+        return True
+    return False
+
+
+def convert(out: Path = DEFAULT_OUT, dtype: str = "float32") -> Path:
+    """Convert once; an existing complete folder of that dtype is reused (one of another dtype is
+    refused: it was returned as if converted, its config saying float32 to a bfloat16 request)."""
+    if converted(out, dtype):
         return out
     import torch
     import transformers
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from model.hf_io import readable_as_umask
 
     src = gguf_path()
     print(f"converting {src.name} -> {out} (dequantising GGUF, ~20 s)", flush=True)
@@ -57,6 +69,7 @@ def convert(out: Path = DEFAULT_OUT, dtype: str = "float32") -> Path:
     tmp = out.with_name(out.name + ".tmp")
     plain.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
+    readable_as_umask(*tmp.glob("*.safetensors"))  # transformers' safetensors writes them 0600
     tmp.rename(out)  # atomic: a half-written folder is never mistaken for a finished one
     return out
 
@@ -66,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the safetensors folder to write")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
     args = ap.parse_args(argv)
+    if converted(args.out, args.dtype):
+        print(f"{args.out} already holds the converted model: kept (delete it to convert again)")
+        return 0
     print(f"wrote {convert(args.out, args.dtype)}")
     return 0
 
