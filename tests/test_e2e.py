@@ -105,6 +105,24 @@ def test_held_out_evaluations_of_the_first_and_final_policy(async_run):
     assert "eval v0 | greedy reward" in proc.stdout and "eval v4 | greedy reward" in proc.stdout
 
 
+def test_evaluating_a_model_folder_without_training(tmp_path):
+    """The README's recipe (`--trainer.max_steps=0 --eval.every_steps=1`): one evaluation, of
+    version 0, and no hf_final copy of the model it read (540 MB for SmolLM2, written before)."""
+    from trainer.checkpointing import COMPLETE_FILE
+    model = make_rl_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
+                     f"--run.dir={run_dir}", "--trainer.max_steps=0", "--eval.every_steps=1",
+                     *QUICK])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    recs = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompts"]) for r in recs] == [(0, 8)]
+    assert not (run_dir / "hf_final").exists() and not (run_dir / "hf_final.tmp").exists()
+    assert proc.stdout.count(f"no step trained: the policy is {model} as it was loaded, so no "
+                             "hf_final copy of it is written") == 1
+    assert json.loads((run_dir / COMPLETE_FILE).read_text()) == {"steps": 0}
+
+
 def test_a_finished_run_relaunched_does_nothing(async_run, monkeypatch, capsys):
     """Relaunching the same command (a requeued job) neither replays the last steps from the
     latest checkpoint nor rewrites the metrics or the final export. Every rank decides that alone,

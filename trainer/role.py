@@ -104,8 +104,13 @@ def start_trainer(cfg, meshes, tokenizer, link: Link | None,
 
 def finish_run(cfg, meshes, model, tokenizer, version: int, owner: bool) -> None:
     """Collective over the trainer mesh: the final policy as a Hugging Face folder (if
-    configured), then the run's COMPLETE marker (one version per step: version = steps)."""
-    if cfg.checkpoint.hf_export_final:
+    configured), then the run's COMPLETE marker (one version per step: version = steps). A run
+    of no step (an evaluation, `trainer.max_steps=0`) exports nothing: its policy is model.path."""
+    if cfg.checkpoint.hf_export_final and version == 0:
+        if owner:
+            print(f"no step trained: the policy is {cfg.model.path} as it was loaded, so no "
+                  "hf_final copy of it is written", flush=True)
+    elif cfg.checkpoint.hf_export_final:
         from parallel.checkpoint import export_hf
         out = Path(cfg.run.dir) / "hf_final"
         t0 = time.perf_counter()
