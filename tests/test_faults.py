@@ -64,6 +64,10 @@ def test_kill_a_rank_resumes_without_loss(reference, tmp_path, victim_rank):
     trained = [pid for r in rows for pid in r["prompt_ids"]]
     assert len(trained) == len(set(trained))  # no prompt trained twice
     assert trained == [pid for r in ref_rows for pid in r["prompt_ids"]]  # and none lost
+    # the generators' version, as acknowledged: the restored one at least (it read 0 after the
+    # resume until an acknowledgement came, as if the generators had gone back to the start)
+    gen = [r["generator_version"] for r in rows]
+    assert gen == sorted(gen) and gen[2] >= 2, gen
     # held-out evaluations: each version once, as in the uninterrupted run (the resumed run
     # dropped and redid those from its checkpoint's version on)
     evals = lambda d: [{k: r[k] for k in ("step", "reward_mean")}  # noqa: E731

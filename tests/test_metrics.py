@@ -120,6 +120,35 @@ def test_mismatch_kl_is_null_in_a_step_without_tokens_of_the_weights_trained(tmp
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["mismatch_kl"] is None
 
 
+def test_generator_version_after_a_resume_is_the_restored_one_until_an_acknowledgement(monkeypatch):
+    """A resumed run's generators hold the restored version before they generate again; its
+    first rows logged generator_version 0 (no acknowledgement yet), as if they had gone back."""
+    from types import SimpleNamespace
+    from trainer import checkpointing
+    from trainer.batch import Group, Trajectory
+    from trainer.worker import TrainerWorker
+
+    def load(worker, path):
+        worker.step = worker.version = 4
+    monkeypatch.setattr(checkpointing, "load", load)
+    buffer = type("Buffer", (list,), {"stats": lambda self: {"dropped_stale": 0}})()
+    w = SimpleNamespace(step=0, version=0, acks={}, acked_floor=0, nonfinite_total=0,
+                        is_owner=False, _alone=lambda fn: None, _push_weights=None,
+                        buffer=buffer)
+    groups = [Group(0, [Trajectory(0, i, [1], [2], [-1.0], [4], 1.0, "stop") for i in range(2)])]
+    stats = {"tokens": 2.0, "loss_sum": 1.0, "is_ratio_sum": 2.0, "is_ratio_max": 1.0,
+             "truncated": 0.0, "clipped": 0.0, "entropy_sum": 1.0, "kl_sum": 0.0,
+             "mismatch_kl_sum": 0.0, "onpolicy_tokens": 0.0}
+    res = SimpleNamespace(grad_norm=1.0, lr=1e-3)
+    assert TrainerWorker._metrics(w, groups, stats, res, 1.0, 0.0)["generator_version"] == 0
+    TrainerWorker.resume(w, "ckpt")
+    w.step = w.version = 5
+    row = TrainerWorker._metrics(w, groups, stats, res, 1.0, 0.0)
+    assert (row["generator_version"], row["generator_sync_s"]) == (4, None)
+    w.acks[5] = 0.25  # an acknowledgement of a later version takes over
+    assert TrainerWorker._metrics(w, groups, stats, res, 1.0, 0.0)["generator_version"] == 5
+
+
 # -- the values of a row, against hand computation ---------------------------------------------
 def _traj(pid, idx, n_completion, reward, version=0, finish="stop"):
     from trainer.batch import Trajectory

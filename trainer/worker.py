@@ -105,7 +105,10 @@ class TrainerWorker:
         if self.is_owner:
             a, t, g = cfg.algo, cfg.trainer, cfg.generator
             self.buffer = OffPolicyBuffer(a.buffer_capacity, a.max_staleness, t.prompts_per_step, g.n_samples)
-        self.acks: dict[int, float] = {}
+        self.acks: dict[int, float] = {}  # version -> the slowest replica's swap, as acknowledged
+        # the generators' version before any acknowledgement: a resumed run's generators hold
+        # the restored version before they generate again (0 read as if they had gone back)
+        self.acked_floor = start_step  # `resume` raises it
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self.nonfinite_total = 0
         # when the previous step was stamped for its metrics row (None before the first): a
@@ -120,6 +123,7 @@ class TrainerWorker:
         """Restore from a checkpoint (collective over the trainer mesh), then hand the generators
         the restored weights: they wait for this version before generating again."""
         checkpointing.load(self, path)  # metrics.jsonl was cut back to this step (MetricsLogger)
+        self.acked_floor = self.version
         if self.is_owner:
             print(f"resumed from {path} at step {self.step} (version {self.version})", flush=True)
             if self.sched.resume_note:  # another max_steps or schedule: trainer/optim.py
@@ -399,7 +403,7 @@ class TrainerWorker:
     def _metrics(self, groups, s, res, dt, t_sync) -> dict:
         m = step_metrics(self.step, self.version, groups, s, res, dt, t_sync, self.nonfinite_total)
         m.update({"generator_sync_s": self.acks.get(self.version - 1),  # None: not acked yet
-                  "generator_version": max(self.acks, default=0),
+                  "generator_version": max(self.acks, default=self.acked_floor),
                   "buffer_groups": len(self.buffer),
                   "dropped_stale": self.buffer.stats()["dropped_stale"]})
         return m
