@@ -168,6 +168,7 @@ class RewardConfig:
     fn: str = _f("exact_match", "'exact_match', 'math', 'format', 'reasoning_gym' (the task's own scorer, for reasoning_gym sources), or 'package.module:function'.")
     timeout_s: float = _f(5.0, "Per-sample reward time limit, in seconds.", gt=0)
     format_weight: float = _f(0.0, "Weight of the format reward added to the task reward.", ge=0)
+    workers: int = _f(2, "Reward calls run at once on each generator replica (its TP leader): threads, or worker processes with reward.isolate. Raise it for a reward that waits (an HTTP judge: 0.3 s a call at 2 workers held 256 samples a step for ~38 s); each worker process is an interpreter of its own.", ge=1)
     isolate: Literal["auto", "process", "thread"] = _f("auto", "Where reward calls run: 'process', worker processes killed at reward.timeout_s (the reward must be a module-level function; module state is per worker); 'thread', threads that cannot be killed (a stuck call keeps running; past 4 stuck, calls score 0 until one ends); 'auto', the reward's own `isolate` attribute (True for 'math').")
 
 

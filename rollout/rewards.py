@@ -29,8 +29,8 @@ A model under RL sometimes writes answers that ask a checker for unbounded work:
   its time limit kept running, taking CPU, memory and the GIL from the decode loop (8 stuck
   made it 100x slower; one in C holding the GIL froze the process). A reward whose attribute
   `isolate` is True ("math"; set it on your own, a function at module level of an importable
-  module, e.g. `my_reward.isolate = True`) runs in `max_workers` worker processes, fresh
-  interpreters (CUDA-safe) killed at their time limit; optionally `my_reward.warm_up()` runs
+  module, e.g. `my_reward.isolate = True`) runs in `max_workers` (reward.workers) worker
+  processes, fresh interpreters (CUDA-safe) killed at their time limit; optionally `my_reward.warm_up()` runs
   once in each before its first call (imports). Module state is then per worker process. Other
   rewards run in threads; once `max_stuck` of those are stuck, calls score 0.0 without running
   (counted, logged) until one ends.
@@ -283,7 +283,9 @@ def math_fallback(gold: str, completion: str) -> float:
        final answer is, in order of preference: the content of the last
        `\\boxed{...}` (none if that box is never closed: the completion was cut off inside
        it, as math_verify reads it too), a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
-       in the text is not one), the last `<answer>X</answer>`, else its last number. The gold
+       in the text is not one), the last `<answer>X</answer>`, else its last number where the gold
+       is a number, and where it is not ("yes", "B", "Paris") the whole completion of at most
+       1000 characters (a word written alone, not in a sentence). The gold
        answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
     2. Both are normalised: `$` and `\\$`, `%` and `\\%`, `^\\circ`, a unit after a number
        (`5\\text{ cm}`), spaces and thousands separators (a comma before three digits) removed,
@@ -297,10 +299,14 @@ def math_fallback(gold: str, completion: str) -> float:
     """
     gold, completion = _plain(gold), _plain(completion)
     gold_answer = extract_final_answer(gold, last_number=False) or gold
-    answer = extract_final_answer(completion)
+    g = _normalise(gold_answer)
+    word = _to_fraction(g) is None
+    answer = extract_final_answer(completion, last_number=not word)
+    if answer is None and word and "\\boxed{" not in completion:  # not cut off in a box
+        answer = _word_alone(completion)
     if answer is None:
         return 0.0
-    g, a = _normalise(gold_answer), _normalise(answer)
+    a = _normalise(answer)
     gn, an = _to_fraction(g), _to_fraction(a)
     if gn is not None and an is not None:
         if gn == an:
@@ -310,6 +316,14 @@ def math_fallback(gold: str, completion: str) -> float:
         # exactly, in fractions: through float, a number past 1e308 raised OverflowError
         return float(abs(gn - an) <= Fraction(1, 10**6) * max(1, abs(gn)))
     return float(g.lower() == a.lower() and g != "")
+
+
+def _word_alone(completion: str) -> str | None:
+    """The answer of an unmarked completion to a gold that is not a number ("yes", "B", "Paris"):
+    the whole completion, stripped, if short (a word written alone scored 0: only its last
+    number was read, and it has none)."""
+    whole = completion.strip()
+    return whole if 0 < len(whole) <= _MAX_ANSWER_CHARS else None
 
 
 def extract_final_answer(text: str, last_number: bool = True) -> str | None:
@@ -460,13 +474,14 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 
 def reward_runner(rcfg, leader: bool = True) -> "RewardRunner | Unscored":
-    """The RewardRunner of a `reward` config section (fn, format_weight, timeout_s, isolate); for
-    a generator TP follower (`leader` False), whose replica's leader scores, `Unscored`."""
+    """The RewardRunner of a `reward` config section (fn, format_weight, timeout_s, workers,
+    isolate); for a generator TP follower (`leader` False), whose replica's leader scores,
+    `Unscored`."""
     if not leader:
         return Unscored()
     isolate = {"auto": None, "process": True, "thread": False}[rcfg.isolate]
     return RewardRunner(resolve_reward(rcfg.fn, rcfg.format_weight), rcfg.timeout_s,
-                        isolate=isolate)
+                        max_workers=rcfg.workers, isolate=isolate)
 
 
 def resolve_reward(spec, format_weight: float = 0.0) -> RewardFn:
@@ -534,7 +549,20 @@ def _resolve_spec(spec: str) -> RewardFn:
 
 def _check_signature(fn, name: str) -> None:
     """A reward that cannot take the runner's three arguments raised TypeError on every call:
-    each scored 0.0, and the run trained on nothing after one logged traceback."""
+    each scored 0.0, and the run trained on nothing after one logged traceback. So did an
+    `async def` reward (an LLM judge, say) or a generator function: a call returns a coroutine
+    or a generator, not a number."""
+    call = fn if inspect.isroutine(fn) or isinstance(fn, functools.partial) else \
+        getattr(type(fn), "__call__", fn)
+    kind = ("an async function" if inspect.iscoroutinefunction(call) else
+            "an async generator" if inspect.isasyncgenfunction(call) else
+            "a generator function" if inspect.isgeneratorfunction(call) else None)
+    if kind:
+        raise ValueError(f"reward {name!r} is {kind}: a call returns a "
+                         f"{'generator' if 'generator' in kind else 'coroutine'}, not the float "
+                         "the runner needs, and every sample would score 0.0; make it a plain "
+                         "def (an async client can be run inside it: asyncio.run(judge(...)); "
+                         "the runner already calls it in reward.workers threads or processes)")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a C callable without a readable signature: unchecked
@@ -927,7 +955,10 @@ def _pickled(fn: RewardFn, name: str) -> bytes:
 
 
 def _as_reward(value) -> float:
-    """Rewards must be finite numbers; anything else is a reward bug, reported as an error."""
+    """Rewards must be finite numbers; anything else is a reward bug, reported as an error
+    (a string too, which float() would have parsed: "1.0" but not "correct")."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"a reward must return a float, got the string {value!r}")
     try:
         reward = float(value)
     except (TypeError, ValueError):

@@ -67,6 +67,10 @@ def test_exact_match():
     ("1000000", "\\boxed{1000000.9}", 0.0),  # an integer gold is met exactly
     ("1000000", "\\boxed{1e6}", 1.0),
     ("12345.67", "\\boxed{12345.66}", 1.0),  # a non-integer gold: within 1e-6, relative
+    # a word gold and the word written alone, unmarked: only a last number was read (0)
+    ("B", "B", 1.0), ("yes", " Yes\n", 1.0), ("Paris", "Paris", 1.0),
+    ("Paris", "The capital is Paris", 0.0), ("B", "1", 0.0), ("yes", "", 0.0),
+    ("B", "B" * 1001, 0.0),  # a long unmarked completion is not read whole
 ])
 def test_math_fallback(gold, completion, expected):
     assert math_fallback(gold, completion) == expected
@@ -253,10 +257,11 @@ def test_a_reward_raising_timeout_error_is_an_error_not_a_time_out(caplog):
 
 
 def test_bad_return_values_are_errors():
-    values = iter(["abc", float("nan"), None])
+    # "1.0" too: float() parsed it, so a reward returning strings trained as if numbers
+    values = iter(["abc", float("nan"), None, "1.0", b"1"])
     with RewardRunner(lambda item, text, ids: next(values), timeout_s=10.0, max_workers=1) as runner:
-        assert runner.score_batch([_item("")] * 3, [""] * 3, [[]] * 3) == [0.0, 0.0, 0.0]
-        assert runner.stats()["errors"] == 3
+        assert runner.score_batch([_item("")] * 5, [""] * 5, [[]] * 5) == [0.0] * 5
+        assert runner.stats()["errors"] == 5
 
 
 def test_stuck_reward_times_out_without_blocking_others(caplog):
@@ -406,6 +411,28 @@ def test_a_reward_that_cannot_take_the_three_arguments_is_refused_when_resolved(
             resolve_reward(f"tandem_test_sig_mod:{name}")
     with pytest.raises(ValueError, match=r"reward '<lambda>' takes \(\)"):
         resolve_reward(lambda: 1.0)  # library use: a callable is checked too
+
+
+def test_an_async_or_generator_reward_is_refused_when_resolved(tmp_path, monkeypatch):
+    """An `async def` judge passed the signature check: every call returned a coroutine, scored
+    0.0 as a bad return value, and the run trained on nothing to the end (rc 0)."""
+    import functools
+    (tmp_path / "tandem_test_async_mod.py").write_text(
+        "async def judge(item, completion_text, completion_ids):\n    return 1.0\n"
+        "def gen(item, completion_text, completion_ids):\n    yield 1.0\n"
+        "async def agen(item, completion_text, completion_ids):\n    yield 1.0\n"
+        "class Judge:\n    async def __call__(self, item, completion_text, completion_ids):\n"
+        "        return 1.0\n"
+        "judge_obj = Judge()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, kind in (("judge", "an async function"), ("gen", "a generator function"),
+                       ("agen", "an async generator"), ("judge_obj", "an async function")):
+        with pytest.raises(ValueError, match=rf"reward 'tandem_test_async_mod:{name}' is {kind}: "
+                                             r"a call returns a .*make it a plain def"):
+            resolve_reward(f"tandem_test_async_mod:{name}")
+    import tandem_test_async_mod as mod
+    with pytest.raises(ValueError, match="is an async function"):
+        resolve_reward(functools.partial(mod.judge))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
@@ -637,6 +664,30 @@ def test_reward_isolate_setting_picks_processes_or_threads():
         runner.close()
     assert got == {("math", "auto"): True, ("math", "thread"): False,
                    ("exact_match", "auto"): False, ("exact_match", "process"): True}
+
+
+def test_reward_workers_setting_runs_that_many_calls_at_once():
+    """reward.workers: calls of a reward that waits (an HTTP judge) run that many at once; the
+    runner's 2 were fixed, and a 0.3 s judge held 256 samples a step for ~38 s."""
+    from config import load_config
+    from rollout.rewards import reward_runner
+    cfg = load_config(None, ["--reward.fn=tests.test_rewards:_waiting_reward", "--reward.workers=6"])
+    with reward_runner(cfg.reward) as runner:
+        assert runner.score_batch([_item("")] * 12, [""] * 12, [[]] * 12) == [1.0] * 12
+    assert max(_WAITING["peak"]) == 6
+
+
+_WAITING = {"now": 0, "peak": [0], "lock": threading.Lock()}
+
+
+def _waiting_reward(item, completion_text, completion_ids):
+    with _WAITING["lock"]:
+        _WAITING["now"] += 1
+        _WAITING["peak"].append(_WAITING["now"])
+    time.sleep(0.3)
+    with _WAITING["lock"]:
+        _WAITING["now"] -= 1
+    return 1.0
 
 
 def _unloadable_reward(item, completion_text, completion_ids):
