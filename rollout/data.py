@@ -12,6 +12,7 @@ Prompts become ids exactly once (`render_prompt`); completions are never decoded
 """
 from __future__ import annotations
 
+import decimal
 import hashlib
 import json
 import logging
@@ -55,7 +56,7 @@ class PromptItem:
 
 def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: str = "messages",
                  answer_field: str = "answer", num_prompts: int = 0, seed: int = 0,
-                 start: int = 0, **source_kwargs) -> list[PromptItem]:
+                 start: int = 0, key: str = "data.source", **source_kwargs) -> list[PromptItem]:
     """Load prompts from `source` (see SOURCE_FORMS). Ids are 0..N-1 in source order.
 
     num_prompts: keep the first N (0 = all; synthetic sources are infinite, so 0 means
@@ -64,7 +65,8 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
     start: a synthetic task's first item (`HELD_OUT_START` for held-out prompts); ids stay 0..N-1.
     source_kwargs: task parameters, e.g. digits=3 for synthetic:addition or a reasoning_gym
         dataset option; files take none.
-    The *_field names choose the columns of .jsonl/.parquet records.
+    The *_field names choose the columns of .jsonl/.parquet records; `key` is the setting that
+    named the source, for the messages (eval.source's file is not data.source's).
     """
     if num_prompts < 0:
         raise ValueError(f"num_prompts must be >= 0 (0 = all), got {num_prompts}")
@@ -81,7 +83,7 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
                          f"{sorted(source_kwargs)}; leave data.task_options empty for files")
     if not path.is_file():
         where = "" if path.is_absolute() else f", looked for {path.absolute()}"
-        raise ValueError(f"prompt file {str(path)!r} does not exist (data.source{where}); give the "
+        raise ValueError(f"prompt file {str(path)!r} does not exist ({key}{where}); give the "
                          f"path of a .jsonl/.parquet file, absolute or relative to the directory "
                          f"train_rl.py runs in (launch/run_local.sh: the repository's root)")
     records = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
@@ -94,7 +96,7 @@ def load_prompts(source: str, *, prompt_field: str = "prompt", messages_field: s
     if not items:
         raise ValueError(f"prompt file {str(path)!r} has no records (looked for fields "
                          f"{prompt_field!r}/{messages_field!r} and {answer_field!r}); "
-                         f"point data.source at a non-empty file")
+                         f"point {key} at a non-empty file")
     return items
 
 
@@ -144,9 +146,10 @@ def load_held_out(data, ev, warn: bool = True) -> list[PromptItem]:
                             messages_field=data.messages_field, answer_field=data.answer_field,
                             num_prompts=ev.num_prompts, seed=seed,
                             start=HELD_OUT_START if kind == "synthetic" else 0,
+                            key="eval.source" if ev.source else "data.source",
                             **(task_options(data) if is_task and source == data.source else {}))
     except ValueError as e:
-        if ev.source:  # the loader's message speaks of data.source
+        if ev.source:  # which setting the file or task came from
             raise ValueError(f"eval.source={ev.source!r}: {e}") from None
         raise
 
@@ -281,6 +284,8 @@ def _record_to_item(record, index: int, where: str, path: Path,
     if answer is None:
         raise ValueError(f"{where}: answer field {answer_field!r} is null; give every prompt its "
                          f"answer (a string or a number), or leave the record out")
+    if isinstance(answer, decimal.Decimal):  # a Parquet decimal column (SQL exports)
+        answer = _decimal_answer(answer, where, answer_field)
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: answer field {answer_field!r} must be a string or a number, "
                          f"got {type(answer).__name__}")
@@ -292,6 +297,14 @@ def _record_to_item(record, index: int, where: str, path: Path,
     extra = {k: v for k, v in record.items() if k not in fields}
     meta = {"source": str(path), "where": where, "record": extra}
     return PromptItem(id=index, prompt=prompt, messages=messages, answer=str(answer), meta=meta)
+
+
+def _decimal_answer(d: decimal.Decimal, where: str, answer_field: str) -> int | str:
+    """A Parquet decimal as the number it is: 7 for 7.00, "7.5" for 7.50 (not "7.50")."""
+    if not d.is_finite():
+        raise ValueError(f"{where}: answer field {answer_field!r} is {d}; give a finite number "
+                         f"or a string")
+    return int(d) if d == d.to_integral_value() else format(d.normalize(), "f")
 
 
 def _check_messages(messages, where: str, messages_field: str) -> None:

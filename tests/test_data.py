@@ -1,5 +1,6 @@
 """rollout.tasks and rollout.data: synthetic tasks, loading errors, sharding, resume, rendering."""
 import dataclasses
+import decimal
 import importlib.util
 import json
 import logging
@@ -156,6 +157,12 @@ def test_load_parquet(tmp_path):
         pq.write_table(pa.table({"prompt": ["q"] * len(values), "answer": answers}),
                        str(tmp_path / "f.parquet"))
         assert [it.answer for it in load_prompts(str(tmp_path / "f.parquet"))] == want, kind
+    # a decimal column (SQL exports) is numbers too: it was refused as "got Decimal"
+    answers = pa.array([decimal.Decimal(x) for x in ("7.00", "7.50", "-0.125", "1E+3")],
+                       type=pa.decimal128(10, 3))
+    pq.write_table(pa.table({"prompt": ["q"] * 4, "answer": answers}), str(tmp_path / "d.parquet"))
+    assert [it.answer for it in load_prompts(str(tmp_path / "d.parquet"))] == [
+        "7", "7.5", "-0.125", "1000"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,

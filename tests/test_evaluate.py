@@ -42,8 +42,10 @@ def test_held_out_prompts_are_the_tasks_far_items_or_eval_source(tmp_path):
     cfg = load_config(TINY, [f"--eval.source={f}"])
     assert [it.prompt for it in load_held_out(cfg.data, cfg.eval)] == ["0+1=", "1+1=", "2+1="]
     cfg = load_config(TINY, [f"--eval.source={tmp_path / 'missing.jsonl'}"])
-    with pytest.raises(ValueError, match=r"eval.source='.*missing.jsonl': prompt file .* does not exist"):
+    with pytest.raises(ValueError, match=r"eval.source='.*missing.jsonl': prompt file .* does not "
+                                         r"exist \(eval.source\)") as err:
         load_held_out(cfg.data, cfg.eval)
+    assert "data.source" not in str(err.value)  # the file is eval.source's, not data.source's
     cfg = load_config(TINY, [f"--data.source={f}", "--eval.every_steps=5"])
     with pytest.raises(ValueError, match="is a file, so set eval.source"):
         load_held_out(cfg.data, cfg.eval)
