@@ -63,6 +63,7 @@ def preflight(cfg, dims):
     _print_resume_changes(cfg, start)
     _warn_no_learning_signal(cfg)
     _warn_warmup_past_the_end(cfg.trainer)
+    _warn_past_the_models_context(cfg, args.max_position_embeddings)
     return tok
 
 
@@ -119,6 +120,23 @@ def _warn_warmup_past_the_end(t) -> None:
     print(f"warning: trainer.warmup_steps={t.warmup_steps} >= trainer.max_steps={t.max_steps}: "
           f"the learning rate rises for the whole run and {end}; set --trainer.warmup_steps below "
           f"{t.max_steps} (e.g. {t.max_steps // 20 if t.max_steps >= 40 else t.max_steps // 2})",
+          file=sys.stderr, flush=True)
+
+
+def _warn_past_the_models_context(cfg, max_positions: int) -> None:
+    """Rank 0 warns when a sample may run past the model's max_position_embeddings (the prompt
+    up to data.max_prompt_len, then generator.max_new_tokens or eval.max_new_tokens): the run
+    went on without a word, decoding positions the model was never trained at, where a RoPE
+    model's outputs degrade quietly. Not refused: max_prompt_len is a bound, not every prompt's
+    length, and some configs state a context shorter than the model takes."""
+    d, g, ev = cfg.data, cfg.generator, cfg.eval
+    new = max(g.max_new_tokens, ev.max_new_tokens if ev.every_steps else 0)
+    if d.max_prompt_len + new <= max_positions or not _first_rank():
+        return
+    print(f"warning: data.max_prompt_len={d.max_prompt_len} + {new} new tokens = "
+          f"{d.max_prompt_len + new} positions, past the model's max_position_embeddings="
+          f"{max_positions} ({cfg.model.path}/config.json): samples may run where the model was "
+          f"never trained; lower data.max_prompt_len or the max_new_tokens to fit",
           file=sys.stderr, flush=True)
 
 

@@ -361,6 +361,23 @@ def test_a_warmup_as_long_as_the_run_gets_one_warning(tmp_path, good_model, monk
                     cases, "warmup", monkeypatch, capsys)
 
 
+def test_samples_that_may_run_past_the_models_context_get_one_warning(tmp_path, monkeypatch,
+                                                                       capsys):
+    """data.max_prompt_len + max_new_tokens past the model's max_position_embeddings (64 here, as
+    the demo's model) ran without a word, decoding positions the model was never trained at."""
+    from tools.make_tiny_model import make_random_model
+    short = make_random_model(tmp_path / "model", shape={"max_position_embeddings": 64})
+    cases = {("--data.max_prompt_len=60",): "data.max_prompt_len=60 + 8 new tokens = 68 "
+                                            "positions, past the model's max_position_embeddings=64",
+             ("--generator.max_new_tokens=40",): "data.max_prompt_len=32 + 40 new tokens = 72",
+             ("--eval.every_steps=5", "--eval.max_new_tokens=40"): "32 + 40 new tokens = 72",
+             ("--eval.every_steps=0", "--eval.max_new_tokens=40"): None,  # no evaluation
+             ("--data.max_prompt_len=56",): None, (): None}  # 56 + 8 = 64 fits
+    _check_warnings([f"--model.path={short}", f"--run.dir={tmp_path / 'run'}"], cases,
+                    "max_position_embeddings", monkeypatch, capsys,
+                    also="lower data.max_prompt_len or the max_new_tokens to fit")
+
+
 def test_a_split_run_resumed_in_colocated_mode_is_told_so_first(tmp_path, good_model, monkeypatch, capsys):
     """It took two refusals: first "set checkpoint.every_steps=0" (colocated has no checkpoints),
     and only with that set the one that matters: this run would resume a split run's checkpoint."""
