@@ -196,7 +196,9 @@ _FREE_KEYS = ("trainer.max_steps",)
 def _check_folder_holds_this_run(config: str, run: Run, folder: str) -> None:
     """A run whose folder holds a run of other settings (another sweep's, of the same names) is
     refused: it would have been skipped as finished, or resumed that run's checkpoint. Compared:
-    the keys the config file and the overrides set, outside `_FREE_SECTIONS`/`_FREE_KEYS`."""
+    the keys the config file, the overrides and the folder's saved config.toml set, outside
+    `_FREE_SECTIONS`/`_FREE_KEYS` (the saved file's: a key that an earlier sweep's overrides set,
+    --trainer.weight_decay=0.1, and this one leaves at its default was not compared)."""
     saved_path = os.path.join(folder if os.path.isabs(folder) else os.path.join(ROOT, folder),
                               "config.toml")
     if not os.path.isfile(saved_path):
@@ -207,7 +209,7 @@ def _check_folder_holds_this_run(config: str, run: Run, folder: str) -> None:
         return  # not one this version reads: train_rl.py's resume checks say what they can
     cfg = load_config(config, run.overrides)  # as given: config.toml keeps derived keys' so
     differ = []
-    for key in _keys_set(config, run.overrides):
+    for key in dict.fromkeys([*_keys_set(config, run.overrides), *_keys_set(saved_path, [])]):
         if key.split(".")[0] in _FREE_SECTIONS or key in _FREE_KEYS:
             continue
         now = value_of(cfg, key)

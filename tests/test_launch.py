@@ -130,6 +130,12 @@ def test_sweeps_of_other_settings_never_share_run_folders(tmp_path, monkeypatch)
         with pytest.raises(ConfigError, match=rf"run a_lr-1e-4: its folder .*a_lr-1e-4 holds a run "
                                               rf"of other settings: {re.escape(what)}.*--name-prefix"):
             sweep.validate(config, other)
+    # a key only the folder's run set (its sweep's extra override), left at its default now
+    decayed = sweep.expand([("trainer.lr", ["1e-4"])], "a", ["--trainer.weight_decay=0.1"])
+    (folder / "config.toml").write_text(load_config(str(a), decayed[0].overrides).resolve(3).to_toml())
+    with pytest.raises(ConfigError, match=r"trainer.weight_decay=0.0 \(the folder's run: 0.1\)"):
+        sweep.validate(str(a), runs)
+    sweep.validate(str(a), decayed)
     # run.seed is folded into the section seeds of the saved config
     seeded = sweep.expand([("trainer.lr", ["1e-4"])], "a", ["--run.seed=2"])
     (folder / "config.toml").write_text(load_config(str(a), seeded[0].overrides).resolve(3).to_toml())
