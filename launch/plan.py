@@ -346,6 +346,8 @@ def to_config(e: cm.Estimate, wl: cm.Workload, model_spec: str, base: str | None
     named = base is not None and cfg.run.name != RunConfig.name
     cfg.run.name = (f"{cfg.run.name}_" if named else "") + (
         f"plan_{p.world}r_{p.mode}_g{p.generator_ranks}")
+    if cfg.run.dir:  # the base's runs' folder: this run's goes beside it, under its own name
+        cfg.run.dir = str(Path(cfg.run.dir).parent / cfg.run.name)
     if p.mode == "colocated":  # checkpoints are split mode's: preflight refused the file
         cfg.checkpoint.every_steps = 0
     cfg.validate().resolve(p.world)  # raises if the placement and the config disagree
@@ -416,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: --base-config's trainer.prompts_per_step, else 512)")
     ap.add_argument("--group", type=int_at_least(1), help="samples per prompt, the GRPO group "
                     "(default: --base-config's generator.n_samples, else 16)")
-    ap.add_argument("--prompt-len", type=int_at_least(1), default=512, help="mean prompt tokens")
+    ap.add_argument("--prompt-len", type=int_at_least(1), help="mean prompt tokens (default: "
+                    "--base-config's data.max_prompt_len, a bound, else 512)")
     ap.add_argument("--response-len", type=int_at_least(1), help="response tokens per sample "
                     "(default: --base-config's generator.max_new_tokens, else 2048)")
     ap.add_argument("--eta", type=int_at_least(0), help="max staleness in versions, 0 = "
@@ -443,14 +446,15 @@ def ignored_by_cluster_table(ap: argparse.ArgumentParser, a: argparse.Namespace)
 
 # the workload flags' defaults without a --base-config: (flag, its default, the config key)
 WORKLOAD_DEFAULTS = (("prompts", 512, "trainer.prompts_per_step"), ("group", 16, "generator.n_samples"),
+                     ("prompt_len", 512, "data.max_prompt_len"),
                      ("response_len", 2048, "generator.max_new_tokens"),
                      ("eta", 4, "algo.max_staleness"))
 
 
 def workload_flags(a: argparse.Namespace, base) -> list[int]:
-    """--prompts, --group, --response-len and --eta as given, else the --base-config's values
-    (the written config keeps them: the defaults replaced them without a word), else the
-    defaults."""
+    """--prompts, --group, --prompt-len, --response-len and --eta as given, else the
+    --base-config's values (the written config keeps them: the defaults replaced them without a
+    word, and --prompt-len's 512 its max_prompt_len of 32), else the defaults."""
     from config import value_of
     return [getattr(a, flag) if getattr(a, flag) is not None else
             value_of(base, key) if a.base_config else default
@@ -493,9 +497,9 @@ def _main(a) -> int:
     # search with its settings (e.g. data.max_prompt_len sizes the KV slots), not only write them
     from config import load_config
     base = load_config(a.base_config)
-    base_wl, base_cl = base_settings(base, a.prompt_len, "cpu" if cpu else "cuda")
-    prompts, group, response_len, eta = workload_flags(a, base)
-    wl = cm.Workload(prompts, group, a.prompt_len, response_len, eta,
+    prompts, group, prompt_len, response_len, eta = workload_flags(a, base)
+    base_wl, base_cl = base_settings(base, prompt_len, "cpu" if cpu else "cuda")
+    wl = cm.Workload(prompts, group, prompt_len, response_len, eta,
                      base_wl.pop("master_dtype", "float32"), gen_dtype, **base_wl)
     if a.cluster_table:
         cluster_table(wl, a.gpu)

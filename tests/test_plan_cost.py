@@ -338,14 +338,18 @@ def test_plan_keeps_the_base_configs_workload_name_and_checkpoints_where_they_ru
     base, out = tmp_path / "base.toml", tmp_path / "best.toml"
     base.write_text(load_config(None, [
         "--trainer.prompts_per_step=48", "--generator.n_samples=4", "--algo.max_staleness=2",
-        "--generator.max_new_tokens=128", "--run.name=mine", "--checkpoint.every_steps=50"]).to_toml())
+        "--generator.max_new_tokens=128", "--run.name=mine", "--checkpoint.every_steps=50",
+        "--data.max_prompt_len=96", "--run.dir=/scratch/me/mine"]).to_toml())
     argv = ["--preset", "llama-1.1b", "--nodes", "1", "--gpus-per-node", "8", "--top", "1",
             "--base-config", str(base), "--out", str(out)]
     assert plan_main(argv) == 0
     cfg = load_config(str(out))
     assert (cfg.trainer.prompts_per_step, cfg.generator.n_samples, cfg.generator.max_new_tokens,
             cfg.algo.max_staleness) == (48, 4, 128, 2)
+    assert cfg.data.max_prompt_len == 96  # --prompt-len's default (512) replaced it
     assert cfg.run.name.startswith("mine_plan_8r_")  # its own folder, named after the base's
+    # beside the base's, not in it (a run there was "already completed" by the base's)
+    assert cfg.run.dir == f"/scratch/me/{cfg.run.name}"
     assert plan_main([*argv, "--prompts", "64", "--eta", "0"]) == 0  # flags still win
     cfg = load_config(str(out))
     assert (cfg.trainer.prompts_per_step, cfg.algo.max_staleness) == (64, 0)
