@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     mode.add_argument("--local", action="store_true", help="run one after another via launch/run_local.sh")
     mode.add_argument("--slurm", action="store_true", help="write a sweep file for an sbatch job array")
-    ap.add_argument("--nproc", type=int_at_least(1), help="--local: ranks per run (default: run_local.sh derives it)")
+    ap.add_argument("--nproc", type=int_at_least(1), help="--local (and --dry-run): ranks per run (default: run_local.sh derives it)")
     ap.add_argument("--keep-going", action="store_true", help="--local: continue after a failed run")
     ap.add_argument("--sbatch", default=SBATCH, help="--slurm: batch script")
     ap.add_argument("--sweep-file", help="--slurm: where to write the overrides (default "
@@ -392,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         args.config = os.path.abspath(args.config)
         prefix = args.name_prefix or default_prefix(args.config, common)
         runs = expand(grid, prefix, common, args.config)
-        validate(args.config, runs, args.nproc if args.local else None)
+        # the layouts of the ranks given: --local runs them, --dry-run prints them (and passed
+        # layouts that the same --local then refused)
+        validate(args.config, runs, args.nproc if args.local or args.dry_run else None)
         if args.slurm:
             check_sweep_file_words(runs)
             sweep_file = os.path.abspath(args.sweep_file or default_sweep_file(prefix, runs))

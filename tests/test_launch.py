@@ -209,6 +209,11 @@ def test_dry_run_prints_commands(capsys):
     assert lines[0] == (f"CONFIG={os.path.abspath(TINY)} launch/run_local.sh --generator.n_samples=4 "
                         "--trainer.lr=1e-4 --algo.max_staleness=0 --run.name=sw_lr-1e-4_max_staleness-0")
     assert lines[5].endswith("--trainer.lr=3e-4 --algo.max_staleness=4 --run.name=sw_lr-3e-4_max_staleness-4")
+    # with --nproc, each run's layout is checked as --local checks it (it printed a command that
+    # the same --local then refused)
+    with pytest.raises(SystemExit):
+        sweep.main(["--config", TINY, "--grid", "parallel.trainer_tp=1,3", "--nproc", "3", "--dry-run"])
+    assert "trainer_tp=3 does not divide the 2 trainer ranks" in capsys.readouterr().err
 
 
 def test_grid_file_and_default_prefix(tmp_path, capsys):
