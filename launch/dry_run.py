@@ -203,10 +203,13 @@ def main(argv=None) -> int:
     from config import load_config, parse_cli
     try:
         path, overrides, flags = parse_cli(sys.argv[1:] if argv is None else argv)
+        if {"help", "h"} & set(flags):
+            print(__doc__.strip())
+            return 0
         unknown = set(flags) - {"dry_run"}
         if unknown:
             raise ValueError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}"
-                             "; valid: --config FILE, --section.key=value")
+                             "; valid: --config FILE, --section.key=value, --help")
         return dry_run(load_config(path, overrides))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
