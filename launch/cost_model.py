@@ -769,17 +769,25 @@ class Estimate:
 def slowdown(k: int, cl: Cluster, prof=None) -> float:
     """How much slower each of k simultaneously busy ranks runs than one rank alone: 1 with a
     device per rank (GPUs); on shared CPU cores the profile's measured curve (it includes other
-    users' load), else max(1, k/cores). Two cores, no profile: slowdown(3) = 1.5."""
-    if prof is not None and getattr(prof, "concurrency", None):
+    users' load), else max(1, k/cores). Two cores, no profile: slowdown(3) = 1.5. A CPU
+    profile's curve never reaches a GPU cluster's plan (it made an 8B step on H100s 8x slower)."""
+    if not cl.shared_cores:
+        return 1.0
+    if _shares_cores(prof):
         return prof.slowdown(k)  # may exceed 1 even for k = 1: other users' load
-    return max(1.0, k / cl.shared_cores) if cl.shared_cores else 1.0
+    return max(1.0, k / cl.shared_cores)
+
+
+def _shares_cores(prof) -> bool:
+    """Whether `prof` measured ranks sharing CPU cores (launch/core_share.py's curves)."""
+    return prof is not None and bool(getattr(prof, "concurrency", None))
 
 
 def gen_slowdown(k: int, gen_tp: int, cl: Cluster, prof=None) -> float:
     """The slowdown of a generation phase on k busy ranks: for TP=2 replicas the profile's pair
     curve where it has one (their decode mostly waits on the peer, and a waiting rank leaves its
     core to the others: ~1.8 against s(4) ~2.4 on 2 cores; launch/core_share.py), else s(k)."""
-    if gen_tp == 2 and prof is not None and getattr(prof, "tp_concurrency", None):
+    if gen_tp == 2 and cl.shared_cores and prof is not None and getattr(prof, "tp_concurrency", None):
         return prof.tp_pair_slowdown(k)
     return slowdown(k, cl, prof)
 
@@ -811,7 +819,7 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     spread made the balanced 4-rank layouts slower than their max (BENCHMARKS.md, "Planner")."""
     g, t = (p.world, p.world) if p.mode == "colocated" else (p.generator_ranks, p.trainer_ranks)
     s = lambda k: slowdown(k, cl, prof)  # noqa: E731
-    cv = lambda k: phase_cv(k, prof)  # noqa: E731
+    cv = lambda k: phase_cv(k, prof) if cl.shared_cores else 0.0  # noqa: E731
     cg, ct = t_gen - gen_comm, t_train - train_comm
     if p.mode == "colocated":
         return mean_step_s(t_gen * gen_slowdown(p.world, p.gen_tp, cl, prof),
@@ -829,7 +837,7 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
 def phase_cv(k: int, prof=None) -> float:
     """The spread (cv) of a phase's duration among k busy ranks sharing cores: the profile's
     measurement (launch/core_share.py), else 0 (a device per rank: GPUs)."""
-    return prof.phase_cv(k) if prof is not None and getattr(prof, "concurrency", None) else 0.0
+    return prof.phase_cv(k) if _shares_cores(prof) else 0.0
 
 
 def estimate(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, prof=None,

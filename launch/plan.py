@@ -520,7 +520,8 @@ def _main(a) -> int:
                   f"{'cpu' if cpu else a.gpu} ranks: its times will not fit them", file=sys.stderr)
         if not prof.matches(args):
             print(f"warning: the profile is of model {prof.model}, not {cm.model_signature(args)}: "
-                  "only its link numbers are used", file=sys.stderr)
+                  "only its link numbers are used" + (" and its cores' sharing curve" if cpu else ""),
+                  file=sys.stderr)
         cl = cm.with_profile(cl, prof)
     modes = tuple(a.modes.split(","))
     res = best_plan(args, cl, wl, prof, modes=modes, refine=a.refine, keep=max(50, a.top))

@@ -2,6 +2,7 @@
 closed forms and against the expected maximum of normal phases."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -70,3 +71,12 @@ def test_profile_phase_cv_and_the_step():
     assert closed == pytest.approx(0.2)
     assert cm.step_time(0.1, 0.1, 0.0, 1, p, cpu, prof) > closed * 1.1
     assert cm.step_time(0.1, 0.1, 0.0, 1, p, cm.gpu_cluster("h100", 1)) == 0.1
+    # a CPU profile's core sharing does not reach GPUs, a device per rank (an 8B plan on H100s
+    # given one ran 8x slower, another placement winning)
+    gpu, tp2 = cm.gpu_cluster("h100", 1), cm.Placement(4, "split", 2, 2, 1)
+    tp_prof = dataclasses.replace(prof, tp_concurrency=[[2, 1.0], [4, 3.0]])
+    assert cm.step_time(0.1, 0.1, 0.0, 1, p, gpu, prof) == 0.1
+    assert cm.slowdown(4, gpu, prof) == cm.gen_slowdown(4, 2, gpu, tp_prof) == 1.0
+    assert cm.gen_slowdown(4, 2, cpu, tp_prof) == 3.0
+    assert cm.step_time(0.1, 0.1, 0.0, 0, tp2, gpu, tp_prof) == pytest.approx(
+        cm.step_time(0.1, 0.1, 0.0, 0, tp2, gpu))
