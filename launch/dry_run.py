@@ -120,11 +120,14 @@ def dry_run(cfg) -> int:
           f"{dims.gen_dp}x{dims.gen_tp}, {len(specs)} params ({t2 - t1:.2f}s)")
     print(f"weight sync plan: {pl.summary()} ({t3 - t2:.2f}s)")
     print(f"  generator rank {first} receives {_gb(recv)} from {peers} trainer ranks")
+    # GPUs a node: torchrun's LOCAL_WORLD_SIZE where launched so, else 8 (the plan's default)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
     for name in ("h100", "h200"):
-        cl = cm.gpu_cluster(name, max(1, world // 8))
+        cl = cm.gpu_cluster(name, max(1, -(-world // per_node)), per_node)
         sb = cm.SyncBytes(max(send.values()), recv, peers, "plan")
         place = cm.Placement(world, p.mode, p.generator_ranks, p.gen_tp, p.trainer_tp)
-        print(f"  predicted sync time on {name} links: {cm.sync_time(sb, cl, place):.3f}s")
+        print(f"  predicted sync time on {name} links ({per_node} GPUs a node): "
+              f"{cm.sync_time(sb, cl, place):.3f}s")
     _print_memory(cfg, args, dims)
     print(f"dry run ok in {time.perf_counter() - t0:.1f}s")
     return 0

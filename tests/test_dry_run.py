@@ -22,9 +22,10 @@ KEY_LINES = ("dry run: world_size=1024", "trainer_ranks=512 (trainer_fsdp=128 x 
 
 
 def _run(env_world: str | None):
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    if env_world:
-        env["WORLD_SIZE"] = env_world
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    if env_world:  # as under torchrun, 4 ranks a node
+        env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"] = env_world, "4"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "train_rl.py", "--dry-run", "--config", CONFIG], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
@@ -41,6 +42,9 @@ def test_dry_run_1024_ranks(env_world):
     for line in KEY_LINES:
         assert line in proc.stdout, f"missing {line!r} in:\n{proc.stdout}"
     assert "h100 (80 GB, 72 GB usable): fits" in proc.stdout
+    # the sync time's links: torchrun's ranks a node (8 assumed: plans on 4 a node disagreed)
+    per_node = "4" if env_world else "8"
+    assert f"predicted sync time on h100 links ({per_node} GPUs a node): " in proc.stdout
     assert elapsed < 30, f"dry run took {elapsed:.1f}s"
 
 
