@@ -668,6 +668,17 @@ def test_sbatch_run_name_of_a_preset(slurm):
     assert "--run.name=llama8b_math_64r" in args
 
 
+@pytest.mark.parametrize("given", [["--config", "own.toml"], ["--config=own.toml"]])
+def test_sbatch_config_among_the_arguments_trains_and_names_the_run(slurm, tmp_path, given):
+    """A --config among the arguments trained (train_rl.py takes the later one) while the run was
+    named after $CONFIG (example_multinode.toml's llama8b_math_64r): that run's folder."""
+    (tmp_path / "own.toml").write_text('[run]\nname = "mine"\n[parallel]\ngenerator_ranks = 4\n')
+    proc, args = _sbatch(slurm, [*given, "--trainer.lr=1e-6"], GPUS_PER_NODE="4")
+    assert proc.returncode == 0, proc.stderr
+    assert args[args.index("train_rl.py"):] == [
+        "train_rl.py", "--config", "own.toml", "--run.name=mine", "--trainer.lr=1e-6"]
+
+
 @pytest.mark.parametrize("args, env, message", [
     ([], {"CONFIG": "configs/nope.toml"}, "config file not found: configs/nope.toml"),
     (["--trainer.lrr=1e-6"], {}, "unknown key 'trainer.lrr' (did you mean 'lr'?)"),
