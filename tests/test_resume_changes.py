@@ -252,7 +252,9 @@ def test_a_finished_run_without_checkpoints_is_not_silently_started_over(tmp_pat
     check_resume(_cfg(tmp_path, "--trainer.max_steps=6", "--checkpoint.resume=never"))  # asked for
     same = _cfg(tmp_path, "--trainer.max_steps=4")
     check_resume(same)  # nothing to do, as already_complete_line says
-    assert "already completed 4 steps" in already_complete_line(same)
+    assert already_complete_line(same) == (
+        f"run {tmp_path} already completed 4 steps (trainer.max_steps=4): nothing to do. It saved "
+        "no checkpoint to train on from: pass a new --run.dir to run again")
     check_resume(_cfg(tmp_path / "new", "--trainer.max_steps=6"))  # a new folder
 
 

@@ -368,11 +368,11 @@ def already_complete_line(cfg) -> str | None:
     than replay its last steps from the latest checkpoint and overwrite hf_final: what it says."""
     if not is_complete(cfg) or cfg.checkpoint.resume != "auto":
         return None
-    more = ("Raise --trainer.max_steps to train on from its latest checkpoint"
-            if latest_checkpoint(checkpoint_root(cfg)) is not None else
-            "It has no checkpoint to train on from (checkpoint.every_steps=0)")
+    more = ("Raise --trainer.max_steps to train on from its latest checkpoint, or pass a new "
+            "--run.dir" if latest_checkpoint(checkpoint_root(cfg)) is not None else
+            "It saved no checkpoint to train on from: pass a new --run.dir to run again")
     return (f"run {cfg.run.dir} already completed {completed_steps(cfg)} steps (trainer.max_steps="
-            f"{cfg.trainer.max_steps}): nothing to do. {more}, or pass a new --run.dir")
+            f"{cfg.trainer.max_steps}): nothing to do. {more}")
 
 
 def completed_steps(cfg) -> int | None:
