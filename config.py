@@ -72,6 +72,14 @@ class ParallelConfig:
     timeout_s: float = _f(300.0, "Timeout of every cross-mesh wait after start-up, in seconds (a weight version's transfer to or from all of a rank's peers shares one; ranks waiting for their mesh leader's decisions wait twice as long, so that the leader's error reaches them first); also how long a rank that got SIGTERM waits for the run to stop at a step boundary before it exits (launch/preemption.py).", gt=0)
     warmup_timeout_s: float = _f(900.0, "Timeout for start-up and the first step (model load, compile; the generators wait for that step's weights as long), and for the end (the final evaluation and export), in seconds; those waits take the longer of this and timeout_s.", gt=0)
 
+    def described_world(self) -> int | None:
+        """The world size the degrees as given pin (trainer_fsdp set: split = generator_ranks +
+        trainer_fsdp * trainer_tp, colocated = trainer_fsdp * trainer_tp), else None."""
+        if self.trainer_fsdp <= 0:
+            return None
+        trainer = self.trainer_fsdp * self.trainer_tp
+        return trainer if self.mode == "colocated" else self.generator_ranks + trainer
+
 
 @dataclass
 class GeneratorConfig:
@@ -783,6 +791,12 @@ def layout_fixes(p: ParallelConfig, world: int, tp_fits=None) -> str:
             alternatives.insert(0, "launch at least 2 ranks")
         if valid(mode="colocated"):
             alternatives.append("set --parallel.mode=colocated")
+    pinned = p.described_world()
+    if pinned not in (None, world) and _layout_problem(copy.copy(p), pinned) is None:
+        # degrees that describe another world: the launch may be what is wrong, first where
+        # every degree is given (a plan's config, launch/plan.py), whose fixes rewrite the plan
+        launch = f"launch {pinned} ranks, the world these degrees describe"
+        alternatives.insert(0 if p.gen_dp else len(alternatives), launch)
     return "; or instead ".join(alternatives) or "launch at least one rank"
 
 

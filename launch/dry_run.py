@@ -49,8 +49,7 @@ def world_size_of(cfg) -> int:
             f"derived from the world size, and no WORLD_SIZE is set. Set the degrees explicitly "
             f"(e.g. --parallel.trainer_fsdp=<n>; world = {world} in {p.mode} mode), or run with "
             f"WORLD_SIZE=<world size>")
-    trainer = p.trainer_fsdp * p.trainer_tp
-    return trainer if p.mode == "colocated" else p.generator_ranks + trainer
+    return p.described_world()
 
 
 def model_shape(cfg):

@@ -422,7 +422,12 @@ def test_stacking_every_projection_is_refused_with_generator_tp_before_the_run()
      r"trainer_tp=4 does not divide the 6 trainer ranks.*one of \[1, 2, 3, 6\]; or instead set "
      r"--parallel.generator_ranks=4"),
     (8, ["--parallel.generator_ranks=2", "--parallel.trainer_fsdp=4"],
-     r"trainer_tp\*trainer_fsdp = 1\*4 != 6 trainer ranks. Fix: set --parallel.trainer_fsdp=6"),
+     r"trainer_tp\*trainer_fsdp = 1\*4 != 6 trainer ranks. Fix: set --parallel.trainer_fsdp=6 .*; or "
+     r"instead launch 6 ranks, the world these degrees describe$"),
+    # every degree given (a plan's config) on another world: the launch first
+    (100, ["--parallel.generator_ranks=512", "--parallel.gen_tp=2", "--parallel.gen_dp=256",
+           "--parallel.trainer_tp=4", "--parallel.trainer_fsdp=128"],
+     r"Fix: launch 1024 ranks, the world these degrees describe; or instead set"),
     (6, ["--parallel.generator_ranks=2", "--parallel.gen_dp=1"], r"gen_tp\*gen_dp = 1\*1 != 2 generator ranks"),
     (8, ["--parallel.mode=colocated", "--parallel.gen_tp=3"], r"mode='colocated'.*gen_tp=3 does not divide the 8"),
     (8, ["--parallel.mode=colocated", "--parallel.trainer_tp=2", "--parallel.trainer_fsdp=2"],
