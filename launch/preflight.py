@@ -208,6 +208,11 @@ def _check_model_folder(cfg) -> None:
     if not path:
         raise ConfigError("model.path is empty; point it at a Hugging Face model folder "
                           "(config.json + safetensors)" + missing_model_hint(cfg, empty=True))
+    if path.startswith("preset:") and not Path(path).exists():  # a plan's or the dry run's
+        raise ConfigError(f"model.path={path!r} is a shape preset: it checks a config with "
+                          "`train_rl.py --dry-run` (launch/plan.py writes one), but holds no "
+                          "weights to train; point --model.path at the model's Hugging Face "
+                          "folder (config.json + safetensors)")
     if not Path(path).exists():
         raise ConfigError(f"model folder {path!r} (model.path) does not exist{_looked_at(path)}; "
                           "point --model.path at "

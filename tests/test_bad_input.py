@@ -62,6 +62,10 @@ def _case(name, tmp_path, good_model):
         "missing_model": (["--model.path=" + str(tmp_path / "nomodel")],
                           ["does not exist", f"python tools/make_tiny_model.py --out "
                            f"{tmp_path / 'nomodel'} --digits 1"]),
+        # a plan's config for the dry run, launched as it is: the hint made a tiny model there
+        "preset_model_path": (["--model.path=preset:llama3-8b"],
+                              ["model.path='preset:llama3-8b' is a shape preset",
+                               "point --model.path at the model's Hugging Face folder"]),
         "empty_model_path": (["--model.path="], ["model.path is empty",
                                                  "python tools/make_tiny_model.py --digits 1"]),
         # world 4 (set below): 3 trainer ranks; the model's 4 heads and 2 KV heads allow tp 1 or 2
