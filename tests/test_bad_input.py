@@ -135,7 +135,7 @@ CASES = ["malformed_toml", "missing_config", "unknown_key", "wrong_type", "unkno
          "vocab_mismatch", "empty_dataset", "all_prompts_too_long", "bad_reward_path",
          "run_dir_not_writable", "flash_without_flash_attn", "cudagraph_without_cuda",
          "flex_without_compile", "eval_without_held_out", "stop_ids_outside_vocab",
-         "empty_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option",
+         "empty_model_path", "preset_model_path", "layout_vs_heads", "tp_vs_heads_and_layout", "unknown_task_option",
          "pack_weights_with_compile", "reward_signature", "relative_model_path",
          "relative_prompt_file", "fault_rank_outside_the_job", "fault_groups_on_a_trainer_rank",
          "fault_malformed", "reasoning_gym_reward_on_other_data"]
