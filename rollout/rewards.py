@@ -880,7 +880,7 @@ class RewardRunner:
             first = self._counts["errors"] == 1
         if first:
             logger.error("reward %s failed on prompt %s; it scores 0.0 (further failures are only "
-                         "counted, see RewardRunner.stats())", self._name, item.id,
+                         "counted: the generator prints a line of them)", self._name, item.id,
                          exc_info=(type(error), error, error.__traceback__))
 
     def _record_timeout(self, item, caller) -> None:

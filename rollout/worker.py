@@ -484,9 +484,19 @@ class GeneratorWorker:
         if failed == self._reward_failed:
             return
         self._reward_failed, self._reward_report_at = failed, now + self.REWARD_REPORT_EVERY_S
-        print(f"generator replica {self.replica}: of {s['calls'] + s.get('skipped', 0)} reward "
-              f"calls so far, {failed['errors']} raised and {failed['timeouts']} ran past "
-              f"reward.timeout_s={self.cfg.reward.timeout_s} (scored 0.0), {failed['skipped']} "
-              f"were skipped (too many stuck), {failed['guarded']} answers were compared as "
-              "strings (too large for math_verify)", flush=True)
+        line = reward_failures_line(s, failed, self.cfg.reward.timeout_s)
+        print(f"generator replica {self.replica}: {line}", flush=True)
 
+
+def reward_failures_line(stats: dict, failed: dict, timeout_s: float) -> str:
+    """'of N reward calls so far, E raised and T ran past reward.timeout_s=5.0 (scored 0.0)',
+    then the skipped and the guarded (the math reward's) where there are any: a user's reward
+    was told of answers "compared as strings (too large for math_verify)", which it never has."""
+    line = (f"of {stats['calls'] + stats.get('skipped', 0)} reward calls so far, "
+            f"{failed['errors']} raised and {failed['timeouts']} ran past reward.timeout_s="
+            f"{timeout_s} (scored 0.0)")
+    if failed["skipped"]:
+        line += f", {failed['skipped']} were skipped (too many stuck: scored 0.0 without running)"
+    if failed["guarded"]:
+        line += f", {failed['guarded']} answers were compared as strings (too large for math_verify)"
+    return line

@@ -298,7 +298,8 @@ def test_generator_sync_s_is_null_before_the_generators_ack():
     from trainer.worker import TrainerWorker
     groups = [Group(0, [_traj(0, i, 2, float(i)) for i in range(2)])]
     buffer = type("Buffer", (), {"__len__": lambda b: 0, "stats": lambda b: {"dropped_stale": 0}})()
-    fake = SimpleNamespace(step=3, version=3, nonfinite_total=0, acks={1: 0.25}, buffer=buffer)
+    fake = SimpleNamespace(step=3, version=3, nonfinite_total=0, acks={1: 0.25}, acked_floor=0,
+                           buffer=buffer)
     m = TrainerWorker._metrics(fake, groups, _stats(), SimpleNamespace(grad_norm=1.0, lr=0.1), 1.0, 0.0)
     assert m["generator_sync_s"] is None  # the ack of v2 is not in (v1's is)
 
@@ -447,7 +448,7 @@ def test_the_last_step_is_followed_by_one_summary_of_the_run(tmp_path):
 def test_the_summary_of_a_one_or_two_step_run_names_single_steps(tmp_path):
     """A run of one step said "trained steps 1-1 ... (mean of steps 1)"; of two, "(mean of steps
     1) -> ... (steps 2)"."""
-    for n, want in ((1, "trained step 1 in 3s | reward 0.100 (step 1) -> 0.100 (step 1) | "),
+    for n, want in ((1, "trained step 1 in 3s | reward 0.100 | "),  # not "(step 1) -> (step 1)"
                     (2, "trained steps 1-2 in 6s | reward 0.100 (step 1) -> 0.200 (step 2) | ")):
         logger = MetricsLogger(tmp_path / str(n), tensorboard=False, stream=io.StringIO(),
                                last_step=n)

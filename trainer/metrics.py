@@ -118,9 +118,10 @@ class MetricsLogger:
         if self.eval_file is not None:
             where += f", held-out evaluations in {self.eval_file}"
         mean = "mean of " if k > 1 else ""
+        trend = (f"{first:.3f} ({mean}{_steps([st for st, _ in head])}) -> {last:.3f} "
+                 f"({_steps([st for st, _ in tail])})" if n > 1 else f"{first:.3f}")
         return (f"trained {_steps([head[0][0], tail[-1][0]])} in {duration(self._run_s)} | reward "
-                f"{first:.3f} ({mean}{_steps([st for st, _ in head])}) -> {last:.3f} "
-                f"({_steps([st for st, _ in tail])}) | {where}")
+                f"{trend} | {where}")
 
     def _tb_write(self, clean: dict, step: int) -> None:
         """A step's numbers as one TensorBoard event of scalar values (read back as scalars, as
