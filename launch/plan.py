@@ -541,9 +541,10 @@ def _main(a) -> int:
                          f"miss{plural}: {misses}. Add nodes or use a larger GPU (a TP group stays inside a "
                          f"node: at most --gpus-per-node {cl.gpus_per_node} GPUs share a "
                          "generator replica's weights), or shorten --response-len / --prompt-len")
+    if a.out:  # first: a reader of the table that stops early (`| head`) lost the file
+        write_toml(res, wl, spec, a.out, a.base_config)
     print(table(res, a.top))
     if a.out:
-        write_toml(res, wl, spec, a.out, a.base_config)
         print(f"wrote {a.out}")
     return 0
 

@@ -1176,3 +1176,17 @@ def test_plan_refuses_flags_its_device_would_ignore(argv, why, capsys):
     with pytest.raises(SystemExit) as e:
         plan_main(argv)
     assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_the_plan_file_is_written_before_the_table_is_read(tmp_path, monkeypatch, capsys):
+    """`plan.py ... --out best.toml | head -1`: the pipe closed while the table printed
+    (BrokenPipeError, exit 2) and the file, written after it, was lost."""
+    from launch import plan
+
+    def closed_pipe(*a, **k):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(plan, "table", closed_pipe)
+    out = tmp_path / "best.toml"
+    assert plan_main(["--preset", "llama-1.1b", "--nodes", "1", "--top", "1", "--out", str(out)]) == 2
+    assert "Broken pipe" in capsys.readouterr().err
+    assert load_config(str(out)).parallel.mode in ("split", "colocated")
