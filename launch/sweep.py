@@ -308,11 +308,12 @@ def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool)
     """Run one after the other; stop at the first failure unless keep_going. Returns the exit
     code: 130 after a Ctrl-C, which ends the sweep (the runs resume when it is run again)."""
     env = {**os.environ, "CONFIG": config, **({"NPROC": str(nproc)} if nproc else {})}
-    failed = []
+    failed, finished = [], 0
     for i, run in enumerate(runs):
         line = finished_line(config, run)
         if line is not None:
             print(f"[sweep {i + 1}/{len(runs)}] {run.name}: {line}", flush=True)
+            finished += 1
             continue
         print(f"[sweep {i + 1}/{len(runs)}] {local_command(config, run, nproc)}", flush=True)
         try:
@@ -328,6 +329,7 @@ def run_local(config: str, runs: list[Run], nproc: int | None, keep_going: bool)
                 break
     done = i + 1
     print(f"[sweep] {done - len(failed)}/{len(runs)} runs succeeded" +
+          (f" ({finished} had already completed: not run again)" if finished else "") +
           (f"; failed: {', '.join(failed)}" if failed else "") +
           (f"; {len(runs) - done} not started (use --keep-going)" if done < len(runs) else ""))
     return 1 if failed else 0

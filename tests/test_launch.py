@@ -315,7 +315,7 @@ def test_a_sweep_run_again_starts_no_launcher_for_its_finished_runs(tmp_path, mo
     out = capsys.readouterr().out
     assert (f"[sweep 1/3] {prefix}_lr-1e-4: run {folders['1e-4']} already completed 800 steps "
             "(trainer.max_steps=800): nothing to do." in out), out
-    assert "[sweep] 3/3 runs succeeded" in out
+    assert "[sweep] 3/3 runs succeeded (1 had already completed: not run again)\n" in out
 
 
 def test_ctrl_c_lets_the_runs_launcher_stop_and_ends_the_sweep_with_one_line(tmp_path):
