@@ -584,11 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int_at_least(1), default=8, help="prompt tokens")
     ap.add_argument("--response-len", type=int_at_least(1), default=24, help="response tokens per sample")
     ap.add_argument("--micro-batch-tokens", type=int_at_least(0), default=0, help="0 = one micro-batch per step")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where to measure: cuda or cpu (default: cuda where there is one)")
     ap.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads per rank")
     ap.add_argument("--no-comm", action="store_true", help="skip the 2-rank link measurements")
     ap.add_argument("--max-ranks", type=int_at_least(1), default=4, help="CPU: measure core sharing up to this")
-    ap.add_argument("--out", default="profile.json")
+    ap.add_argument("--out", default="profile.json",
+                    help="the profile JSON to write (launch/plan.py --profile reads it)")
     return ap
 
 
