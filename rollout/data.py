@@ -406,6 +406,11 @@ def filter_by_length(items: list[PromptItem], encode_fn: Callable[[PromptItem], 
         logger.warning("%d of %d %s hold text outside the tokenizer's vocabulary, which the model "
                        "reads as <unk> (the first: %s); check the tokenizer belongs to this data",
                        len(unknown), len(items), what, _where(unknown[0]))
+    blank = [it for it in kept if not it.answer.strip()]
+    if blank and warn:  # exact_match pays an empty completion 1.0 there: stopping at once pays
+        logger.warning("%d of %d %s have an empty answer (the first: %s): exact_match scores an "
+                       "empty completion 1.0 on them; give them their answers, or leave them out",
+                       len(blank), len(kept), what, _where(blank[0]))
     return kept, n_skipped
 
 

@@ -279,6 +279,23 @@ def test_filter_by_length_counts_and_warns(caplog):
         filter_by_length(items, encode, max_prompt_len=0)
 
 
+def test_prompts_with_an_empty_answer_get_one_warning(tmp_path, caplog):
+    """An answer of "" (or spaces) loaded without a word, and exact_match paid an empty
+    completion 1.0 on it: the policy learnt to stop at once."""
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": " "},
+            {"prompt": "3+3=", "answer": ""}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_prompts(str(f))
+    encode = lambda it: [1, 2]  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="tandem.data"):
+        filter_by_length(items, encode, max_prompt_len=4, what="training prompts")
+        filter_by_length(items, encode, max_prompt_len=4, warn=False)  # said once
+    assert [r.getMessage() for r in caplog.records] == [
+        f"2 of 3 training prompts have an empty answer (the first: {f}:2): exact_match scores an "
+        "empty completion 1.0 on them; give them their answers, or leave them out"]
+
+
 def test_prompts_outside_the_tokenizers_vocabulary_get_one_warning(tmp_path, caplog):
     """A character-level tokenizer reads a character it lacks as <unk>, silently: an addition
     model given the reverse task's '>' (the demo's warm start did that) saw '<unk>' there."""
