@@ -361,6 +361,23 @@ def wait_launcher(proc: subprocess.Popen) -> int:
         raise
 
 
+# the modes each mode-bound flag applies to: given with another, it was silently ignored
+# (--dry-run --submit submitted nothing)
+_FLAG_MODES = {"sbatch": ("slurm",), "sweep_file": ("slurm",), "max_concurrent": ("slurm",),
+               "submit": ("slurm",), "keep_going": ("local",), "nproc": ("local", "dry_run")}
+
+
+def _flags_of_other_modes(ap: argparse.ArgumentParser, args) -> str | None:
+    """What is wrong with the flags given outside their modes (`_FLAG_MODES`), or None."""
+    mode = "slurm" if args.slurm else "local" if args.local else "dry_run"
+    dash = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    for flag, modes in _FLAG_MODES.items():
+        if mode not in modes and getattr(args, flag) != ap.get_default(flag):
+            return (f"{dash(flag)} applies to {' and '.join(map(dash, modes))} only, not to "
+                    f"{dash(mode)}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  epilog="Other --section.key=value arguments apply to every run.")
@@ -382,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-concurrent", type=int_at_least(1), help="--slurm: array throttle (--array=0-N%%K)")
     ap.add_argument("--submit", action="store_true", help="--slurm: call sbatch instead of printing it")
     args, rest = ap.parse_known_args(argv)
+    if misplaced := _flags_of_other_modes(ap, args):
+        ap.error(misplaced)
     try:
         path, common, flags = parse_cli(rest)
         if path or flags:

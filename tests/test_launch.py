@@ -756,3 +756,17 @@ def test_dry_run_of_a_config_whose_weights_are_elsewhere_names_the_preset_fix(mo
     with pytest.raises(ConfigError, match=r"model\.path='/shared/models/Llama-3.1-8B-Instruct'.*does "
                                           r"not exist.*--model\.path=preset:llama3-8b"):
         dry_run.dry_run(cfg)
+
+
+@pytest.mark.parametrize("mode, flag, message", [
+    (["--dry-run"], ["--submit"], "--submit applies to --slurm only, not to --dry-run"),
+    (["--local"], ["--max-concurrent", "2"], "--max-concurrent applies to --slurm only, not to --local"),
+    (["--slurm"], ["--nproc", "3"], "--nproc applies to --local and --dry-run only, not to --slurm"),
+    (["--dry-run"], ["--keep-going"], "--keep-going applies to --local only, not to --dry-run"),
+])
+def test_a_flag_of_another_mode_is_refused(mode, flag, message, capsys):
+    """`--dry-run --submit` printed the commands and submitted nothing, without a word; so were
+    the other modes' flags ignored."""
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--config", TINY, "--grid", "trainer.lr=1e-4", *mode, *flag])
+    assert e.value.code == 2 and message in capsys.readouterr().err
