@@ -127,12 +127,16 @@ def dry_run(cfg) -> int:
         place = cm.Placement(world, p.mode, p.generator_ranks, p.gen_tp, p.trainer_tp)
         print(f"  predicted sync time on {name} links ({per_node} GPUs a node): "
               f"{cm.sync_time(sb, cl, place):.3f}s")
-    _print_memory(cfg, args, dims)
-    print(f"dry run ok in {time.perf_counter() - t0:.1f}s")
+    fits = _print_memory(cfg, args, dims)
+    print(f"dry run ok in {time.perf_counter() - t0:.1f}s" + (
+        "" if fits else ": the config and its layouts hold, but its memory per rank fits neither "
+        "card above (lower generator.num_slots or trainer.micro_batch_tokens, or spread the "
+        "model over more ranks: launch/plan.py)"))
     return 0
 
 
-def _print_memory(cfg, args, dims) -> None:
+def _print_memory(cfg, args, dims) -> list[str]:
+    """Each rank's predicted memory and its verdict on each card; returns the cards it fits."""
     from launch import cost_model as cm
     from launch.plan import base_settings, compute_dtype_of
     g, t = cfg.generator, cfg.trainer
@@ -142,6 +146,7 @@ def _print_memory(cfg, args, dims) -> None:
     # the runtime packs whole sequences, at least one a micro-batch (cm.trainer_memory charges so)
     act_tokens = max(t.micro_batch_tokens, wl.longest_seq)
     print(f"memory per rank (launch/cost_model.py; {_SHORT[str(dt).removeprefix('torch.')]} compute):")
+    fits = []
     for name in ("h100", "h200"):
         cl = cm.gpu_cluster(name, 1, **cl_fields)
         cap = cl.mem_headroom * cl.gpu_mem_gb * GB
@@ -172,11 +177,13 @@ def _print_memory(cfg, args, dims) -> None:
             if dims.mode == "colocated":
                 print(f"  colocated rank: both, + weight-sync send buffers of at most {_gb(send)}")
         verdict = "fits" if total <= cap else "DOES NOT FIT"
+        fits += [name] if total <= cap else []
         # the cost model's reason where one mesh alone is over the cap (the colocated sum enters
         # only the total)
         whys = "; ".join(w for w in (why_t, why_g) if w)
         print(f"  {name} ({cl.gpu_mem_gb:.0f} GB, {cap / GB:.0f} GB usable): {verdict}"
               + (f" ({whys})" if whys else ""))
+    return fits
 
 
 def dry_run_workload(cfg):

@@ -251,3 +251,15 @@ def test_dims_cli_refuses_a_layout_its_model_cannot_take(tmp_path, capsys):
         ParallelDims(6, "split", 2, 1, 2, 1, 4).check_model(4, 2, intermediate_size=64)
     assert main(["--world", "3", "--generator-ranks", "1", "--trainer-tp", "2", "--model",
                  str(model)]) == 0
+
+
+def test_a_config_that_fits_no_card_says_so_in_its_last_line(monkeypatch, capsys):
+    """'DOES NOT FIT' on both cards, then 'dry run ok': the last line read as if all was well."""
+    from launch.dry_run import dry_run
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert dry_run(load_config(CONFIG, ["--generator.num_slots=4096"])) == 0  # the config holds
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("dry run ok in ") and last.endswith(
+        ": the config and its layouts hold, but its memory per rank fits neither card above (lower "
+        "generator.num_slots or trainer.micro_batch_tokens, or spread the model over more ranks: "
+        "launch/plan.py)")
