@@ -413,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=int_at_least(1), default=8, help="GPUs (or CPU ranks) per node")
     ap.add_argument("--gpu", default="h100", help=f"{sorted(cm.GPUS)} or cpu")
     ap.add_argument("--cores", type=int_at_least(1), default=2, help="--gpu cpu: cores the ranks share")
+    ap.add_argument("--mem-gb", type=float, default=16.0, help="--gpu cpu: the host's memory the "
+                    "ranks share, in GB")
     ap.add_argument("--profile", help="profile JSON from launch/calibrate.py (overrides the datasheet)")
     ap.add_argument("--prompts", type=int_at_least(1), help="prompt groups per trainer step "
                     "(default: --base-config's trainer.prompts_per_step, else 512)")
@@ -466,6 +468,10 @@ def ignored_for_device(ap: argparse.ArgumentParser, a: argparse.Namespace) -> st
     cpu = a.gpu == "cpu"
     if not cpu and a.cores != ap.get_default("cores"):
         return f"--cores applies to --gpu cpu (the cores CPU ranks share); --gpu {a.gpu} has none"
+    if not cpu and a.mem_gb != ap.get_default("mem_gb"):
+        return f"--mem-gb applies to --gpu cpu (the host's memory); --gpu {a.gpu} has its own"
+    if a.mem_gb <= 0:
+        return f"--mem-gb={a.mem_gb:g}: give the host's memory in GB, > 0"
     if cpu and a.nodes > 1:
         return ("--gpu cpu plans the ranks of one host (their cores shared): give its ranks as "
                 "--gpus-per-node N with --nodes 1")
@@ -510,7 +516,7 @@ def _main(a) -> int:
     args = resolve_model(spec)
     prof = cm.Profile.load(a.profile) if a.profile else None
     if cpu:
-        cl = cm.cpu_cluster(a.nodes * a.gpus_per_node, a.cores)
+        cl = cm.cpu_cluster(a.nodes * a.gpus_per_node, a.cores, a.mem_gb)
     else:
         cl = cm.gpu_cluster(a.gpu, a.nodes, a.gpus_per_node)
     cl = replace(cl, **base_cl)
@@ -537,10 +543,12 @@ def _main(a) -> int:
     if res.best is None:
         misses = "; ".join(f"{label}: {why}" for _, label, why in res.nearest_miss.values())
         plural = "es, per mesh" if len(res.nearest_miss) > 1 else ""
+        more = (f"Give the host's memory if it has more than {a.mem_gb:g} GB (--mem-gb), or "
+                "fewer ranks" if cpu else
+                f"Add nodes or use a larger GPU (a TP group stays inside a node: at most "
+                f"--gpus-per-node {cl.gpus_per_node} GPUs share a generator replica's weights)")
         raise ValueError(f"no placement fits in memory ({res.infeasible_why}); the nearest "
-                         f"miss{plural}: {misses}. Add nodes or use a larger GPU (a TP group stays inside a "
-                         f"node: at most --gpus-per-node {cl.gpus_per_node} GPUs share a "
-                         "generator replica's weights), or shorten --response-len / --prompt-len")
+                         f"miss{plural}: {misses}. {more}, or shorten --response-len / --prompt-len")
     if a.out:  # first: a reader of the table that stops early (`| head`) lost the file
         write_toml(res, wl, spec, a.out, a.base_config)
     print(table(res, a.top))

@@ -1169,7 +1169,9 @@ def test_the_chosen_plan_is_one_whose_sync_was_recosted():
 @pytest.mark.parametrize("argv, why", [
     (["--preset", "8b", "--cores", "16"], "--cores applies to --gpu cpu"),
     (["--preset", "8b", "--gpu", "cpu", "--nodes", "2"], "--gpu cpu plans the ranks of one host"),
-    (["--cluster-table", "--gpu", "cpu"], "--cluster-table compares GPU clusters")])
+    (["--cluster-table", "--gpu", "cpu"], "--cluster-table compares GPU clusters"),
+    (["--preset", "8b", "--mem-gb", "64"], "--mem-gb applies to --gpu cpu"),
+    (["--preset", "tiny", "--gpu", "cpu", "--mem-gb", "0"], "--mem-gb=0: give the host's memory")])
 def test_plan_refuses_flags_its_device_would_ignore(argv, why, capsys):
     """--cores on GPUs was ignored, --gpu cpu --nodes 2 planned one host of all the ranks, and
     --cluster-table --gpu cpu printed H100 numbers: each silently."""
@@ -1190,3 +1192,15 @@ def test_the_plan_file_is_written_before_the_table_is_read(tmp_path, monkeypatch
     assert plan_main(["--preset", "llama-1.1b", "--nodes", "1", "--top", "1", "--out", str(out)]) == 2
     assert "Broken pipe" in capsys.readouterr().err
     assert load_config(str(out)).parallel.mode in ("split", "colocated")
+
+
+def test_a_cpu_plan_takes_the_hosts_memory(capsys):
+    """--gpu cpu planned against 16 GB no flag could change, and told a host of too little to
+    'add nodes or use a larger GPU', which --gpu cpu refuses."""
+    argv = ["--preset", "llama-1.1b", "--gpu", "cpu", "--gpus-per-node", "4", "--prompts", "8",
+            "--group", "4", "--prompt-len", "64", "--response-len", "64", "--top", "1"]
+    assert plan_main([*argv, "--mem-gb", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "no placement fits in memory" in err and "Give the host's memory if it has more than " \
+        "4 GB (--mem-gb), or fewer ranks" in err and "larger GPU" not in err, err
+    assert plan_main([*argv, "--mem-gb", "64"]) == 0
