@@ -792,7 +792,8 @@ def layout_fixes(p: ParallelConfig, world: int, tp_fits=None) -> str:
         if valid(mode="colocated"):
             alternatives.append("set --parallel.mode=colocated")
     pinned = p.described_world()
-    if pinned not in (None, world) and _layout_problem(copy.copy(p), pinned) is None:
+    if pinned not in (None, world) and _layout_problem(copy.copy(p), pinned) is None and (
+            tp_fits is None or all(tp_fits(tp) for tp in (p.gen_tp, p.trainer_tp))):
         # degrees that describe another world: the launch may be what is wrong, first where
         # every degree is given (a plan's config, launch/plan.py), whose fixes rewrite the plan
         launch = f"launch {pinned} ranks, the world these degrees describe"

@@ -211,10 +211,11 @@ def _eval_kv_bytes(cfg, args, dims) -> float:
 def main(argv=None) -> int:
     from config import load_config, parse_cli
     try:
-        path, overrides, flags = parse_cli(sys.argv[1:] if argv is None else argv)
-        if {"help", "h"} & set(flags):
+        argv = sys.argv[1:] if argv is None else argv
+        if {"--help", "-h"} & set(argv):
             print(__doc__.strip())
             return 0
+        path, overrides, flags = parse_cli(argv)
         unknown = set(flags) - {"dry_run"}
         if unknown:
             raise ValueError(f"unknown flag(s) {sorted('--' + f.replace('_', '-') for f in unknown)}"

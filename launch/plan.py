@@ -470,8 +470,8 @@ def ignored_for_device(ap: argparse.ArgumentParser, a: argparse.Namespace) -> st
         return f"--cores applies to --gpu cpu (the cores CPU ranks share); --gpu {a.gpu} has none"
     if not cpu and a.mem_gb != ap.get_default("mem_gb"):
         return f"--mem-gb applies to --gpu cpu (the host's memory); --gpu {a.gpu} has its own"
-    if a.mem_gb <= 0:
-        return f"--mem-gb={a.mem_gb:g}: give the host's memory in GB, > 0"
+    if not (math.isfinite(a.mem_gb) and a.mem_gb > 0):
+        return f"--mem-gb={a.mem_gb:g}: give the host's memory in GB, a number > 0"
     if cpu and a.nodes > 1:
         return ("--gpu cpu plans the ranks of one host (their cores shared): give its ranks as "
                 "--gpus-per-node N with --nodes 1")
@@ -550,7 +550,11 @@ def _main(a) -> int:
         raise ValueError(f"no placement fits in memory ({res.infeasible_why}); the nearest "
                          f"miss{plural}: {misses}. {more}, or shorten --response-len / --prompt-len")
     if a.out:  # first: a reader of the table that stops early (`| head`) lost the file
-        write_toml(res, wl, spec, a.out, a.base_config)
+        try:
+            write_toml(res, wl, spec, a.out, a.base_config)
+        except ValueError:  # the base config and the plan disagree: the table still shows it
+            print(table(res, a.top))
+            raise
     print(table(res, a.top))
     if a.out:
         print(f"wrote {a.out}")

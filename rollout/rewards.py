@@ -283,9 +283,10 @@ def math_fallback(gold: str, completion: str) -> float:
        final answer is, in order of preference: the content of the last
        `\\boxed{...}` (none if that box is never closed: the completion was cut off inside
        it, as math_verify reads it too), a last line `#### X` (GSM8K's marker; a `####` Markdown heading earlier
-       in the text is not one), the last `<answer>X</answer>`, else its last number where the gold
-       is a number, and where it is not ("yes", "B", "Paris") the whole completion of at most
-       1000 characters (a word written alone, not in a sentence). The gold
+       in the text is not one), the last `<answer>X</answer>`, else its last number; and where
+       that does not meet a gold that is not a number ("yes", "B", "Paris"), an unmarked
+       completion of at most 1000 characters read whole (a word written alone, not in a
+       sentence). The gold
        answer is used whole unless it carries one of those markers (GSM8K's "#### 72").
     2. Both are normalised: `$` and `\\$`, `%` and `\\%`, `^\\circ`, a unit after a number
        (`5\\text{ cm}`), spaces and thousands separators (a comma before three digits) removed,
@@ -300,28 +301,35 @@ def math_fallback(gold: str, completion: str) -> float:
     gold, completion = _plain(gold), _plain(completion)
     gold_answer = extract_final_answer(gold, last_number=False) or gold
     g = _normalise(gold_answer)
-    word = _to_fraction(g) is None
-    answer = extract_final_answer(completion, last_number=not word)
-    if answer is None and word and "\\boxed{" not in completion:  # not cut off in a box
-        answer = _word_alone(completion)
-    if answer is None:
-        return 0.0
+    answer = extract_final_answer(completion)
+    if answer is not None and _same_answer(g, answer):
+        return 1.0
+    # a gold that is not a number ("yes", "B") written alone, unmarked: no last number to read
+    # (numbers that Fraction refuses, "2,3" or 4400 digits, matched by their last number above)
+    unmarked = extract_final_answer(completion, last_number=False) is None
+    if unmarked and "\\boxed{" not in completion and _to_fraction(g) is None:
+        whole = _word_alone(completion)
+        return float(whole is not None and _same_answer(g, whole))
+    return 0.0
+
+
+def _same_answer(g: str, answer: str) -> bool:
+    """Whether `answer` meets the normalised gold `g` (`math_fallback` step 3)."""
     a = _normalise(answer)
     gn, an = _to_fraction(g), _to_fraction(a)
     if gn is not None and an is not None:
         if gn == an:
-            return 1.0
+            return True
         if gn.denominator == 1:  # an integer gold is met exactly
-            return 0.0
+            return False
         # exactly, in fractions: through float, a number past 1e308 raised OverflowError
-        return float(abs(gn - an) <= Fraction(1, 10**6) * max(1, abs(gn)))
-    return float(g.lower() == a.lower() and g != "")
+        return abs(gn - an) <= Fraction(1, 10**6) * max(1, abs(gn))
+    return g.lower() == a.lower() and g != ""
 
 
 def _word_alone(completion: str) -> str | None:
-    """The answer of an unmarked completion to a gold that is not a number ("yes", "B", "Paris"):
-    the whole completion, stripped, if short (a word written alone scored 0: only its last
-    number was read, and it has none)."""
+    """An unmarked completion read whole, stripped, if short: the answer to a gold that is not a
+    number ("yes", "B", "Paris") written alone (it scored 0: only its last number was read)."""
     whole = completion.strip()
     return whole if 0 < len(whole) <= _MAX_ANSWER_CHARS else None
 
@@ -880,7 +888,8 @@ class RewardRunner:
             first = self._counts["errors"] == 1
         if first:
             logger.error("reward %s failed on prompt %s; it scores 0.0 (further failures are only "
-                         "counted: the generator prints a line of them)", self._name, item.id,
+                         "counted: RewardRunner.stats(), which a split run's generator prints "
+                         "as they grow)", self._name, item.id,
                          exc_info=(type(error), error, error.__traceback__))
 
     def _record_timeout(self, item, caller) -> None:

@@ -640,6 +640,12 @@ def test_layout_fixes_respect_the_models_head_counts(tmp_path):
     for fix in fixes:
         p = load_config(None, [*given, *fix]).resolve(4).parallel
         assert all(n % tp == 0 for tp in (p.gen_tp, p.trainer_tp) for n in (4, 2, 384))
+    # degrees that describe another world are suggested as a launch only where the model takes
+    # them (trainer_tp=3 at 4 ranks resolved, and start-up then refused it for the heads)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*ROOMY, f"--model.path={model}", "--parallel.trainer_tp=3",
+                           "--parallel.trainer_fsdp=1"]).resolve(3)
+    assert "launch 4 ranks" not in str(e.value) and "set --parallel.trainer_tp=2" in str(e.value)
 
 
 def test_dual_clip_is_off_by_default_and_checked_against_the_loss_and_clip_eps():

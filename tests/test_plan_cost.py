@@ -1171,7 +1171,9 @@ def test_the_chosen_plan_is_one_whose_sync_was_recosted():
     (["--preset", "8b", "--gpu", "cpu", "--nodes", "2"], "--gpu cpu plans the ranks of one host"),
     (["--cluster-table", "--gpu", "cpu"], "--cluster-table compares GPU clusters"),
     (["--preset", "8b", "--mem-gb", "64"], "--mem-gb applies to --gpu cpu"),
-    (["--preset", "tiny", "--gpu", "cpu", "--mem-gb", "0"], "--mem-gb=0: give the host's memory")])
+    (["--preset", "tiny", "--gpu", "cpu", "--mem-gb", "0"], "--mem-gb=0: give the host's memory"),
+    (["--preset", "tiny", "--gpu", "cpu", "--mem-gb", "nan"], "--mem-gb=nan: give the host's memory"),
+    (["--preset", "tiny", "--gpu", "cpu", "--mem-gb", "inf"], "--mem-gb=inf: give the host's memory")])
 def test_plan_refuses_flags_its_device_would_ignore(argv, why, capsys):
     """--cores on GPUs was ignored, --gpu cpu --nodes 2 planned one host of all the ranks, and
     --cluster-table --gpu cpu printed H100 numbers: each silently."""
@@ -1189,9 +1191,19 @@ def test_the_plan_file_is_written_before_the_table_is_read(tmp_path, monkeypatch
         raise BrokenPipeError(32, "Broken pipe")
     monkeypatch.setattr(plan, "table", closed_pipe)
     out = tmp_path / "best.toml"
-    assert plan_main(["--preset", "llama-1.1b", "--nodes", "1", "--top", "1", "--out", str(out)]) == 2
+    argv = ["--preset", "llama-1.1b", "--nodes", "1", "--top", "1", "--out", str(out)]
+    assert plan_main(argv) == 2
     assert "Broken pipe" in capsys.readouterr().err
     assert load_config(str(out)).parallel.mode in ("split", "colocated")
+    # a config that cannot be written (its base disagrees) still shows the table, then why
+    monkeypatch.undo()
+
+    def refused(*a, **k):
+        raise ValueError("the base config disagrees")
+    monkeypatch.setattr(plan, "to_config", refused)
+    assert plan_main([*argv[:-1], str(tmp_path / "other.toml")]) == 2
+    got = capsys.readouterr()
+    assert "best synchronous placement" in got.out and "error: the base config disagrees" in got.err, got
 
 
 def test_a_cpu_plan_takes_the_hosts_memory(capsys):

@@ -71,6 +71,10 @@ def test_exact_match():
     ("B", "B", 1.0), ("yes", " Yes\n", 1.0), ("Paris", "Paris", 1.0),
     ("Paris", "The capital is Paris", 0.0), ("B", "1", 0.0), ("yes", "", 0.0),
     ("B", "B" * 1001, 0.0),  # a long unmarked completion is not read whole
+    # golds that Fraction refuses but a last number meets are still met so (the whole-completion
+    # rule first replaced the last number for them)
+    ("2,3", "so the pair is 2,3", 1.0), ("3,5", "Die Antwort ist 3,5", 1.0),
+    ("9" * 4400, "the number is " + "9" * 4400, 1.0),
 ])
 def test_math_fallback(gold, completion, expected):
     assert math_fallback(gold, completion) == expected
