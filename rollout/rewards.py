@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from fractions import Fraction
 from typing import Callable, NoReturn
@@ -888,8 +889,7 @@ class RewardRunner:
             first = self._counts["errors"] == 1
         if first:
             logger.error("reward %s failed on prompt %s; it scores 0.0 (further failures are only "
-                         "counted: RewardRunner.stats(), which a split run's generator prints "
-                         "as they grow)", self._name, item.id,
+                         "counted, and printed as they grow: RewardReport)", self._name, item.id,
                          exc_info=(type(error), error, error.__traceback__))
 
     def _record_timeout(self, item, caller) -> None:
@@ -930,6 +930,40 @@ class RewardRunner:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RewardReport:
+    """A console line when a runner's rewards failed since the last line, at most one every
+    EVERY_S: the runner logs only the first error and time-out, and a reward that scores 0.0 for
+    most samples otherwise shows only as a flat reward curve."""
+
+    EVERY_S = 60.0
+    KEYS = ("errors", "timeouts", "skipped", "guarded")
+
+    def __init__(self):
+        self.failed = dict.fromkeys(self.KEYS, 0)
+        self.next_at = 0.0  # time.monotonic() of the next line at the earliest
+
+    def line(self, stats: dict, timeout_s: float) -> str | None:
+        """'of N reward calls so far, E raised and T ran past reward.timeout_s=5.0 (scored 0.0)',
+        then the skipped and the guarded (the math reward's) where there are any; None when
+        nothing failed since the last line, or within EVERY_S of it."""
+        now = time.monotonic()
+        if not stats or now < self.next_at:
+            return None
+        failed = {k: stats.get(k, 0) for k in self.KEYS}
+        if failed == self.failed:
+            return None
+        self.failed, self.next_at = failed, now + self.EVERY_S
+        line = (f"of {stats['calls'] + stats.get('skipped', 0)} reward calls so far, "
+                f"{failed['errors']} raised and {failed['timeouts']} ran past reward.timeout_s="
+                f"{timeout_s} (scored 0.0)")
+        if failed["skipped"]:
+            line += f", {failed['skipped']} were skipped (too many stuck: scored 0.0 without running)"
+        if failed["guarded"]:
+            line += (f", {failed['guarded']} answers were compared as strings (too large for "
+                     "math_verify)")
+        return line
 
 
 class Unscored:

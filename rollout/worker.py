@@ -36,6 +36,7 @@ from config import warmup_budget_s
 from launch import preemption
 from launch.faults import groups_cap, maybe_kill
 from rollout.engine import Completion, Engine, Request, SamplingParams
+from rollout.rewards import RewardReport
 from rollout.sampling import mix32
 from trainer.batch import Group, Trajectory
 from trainer.buffer import GenerationGate
@@ -190,8 +191,7 @@ class GeneratorWorker:
         # the next broadcast to its followers (`_tp_broadcast`): raised at once, it left them in
         # their next collective, to fail on the group's timeout with a gloo error naming nothing
         self.failed: Exception | None = None
-        self._reward_failed = {"errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0}
-        self._reward_report_at = 0.0  # the next reward-failure line not before (time.monotonic)
+        self.reward_report = RewardReport()  # a console line as reward failures grow
         self._guarded = False  # inside `_naming_failures`
 
     def resume(self, state: dict | None, version: int) -> None:
@@ -470,33 +470,9 @@ class GeneratorWorker:
         """Groups shipped since the weights of `version` came (launch/faults.py's groups=G)."""
         return self.groups_sent - self._sent_at_swap
 
-    REWARD_REPORT_EVERY_S = 60.0
-
     def _report_rewards(self) -> None:
-        """A console line when rewards failed since the last one (at most one a minute): the
-        runner logs only the first error and time-out, and a reward that scores 0.0 for most
-        samples otherwise shows only as a flat reward curve."""
-        s = getattr(self.rewards, "stats", lambda: None)()
-        now = time.monotonic()
-        if not s or now < self._reward_report_at:
-            return
-        failed = {k: s.get(k, 0) for k in ("errors", "timeouts", "skipped", "guarded")}
-        if failed == self._reward_failed:
-            return
-        self._reward_failed, self._reward_report_at = failed, now + self.REWARD_REPORT_EVERY_S
-        line = reward_failures_line(s, failed, self.cfg.reward.timeout_s)
-        print(f"generator replica {self.replica}: {line}", flush=True)
-
-
-def reward_failures_line(stats: dict, failed: dict, timeout_s: float) -> str:
-    """'of N reward calls so far, E raised and T ran past reward.timeout_s=5.0 (scored 0.0)',
-    then the skipped and the guarded (the math reward's) where there are any: a user's reward
-    was told of answers "compared as strings (too large for math_verify)", which it never has."""
-    line = (f"of {stats['calls'] + stats.get('skipped', 0)} reward calls so far, "
-            f"{failed['errors']} raised and {failed['timeouts']} ran past reward.timeout_s="
-            f"{timeout_s} (scored 0.0)")
-    if failed["skipped"]:
-        line += f", {failed['skipped']} were skipped (too many stuck: scored 0.0 without running)"
-    if failed["guarded"]:
-        line += f", {failed['guarded']} answers were compared as strings (too large for math_verify)"
-    return line
+        """A console line when rewards failed since the last one (`RewardReport`)."""
+        stats = getattr(self.rewards, "stats", dict)()
+        line = stats and self.reward_report.line(stats, self.cfg.reward.timeout_s)
+        if line:
+            print(f"generator replica {self.replica}: {line}", flush=True)

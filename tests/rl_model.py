@@ -25,3 +25,8 @@ def counted_length_reward(item, completion_text: str, completion_ids) -> float:
 def two_argument_reward(completion_text: str, answer: str) -> float:
     """A reward written against another signature (tests/test_bad_input.py): refused at start-up."""
     return float(completion_text == answer)
+
+
+def raising_reward(item, completion_text: str, completion_ids) -> float:
+    """A user reward whose every call fails (a judge that is down): scored 0.0 and counted."""
+    raise RuntimeError("the judge is down")

@@ -286,6 +286,20 @@ def test_colocated_mode_trains_on_two_ranks(tmp_path):
     assert proc.stdout.count("exported the policy after step 2 to") == 1
 
 
+def test_a_colocated_run_prints_its_reward_failures(tmp_path):
+    """Split mode's generators print a line as reward failures grow; colocated ranks printed
+    none, and a reward failing on every call showed only as its first traceback and a flat 0."""
+    model = make_rl_model(tmp_path / "model")
+    proc = torchrun(["--config", "configs/tiny_cpu.toml", f"--model.path={model}",
+                     f"--run.dir={tmp_path / 'run'}", "--trainer.max_steps=1",
+                     "--parallel.mode=colocated", *QUICK, "--eval.every_steps=0",
+                     "--reward.fn=tests.rl_model:raising_reward"], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert ("replica 0: of 16 reward calls so far, 16 raised and 0 ran past reward.timeout_s=5.0 "
+            "(scored 0.0)\n") in proc.stdout, proc.stdout[-3000:]
+    assert "RuntimeError: the judge is down" in proc.stderr  # the first one's traceback
+
+
 def test_two_nodes_a_rank_killed_on_one_ends_the_other_naming_it(tmp_path):
     """Node 0: trainer ranks 0-1; node 1: generator ranks 2-3 (two replicas). Rank 3 is killed at
     the end of its start-up (SIGKILL: it says nothing); node 1's agent ends rank 2, which died of

@@ -178,14 +178,14 @@ def test_a_rank_failing_in_the_engine_is_named_by_the_other(fail_rank, other):
 def test_reward_failures_get_a_console_line_when_they_grow_at_most_once_a_minute(capsys):
     """The runner logs only the first error and time-out of a reward; one that then fails for
     most samples showed only as a flat reward curve. The leader prints the counts when they grew
-    since its last line, at most every REWARD_REPORT_EVERY_S."""
+    since its last line, at most every RewardReport.EVERY_S."""
     from types import SimpleNamespace as ns
+    from rollout.rewards import RewardReport
     from rollout.worker import GeneratorWorker
     counts = {"calls": 10, "errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0, "stuck": 0}
     w = GeneratorWorker.__new__(GeneratorWorker)
     w.rewards, w.replica, w.cfg = ns(stats=lambda: dict(counts)), 1, ns(reward=ns(timeout_s=5.0))
-    w._reward_failed = {"errors": 0, "timeouts": 0, "skipped": 0, "guarded": 0}
-    w._reward_report_at = 0.0
+    w.reward_report = RewardReport()
     w._report_rewards()
     assert capsys.readouterr().out == ""  # nothing failed
     counts.update(calls=20, errors=3, timeouts=1)
@@ -196,7 +196,7 @@ def test_reward_failures_get_a_console_line_when_they_grow_at_most_once_a_minute
     counts.update(errors=4, skipped=2, guarded=1)
     w._report_rewards()
     assert capsys.readouterr().out == ""  # within the minute
-    w._reward_report_at = 0.0  # the minute is over
+    w.reward_report.next_at = 0.0  # the minute is over
     w._report_rewards()
     assert capsys.readouterr().out == (
         "generator replica 1: of 22 reward calls so far, 4 raised and 1 ran past "
@@ -204,6 +204,9 @@ def test_reward_failures_get_a_console_line_when_they_grow_at_most_once_a_minute
         "running), 1 answers were compared as strings (too large for math_verify)\n")
     w._report_rewards()
     assert capsys.readouterr().out == ""  # no new failure
+    w.rewards = ns()  # a runner without counts (a TP follower's Unscored has empty ones)
+    w._report_rewards()
+    assert capsys.readouterr().out == ""
 
 
 def test_a_follower_killed_without_a_word_is_named_by_its_leader(monkeypatch):

@@ -28,6 +28,7 @@ from config import warmup_budget_s
 from launch.faults import maybe_kill
 from parallel.mesh import is_timeout
 from rollout.engine import Request
+from rollout.rewards import RewardReport
 from rollout.role import build_engine
 from rollout.worker import replica_share, sampling_params
 from trainer.batch import Group
@@ -108,6 +109,7 @@ class ColocatedWorker:
         self.opt, self.sched, self.exchange = opt, sched, exchange
         self.local, self.prompts, self.encode, self.tok = local, prompts, encode, tokenizer
         self.rewards, self.logger, self.ref_model = rewards, logger, ref_model
+        self.reward_report = RewardReport()  # a console line as reward failures grow
         dims = meshes.dims
         self.replica, self.tp_rank = dims.generator_coord(meshes.rank)
         self.share = replica_share(cfg.trainer.prompts_per_step, dims.gen_dp, self.replica)
@@ -206,6 +208,9 @@ class ColocatedWorker:
                                           [self.tok.decode(c.completion_ids) for c in done],
                                           [c.completion_ids for c in done])
         groups = Group.of_completions(done, scores, {i: it.id for i, it in items.items()})
+        line = self.reward_report.line(self.rewards.stats(), self.cfg.reward.timeout_s)
+        if line:  # a TP leader's (a follower's rewards are Unscored: no stats)
+            print(f"replica {self.replica}: {line}", flush=True)
         return [g.to_dict() for g in groups] if self.tp_rank == 0 else []
 
     @torch.no_grad()
