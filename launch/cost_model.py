@@ -771,23 +771,22 @@ def slowdown(k: int, cl: Cluster, prof=None) -> float:
     device per rank (GPUs); on shared CPU cores the profile's measured curve (it includes other
     users' load), else max(1, k/cores). Two cores, no profile: slowdown(3) = 1.5. A CPU
     profile's curve never reaches a GPU cluster's plan (it made an 8B step on H100s 8x slower)."""
-    if not cl.shared_cores:
-        return 1.0
-    if _shares_cores(prof):
+    if _measured_sharing(cl, prof, "concurrency"):
         return prof.slowdown(k)  # may exceed 1 even for k = 1: other users' load
-    return max(1.0, k / cl.shared_cores)
+    return max(1.0, k / cl.shared_cores) if cl.shared_cores else 1.0
 
 
-def _shares_cores(prof) -> bool:
-    """Whether `prof` measured ranks sharing CPU cores (launch/core_share.py's curves)."""
-    return prof is not None and bool(getattr(prof, "concurrency", None))
+def _measured_sharing(cl: Cluster, prof, curve: str) -> bool:
+    """Whether `prof` holds a measured core-sharing `curve` (launch/core_share.py's) that prices
+    `cl`: only ranks sharing CPU cores; GPUs have a device each."""
+    return bool(cl.shared_cores) and prof is not None and bool(getattr(prof, curve, None))
 
 
 def gen_slowdown(k: int, gen_tp: int, cl: Cluster, prof=None) -> float:
     """The slowdown of a generation phase on k busy ranks: for TP=2 replicas the profile's pair
     curve where it has one (their decode mostly waits on the peer, and a waiting rank leaves its
     core to the others: ~1.8 against s(4) ~2.4 on 2 cores; launch/core_share.py), else s(k)."""
-    if gen_tp == 2 and cl.shared_cores and prof is not None and getattr(prof, "tp_concurrency", None):
+    if gen_tp == 2 and _measured_sharing(cl, prof, "tp_concurrency"):
         return prof.tp_pair_slowdown(k)
     return slowdown(k, cl, prof)
 
@@ -819,7 +818,7 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     spread made the balanced 4-rank layouts slower than their max (BENCHMARKS.md, "Planner")."""
     g, t = (p.world, p.world) if p.mode == "colocated" else (p.generator_ranks, p.trainer_ranks)
     s = lambda k: slowdown(k, cl, prof)  # noqa: E731
-    cv = lambda k: phase_cv(k, prof) if cl.shared_cores else 0.0  # noqa: E731
+    cv = lambda k: phase_cv(k, cl, prof)  # noqa: E731
     cg, ct = t_gen - gen_comm, t_train - train_comm
     if p.mode == "colocated":
         return mean_step_s(t_gen * gen_slowdown(p.world, p.gen_tp, cl, prof),
@@ -834,10 +833,10 @@ def step_time(t_gen: float, t_train: float, t_sync: float, eta: int, p: Placemen
     return mean_step_s(gen, train + t_sync, eta, p.gen_dp, cv(g + t), cv(g + t))
 
 
-def phase_cv(k: int, prof=None) -> float:
+def phase_cv(k: int, cl: Cluster, prof=None) -> float:
     """The spread (cv) of a phase's duration among k busy ranks sharing cores: the profile's
     measurement (launch/core_share.py), else 0 (a device per rank: GPUs)."""
-    return prof.phase_cv(k) if _shares_cores(prof) else 0.0
+    return prof.phase_cv(k) if _measured_sharing(cl, prof, "concurrency") else 0.0
 
 
 def estimate(args: ModelArgs, cl: Cluster, wl: Workload, p: Placement, prof=None,

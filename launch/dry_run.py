@@ -176,8 +176,9 @@ def _print_memory(cfg, args, dims) -> list[str]:
                   + (f" + held-out eval KV cache {_gb(ev)} (replica 0)" if ev else ""))
             if dims.mode == "colocated":
                 print(f"  colocated rank: both, + weight-sync send buffers of at most {_gb(send)}")
+        if total <= cap:
+            fits.append(name)
         verdict = "fits" if total <= cap else "DOES NOT FIT"
-        fits += [name] if total <= cap else []
         # the cost model's reason where one mesh alone is over the cap (the colocated sum enters
         # only the total)
         whys = "; ".join(w for w in (why_t, why_g) if w)

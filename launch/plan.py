@@ -549,13 +549,11 @@ def _main(a) -> int:
                 f"--gpus-per-node {cl.gpus_per_node} GPUs share a generator replica's weights)")
         raise ValueError(f"no placement fits in memory ({res.infeasible_why}); the nearest "
                          f"miss{plural}: {misses}. {more}, or shorten --response-len / --prompt-len")
-    if a.out:  # first: a reader of the table that stops early (`| head`) lost the file
-        try:
+    try:  # the file first: a reader of the table that stops early (`| head`) lost it
+        if a.out:
             write_toml(res, wl, spec, a.out, a.base_config)
-        except ValueError:  # the base config and the plan disagree: the table still shows it
-            print(table(res, a.top))
-            raise
-    print(table(res, a.top))
+    finally:  # also where the base config and the plan disagree (raised after it)
+        print(table(res, a.top))
     if a.out:
         print(f"wrote {a.out}")
     return 0

@@ -413,9 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         args.config = os.path.abspath(args.config)
         prefix = args.name_prefix or default_prefix(args.config, common)
         runs = expand(grid, prefix, common, args.config)
-        # the layouts of the ranks given: --local runs them, --dry-run prints them (and passed
-        # layouts that the same --local then refused)
-        validate(args.config, runs, args.nproc if args.local or args.dry_run else None)
+        # the layouts of the ranks given (--local, --dry-run: it passed layouts --local refused)
+        validate(args.config, runs, args.nproc)
         if args.slurm:
             check_sweep_file_words(runs)
             sweep_file = os.path.abspath(args.sweep_file or default_sweep_file(prefix, runs))
